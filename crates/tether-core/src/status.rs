@@ -1,0 +1,181 @@
+//! How a process ended: an exit code, or a signal (with its name and whether it dumped core).
+
+use std::fmt;
+
+/// The way a child process ended, as reported by `waitid`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitStatus {
+    /// The process called `exit(code)` (or returned from `main`).
+    Exited(i32),
+    /// The process was killed by `signal`; `core_dumped` is set when it left a core dump.
+    Signaled { signal: i32, core_dumped: bool },
+    /// The status was lost: something else in the process reaped the child (a SIGCHLD
+    /// disposition of SIG_IGN does that).
+    Unknown,
+}
+
+impl ExitStatus {
+    /// True for `exit(0)` only.
+    pub fn success(self) -> bool {
+        self == ExitStatus::Exited(0)
+    }
+
+    /// The exit code in the convention of Python's `multiprocessing`: the code itself, or the
+    /// negated signal number for a process killed by a signal.
+    pub fn as_exitcode(self) -> i32 {
+        match self {
+            ExitStatus::Exited(code) => code,
+            ExitStatus::Signaled { signal, .. } => -signal,
+            ExitStatus::Unknown => 255,
+        }
+    }
+
+    /// The exit code in the convention of a shell: the code itself, or 128 + signal.
+    pub fn as_shell_code(self) -> i32 {
+        match self {
+            ExitStatus::Exited(code) => code,
+            ExitStatus::Signaled { signal, .. } => 128 + signal,
+            ExitStatus::Unknown => 255,
+        }
+    }
+
+    /// The signal that killed the process, if one did.
+    pub fn signal(self) -> Option<i32> {
+        match self {
+            ExitStatus::Exited(_) | ExitStatus::Unknown => None,
+            ExitStatus::Signaled { signal, .. } => Some(signal),
+        }
+    }
+
+    /// Classify the `si_code` / `si_status` pair that `waitid` reports for an exited child.
+    pub fn from_siginfo(code: i32, status: i32) -> Option<ExitStatus> {
+        match code {
+            libc::CLD_EXITED => Some(ExitStatus::Exited(status)),
+            libc::CLD_KILLED => Some(ExitStatus::Signaled {
+                signal: status,
+                core_dumped: false,
+            }),
+            libc::CLD_DUMPED => Some(ExitStatus::Signaled {
+                signal: status,
+                core_dumped: true,
+            }),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for ExitStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            ExitStatus::Exited(code) => write!(f, "exit code {code}"),
+            ExitStatus::Signaled {
+                signal,
+                core_dumped,
+            } => {
+                write!(f, "signal {}", signal_name(signal))?;
+                if core_dumped {
+                    write!(f, " (core dumped)")?;
+                }
+                Ok(())
+            }
+            ExitStatus::Unknown => write!(f, "an unknown status (reaped outside tether)"),
+        }
+    }
+}
+
+const NAMES: [&str; 31] = [
+    "SIGHUP", "SIGINT", "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGKILL",
+    "SIGUSR1", "SIGSEGV", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM", "SIGSTKFLT", "SIGCHLD",
+    "SIGCONT", "SIGSTOP", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGXCPU", "SIGXFSZ",
+    "SIGVTALRM", "SIGPROF", "SIGWINCH", "SIGIO", "SIGPWR", "SIGSYS",
+];
+
+/// The conventional name of a signal (`SIGKILL`), `SIGRTMIN+n` for real-time signals, or
+/// `<Unknown signal N>` for a number Linux does not define.
+pub fn signal_name(signal: i32) -> String {
+    let rtmin = libc::SIGRTMIN();
+    let rtmax = libc::SIGRTMAX();
+    match signal {
+        1..=31 => NAMES[(signal - 1) as usize].to_string(),
+        s if s == rtmin => "SIGRTMIN".to_string(),
+        s if s == rtmax => "SIGRTMAX".to_string(),
+        s if s > rtmin && s < rtmax => format!("SIGRTMIN+{}", s - rtmin),
+        s => format!("<Unknown signal {s}>"),
+    }
+}
+
+/// The number of a signal given by name, with or without the `SIG` prefix (`"TERM"`,
+/// `"SIGTERM"`), or as a number (`"15"`).
+pub fn signal_from_name(name: &str) -> Option<i32> {
+    if let Ok(n) = name.parse::<i32>() {
+        return (1..=libc::SIGRTMAX()).contains(&n).then_some(n);
+    }
+    let upper = name.to_ascii_uppercase();
+    let full = if upper.starts_with("SIG") {
+        upper
+    } else {
+        format!("SIG{upper}")
+    };
+    if full == "SIGIOT" {
+        return Some(libc::SIGABRT);
+    }
+    NAMES
+        .iter()
+        .position(|n| *n == full)
+        .map(|i| i as i32 + 1)
+}
+
+/// A hint that helps the reader of an error about a process killed by `signal`.
+pub fn signal_hint(signal: i32) -> Option<&'static str> {
+    match signal {
+        libc::SIGKILL => Some("SIGKILL often means the kernel's OOM killer ended the process"),
+        libc::SIGBUS => Some("SIGBUS often means /dev/shm is too small for shared memory"),
+        libc::SIGSEGV => Some("SIGSEGV is a crash in native code"),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_match_linux_numbers() {
+        assert_eq!(signal_name(libc::SIGHUP), "SIGHUP");
+        assert_eq!(signal_name(libc::SIGABRT), "SIGABRT");
+        assert_eq!(signal_name(libc::SIGKILL), "SIGKILL");
+        assert_eq!(signal_name(libc::SIGSEGV), "SIGSEGV");
+        assert_eq!(signal_name(libc::SIGTERM), "SIGTERM");
+        assert_eq!(signal_name(libc::SIGSYS), "SIGSYS");
+        assert_eq!(signal_name(libc::SIGRTMIN() + 2), "SIGRTMIN+2");
+        assert_eq!(signal_name(0), "<Unknown signal 0>");
+        assert_eq!(signal_name(200), "<Unknown signal 200>");
+    }
+
+    #[test]
+    fn names_parse_back() {
+        for n in 1..=31 {
+            assert_eq!(signal_from_name(&signal_name(n)), Some(n));
+        }
+        assert_eq!(signal_from_name("term"), Some(libc::SIGTERM));
+        assert_eq!(signal_from_name("SIGIOT"), Some(libc::SIGABRT));
+        assert_eq!(signal_from_name("9"), Some(9));
+        assert_eq!(signal_from_name("SIGNOPE"), None);
+    }
+
+    #[test]
+    fn classification() {
+        let exited = ExitStatus::from_siginfo(libc::CLD_EXITED, 3).unwrap();
+        assert_eq!(exited, ExitStatus::Exited(3));
+        assert_eq!(exited.as_exitcode(), 3);
+        assert!(!exited.success());
+        let killed = ExitStatus::from_siginfo(libc::CLD_KILLED, libc::SIGKILL).unwrap();
+        assert_eq!(killed.as_exitcode(), -9);
+        assert_eq!(killed.as_shell_code(), 137);
+        assert_eq!(killed.to_string(), "signal SIGKILL");
+        let dumped = ExitStatus::from_siginfo(libc::CLD_DUMPED, libc::SIGABRT).unwrap();
+        assert_eq!(dumped.to_string(), "signal SIGABRT (core dumped)");
+        assert_eq!(ExitStatus::from_siginfo(libc::CLD_STOPPED, 19), None);
+        assert!(ExitStatus::Exited(0).success());
+    }
+}
