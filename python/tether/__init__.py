@@ -1,0 +1,20 @@
+"""tether: a Rust-core process runtime for PyTorch-style multi-process work on Linux.
+
+``tether.spawn`` / ``tether.start_processes`` / ``tether.ProcessContext`` are a drop-in for
+``torch.multiprocessing.spawn``: every child leads its own process group, dies with its
+parent, is watched from a Rust supervisor thread through a pidfd, and reports its failure
+(traceback and exception) whole. Importing tether never imports torch."""
+
+from ._native import __version__
+from .errors import ProcessException, ProcessExitedException, ProcessRaisedException
+from .spawn import ProcessContext, spawn, start_processes
+
+__all__ = [
+    "ProcessContext",
+    "ProcessException",
+    "ProcessExitedException",
+    "ProcessRaisedException",
+    "__version__",
+    "spawn",
+    "start_processes",
+]

@@ -1,0 +1,120 @@
+"""What runs in a child: the bootstrap of a ``"spawn"`` child (a fresh interpreter started by
+the supervisor) and of a ``"fork"`` child, and the call of ``fn(i, *args)`` shared by both.
+
+A spawn child reads its payload from the socket named by ``TETHER_PAYLOAD_FD``: a header
+(rank, two lengths), the preparation data (what multiprocessing's spawn needs to rebuild
+``__main__``, ``sys.path``, the working directory...) and the pickled ``(fn, args)``.
+On an exception (``KeyboardInterrupt`` included) it writes a report to the pipe named by
+``TETHER_REPORT_FD`` and exits 1."""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import multiprocessing.spawn
+import multiprocessing.util
+import os
+import pickle
+import signal
+import struct
+import sys
+from typing import Any, Callable, Dict, Sequence
+
+from . import _native, _report
+
+HEADER = struct.Struct("<IQQ")
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The exit status the interpreter would give ``exc``, printing its message if any."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def run_rank(call: Callable[[], Any], report_fd: int) -> int:
+    """Runs ``call``; returns the exit status, having written a report on an exception."""
+    try:
+        call()
+    except SystemExit as exc:
+        return _exit_code(exc)
+    except BaseException as exc:
+        _report.write(report_fd, exc)
+        return 1
+    return 0
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _prepare(data: Dict[str, Any]) -> None:
+    """Rebuilds the parent's ``__main__`` and paths as multiprocessing's spawn does. While
+    the main module is imported, the process counts as bootstrapping, so an unguarded
+    ``tether.spawn`` at the top of a script fails clearly instead of recursing."""
+    tracker_fd = data.pop("tether_tracker_fd", None)
+    if tracker_fd is not None:
+        from multiprocessing import resource_tracker
+
+        resource_tracker._resource_tracker._fd = tracker_fd  # type: ignore[attr-defined]
+    process = multiprocessing.process.current_process()
+    process._inheriting = True  # type: ignore[attr-defined]
+    try:
+        multiprocessing.spawn.prepare(data)
+    finally:
+        process._inheriting = False  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    """Entry point of a spawn child: ``python -c 'from tether._child import main; main()'``."""
+    payload_fd = int(os.environ.pop("TETHER_PAYLOAD_FD"))
+    report_fd = int(os.environ.pop("TETHER_REPORT_FD"))
+    os.set_inheritable(report_fd, False)
+    payload = _read_all(payload_fd)
+    os.close(payload_fd)
+    rank, prep_size, work_size = HEADER.unpack_from(payload)
+    start = HEADER.size
+
+    def call() -> None:
+        _prepare(pickle.loads(payload[start : start + prep_size]))
+        fn, args = pickle.loads(payload[start + prep_size : start + prep_size + work_size])
+        fn(rank, *args)
+
+    code = run_rank(call, report_fd)
+    sys.exit(code)
+
+
+def run_forked(
+    fn: Callable[..., Any],
+    rank: int,
+    args: Sequence[Any],
+    report_fd: int,
+    parent_pid: int,
+    from_main_thread: bool,
+) -> None:
+    """Entry point of a fork child, right after ``os.fork()``; never returns."""
+    code = 1
+    try:
+        _native.setup_forked_child(parent_pid, from_main_thread)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # What multiprocessing does in a process it forks: forget the parent's children and
+        # let queues, locks and loggers reset themselves.
+        multiprocessing.process._children = set()  # type: ignore[attr-defined]
+        multiprocessing.util._run_after_forkers()  # type: ignore[attr-defined]
+        code = run_rank(lambda: fn(rank, *args), report_fd)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)

@@ -1,0 +1,56 @@
+"""The exceptions a failed child raises in its parent, with torch's names, messages and
+attributes (so code written against ``torch.multiprocessing`` keeps working)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class ProcessException(Exception):
+    """A child process failed. ``error_index`` is its rank; ``pid`` and ``error_pid`` are its
+    process id."""
+
+    __slots__ = ("msg", "error_index", "pid", "error_pid")
+
+    def __init__(self, msg: str, error_index: int, pid: int) -> None:
+        super().__init__(msg)
+        self.msg = msg
+        self.error_index = error_index
+        self.pid = pid
+        self.error_pid = pid
+
+    def __reduce__(self):  # type: ignore[override]
+        return type(self), (self.msg, self.error_index, self.pid)
+
+
+class ProcessRaisedException(ProcessException):
+    """The child raised an exception; its traceback is in the message and, when the exception
+    could be rebuilt in the parent, the original exception is ``__cause__``."""
+
+    def __init__(self, msg: str, error_index: int, error_pid: int) -> None:
+        super().__init__(msg, error_index, error_pid)
+
+
+class ProcessExitedException(ProcessException):
+    """The child exited with a non-zero code or was killed by a signal. ``exit_code`` is
+    negative for a signal (as in multiprocessing) and ``signal_name`` names it."""
+
+    __slots__ = ("exit_code", "signal_name")
+
+    def __init__(
+        self,
+        msg: str,
+        error_index: int,
+        error_pid: int,
+        exit_code: int,
+        signal_name: Optional[str] = None,
+    ) -> None:
+        super().__init__(msg, error_index, error_pid)
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+
+    def __reduce__(self):  # type: ignore[override]
+        return (
+            type(self),
+            (self.msg, self.error_index, self.pid, self.exit_code, self.signal_name),
+        )
