@@ -111,6 +111,9 @@ def run_forked(
         multiprocessing.process._children = set()  # type: ignore[attr-defined]
         multiprocessing.util._run_after_forkers()  # type: ignore[attr-defined]
         code = run_rank(lambda: fn(rank, *args), report_fd)
+        # Flush what multiprocessing buffers (queue feeder threads), as its own fork
+        # children do before they exit.
+        multiprocessing.util._exit_function()  # type: ignore[attr-defined]
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -10,13 +10,22 @@ import os
 import pickle
 import struct
 import traceback
+from types import TracebackType
 from typing import Optional, Tuple
 
 _HEADER = struct.Struct("<Q")
 
 
+def _user_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:
+    """The traceback without tether's own bootstrap frames on top."""
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") == "tether._child":
+        tb = tb.tb_next
+    return tb
+
+
 def encode(exc: BaseException) -> bytes:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = _user_frames(exc.__traceback__)
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
     try:
         pickled: Optional[bytes] = pickle.dumps(exc)
     except Exception:

@@ -233,7 +233,6 @@ class ProcessContext:
             msg = f"\n\n-- Process {index} terminated with the following error:\n{text}"
             error = ProcessRaisedException(msg, index, pid)
             error.__cause__ = cause
-            _add_note(error, f"process {index} had pid {pid}")
         elif exitcode < 0:
             name = _signal_name(-exitcode)
             msg = f"process {index} terminated with signal {name}"

@@ -1,0 +1,414 @@
+"""tether.spawn / start_processes / ProcessContext: every case of torch's own spawn tests,
+and what tether promises beyond them. Each test runs with every start method."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import random
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+import tether
+from conftest import stray_children, wait_gone
+
+pytestmark = pytest.mark.timeout(60)
+
+METHODS = ["spawn", "fork"]
+
+
+@pytest.fixture(params=METHODS)
+def method(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def start(fn, args=(), nprocs=2, method="spawn", **kwargs):
+    return tether.start_processes(fn, args=args, nprocs=nprocs, start_method=method, **kwargs)
+
+
+# Functions run in the children ------------------------------------------------------------
+
+
+def success(i):
+    pass
+
+
+def put_index(i, queue):
+    queue.put(i)
+
+
+def raise_in(i, rank):
+    if i == rank:
+        raise ValueError("legitimate exception from process %d" % i)
+    time.sleep(1.0)
+
+
+def raise_all(i):
+    time.sleep(random.random() / 10)
+    raise ValueError("legitimate exception from process %d" % i)
+
+
+def abort_rank0(i):
+    if i == 0:
+        os.kill(os.getpid(), signal.SIGABRT)
+    time.sleep(1.0)
+
+
+def exit_rank0(i, code):
+    if i == 0:
+        sys.exit(code)
+    time.sleep(1.0)
+
+
+def success_first_then_exception(i, arg):
+    if i == 0:
+        return
+    time.sleep(0.1)
+    raise ValueError("legitimate exception")
+
+
+def sleep_forever(i):
+    while True:
+        time.sleep(1)
+
+
+def exit_12(i):
+    sys.exit(12)
+
+
+def fail_at(i, delays):
+    time.sleep(delays[i])
+    raise RuntimeError(f"rank {i} failed")
+
+
+def raise_keyboard_interrupt(i):
+    raise KeyboardInterrupt
+
+
+class Unpicklable(Exception):
+    def __init__(self, msg):
+        super().__init__(msg)
+        self.lock = threading.Lock()
+
+
+class NeedsTwoArgs(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")
+
+
+def raise_unpicklable(i):
+    raise Unpicklable("cannot pickle me")
+
+
+def raise_needs_args(i):
+    raise NeedsTwoArgs("first", "second")
+
+
+def raise_huge(i):
+    raise ValueError("x" * (8 << 20) + "END")
+
+
+def use_primitives(i, simple, queue, event, lock, value):
+    with lock:
+        value.value += i + 1
+    simple.put(("simple", i))
+    queue.put(("queue", i))
+    if i == 0:
+        event.set()
+
+
+def nested_spawn(i, method, queue):
+    tether.start_processes(put_index, args=(queue,), nprocs=2, start_method=method)
+
+
+def nested_then_die(i, pids_queue, ready, method):
+    ctx = tether.start_processes(
+        put_index, args=(ready,), nprocs=2, join=False, start_method=method
+    )
+    for _ in range(2):
+        ready.get()
+    pids_queue.put(ctx.pids())
+    # Children started with put_index are done; start two that would live for ever.
+    ctx2 = tether.start_processes(sleep_forever, nprocs=2, join=False, start_method=method)
+    pids_queue.put(ctx2.pids())
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# torch's own spawn tests ---------------------------------------------------------------
+
+
+def test_success(method):
+    assert start(success, method=method) is None
+
+
+def test_success_non_blocking(method):
+    ctx = start(success, join=False, method=method)
+    ctx.join(timeout=None)
+    ctx.join(timeout=None)
+    assert ctx.join(timeout=None) is True
+
+
+def test_first_argument_index(method):
+    queue = multiprocessing.get_context("spawn").SimpleQueue()
+    start(put_index, args=(queue,), method=method)
+    assert sorted([queue.get(), queue.get()]) == [0, 1]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_exception_single(method, rank):
+    with pytest.raises(Exception, match=r"\nValueError: legitimate exception from process %d$" % rank):
+        start(raise_in, args=(rank,), method=method)
+
+
+def test_exception_all(method):
+    with pytest.raises(Exception, match=r"\nValueError: legitimate exception from process (0|1)$"):
+        start(raise_all, method=method)
+
+
+def test_terminate_signal(method):
+    with pytest.raises(Exception, match="process 0 terminated with signal (SIGABRT|SIGIOT)"):
+        start(abort_rank0, method=method)
+
+
+def test_terminate_exit(method):
+    with pytest.raises(Exception, match="process 0 terminated with exit code 123") as info:
+        start(exit_rank0, args=(123,), method=method)
+    assert info.value.exit_code == 123
+    assert stray_children() == set()
+
+
+def test_success_first_then_exception(method):
+    with pytest.raises(Exception, match="ValueError: legitimate exception"):
+        start(success_first_then_exception, args=(123,), method=method)
+
+
+def test_exception_raises(method):
+    with pytest.raises(tether.ProcessRaisedException):
+        start(success_first_then_exception, nprocs=1, method=method)
+
+
+def test_missing_arguments_raise_in_the_child(method):
+    with pytest.raises(tether.ProcessRaisedException, match="TypeError"):
+        start(exit_rank0, args=(), method=method)
+
+
+def test_signal_raises(method):
+    ctx = start(sleep_forever, nprocs=1, join=False, method=method)
+    for pid in ctx.pids():
+        os.kill(pid, signal.SIGTERM)
+    with pytest.raises(tether.ProcessExitedException) as info:
+        ctx.join()
+    assert info.value.signal_name == "SIGTERM"
+    assert info.value.exit_code == -signal.SIGTERM
+
+
+def test_process_exited(method):
+    with pytest.raises(tether.ProcessExitedException) as info:
+        start(exit_12, nprocs=1, method=method)
+    assert info.value.exit_code == 12
+    assert info.value.signal_name is None
+
+
+def test_exceptions_pickle():
+    raised = tether.ProcessRaisedException("msg", 1, 1234)
+    exited = tether.ProcessExitedException("msg", 2, 4321, exit_code=-9, signal_name="SIGKILL")
+    for e in (raised, exited):
+        copy = pickle.loads(pickle.dumps(e))
+        assert type(copy) is type(e)
+        assert (copy.msg, copy.error_index, copy.pid, copy.error_pid) == (
+            e.msg,
+            e.error_index,
+            e.pid,
+            e.pid,
+        )
+    copy = pickle.loads(pickle.dumps(exited))
+    assert (copy.exit_code, copy.signal_name) == (-9, "SIGKILL")
+
+
+def test_nested_children_die_with_their_parent(method):
+    mp = multiprocessing.get_context("spawn")
+    pids_queue, ready = mp.Queue(), mp.Queue()
+    ctx = start(
+        nested_then_die, args=(pids_queue, ready, method), nprocs=1, join=False, method=method
+    )
+    first, second = pids_queue.get(timeout=30), pids_queue.get(timeout=30)
+    with pytest.raises(tether.ProcessExitedException, match="signal SIGTERM"):
+        ctx.join()
+    assert wait_gone(first + second, 1.0) == []
+
+
+# Beyond torch ---------------------------------------------------------------------------
+
+
+def test_pid_and_error_pid_are_both_set(method):
+    with pytest.raises(tether.ProcessRaisedException) as info:
+        start(raise_in, args=(1,), method=method)
+    e = info.value
+    assert e.error_index == 1
+    assert e.pid == e.error_pid and e.pid > 0
+
+
+def test_original_exception_is_the_cause(method):
+    with pytest.raises(tether.ProcessRaisedException) as info:
+        start(raise_in, args=(0,), nprocs=1, method=method)
+    cause = info.value.__cause__
+    assert isinstance(cause, ValueError)
+    assert str(cause) == "legitimate exception from process 0"
+
+
+def test_unpicklable_exception_still_gives_the_traceback(method):
+    with pytest.raises(tether.ProcessRaisedException) as info:
+        start(raise_unpicklable, nprocs=1, method=method)
+    assert re.search(r"\nUnpicklable: cannot pickle me$", str(info.value)) or re.search(
+        r"Unpicklable: cannot pickle me\n$", str(info.value)
+    )
+    assert "raise_unpicklable" in str(info.value)
+    assert info.value.__cause__ is None
+
+
+def test_exception_whose_constructor_needs_arguments(method):
+    with pytest.raises(tether.ProcessRaisedException) as info:
+        start(raise_needs_args, nprocs=1, method=method)
+    assert "NeedsTwoArgs: first and second" in str(info.value)
+    assert "raise_needs_args" in str(info.value)
+
+
+def test_huge_traceback_arrives_whole(method):
+    with pytest.raises(tether.ProcessRaisedException) as info:
+        start(raise_huge, nprocs=1, method=method)
+    text = str(info.value)
+    assert len(text) > 8 << 20
+    assert text.rstrip().endswith("xxxxEND")
+
+
+def test_keyboard_interrupt_in_a_child_is_a_failure(method):
+    with pytest.raises(tether.ProcessRaisedException, match="KeyboardInterrupt"):
+        start(raise_keyboard_interrupt, nprocs=1, method=method)
+
+
+def test_root_cause_is_first_in_time_even_outside_join(method):
+    # Rank 2 fails first, rank 0 later; the parent only joins after both have failed.
+    ctx = start(fail_at, args=([0.6, 30.0, 0.05],), nprocs=3, join=False, method=method)
+    time.sleep(1.2)
+    with pytest.raises(tether.ProcessRaisedException, match="rank 2 failed") as info:
+        ctx.join()
+    assert info.value.error_index == 2
+    assert not any(p.is_alive() for p in ctx.processes)
+
+
+def test_no_temporary_files_are_left(method):
+    before = set(os.listdir(tempfile.gettempdir()))
+    for _ in range(2):
+        with pytest.raises(tether.ProcessRaisedException):
+            start(raise_all, method=method)
+    assert set(os.listdir(tempfile.gettempdir())) == before
+
+
+def test_multiprocessing_primitives_as_arguments(method):
+    mp = multiprocessing.get_context("spawn")
+    simple, queue, event, lock = mp.SimpleQueue(), mp.Queue(), mp.Event(), mp.Lock()
+    value = mp.Value("i", 0)
+    start(use_primitives, args=(simple, queue, event, lock, value), method=method)
+    assert sorted([simple.get(), simple.get()]) == [("simple", 0), ("simple", 1)]
+    assert sorted([queue.get(timeout=10), queue.get(timeout=10)]) == [("queue", 0), ("queue", 1)]
+    assert event.is_set()
+    assert value.value == 3
+    queue.close()
+    queue.join_thread()
+
+
+def test_nested_spawn(method):
+    queue = multiprocessing.get_context("spawn").SimpleQueue()
+    start(nested_spawn, args=(method, queue), nprocs=1, method=method)
+    assert sorted([queue.get(), queue.get()]) == [0, 1]
+
+
+def test_process_objects(method):
+    ctx = start(sleep_forever, nprocs=2, join=False, method=method)
+    p0, p1 = ctx.processes
+    assert ctx.pids() == [p0.pid, p1.pid]
+    assert p0.is_alive() and p0.exitcode is None
+    assert multiprocessing.connection.wait([p0.sentinel, p1.sentinel], timeout=0.05) == []
+    p0.terminate()
+    p0.join(timeout=10)
+    assert not p0.is_alive() and p0.exitcode == -signal.SIGTERM
+    assert multiprocessing.connection.wait([p0.sentinel, p1.sentinel], timeout=5) == [p0.sentinel]
+    p1.kill()
+    p1.join()
+    assert p1.exitcode == -signal.SIGKILL
+
+
+def test_join_timeout_returns_false_while_running(method):
+    ctx = start(sleep_forever, nprocs=1, join=False, method=method)
+    assert ctx.join(timeout=0.05) is False
+    ctx.processes[0].kill()
+    with pytest.raises(tether.ProcessExitedException, match="signal SIGKILL") as info:
+        ctx.join()
+    assert any("OOM" in note for note in info.value.__notes__)
+
+
+def test_grace_period_then_sigkill(method):
+    ctx = start(fail_at, args=([0.05, 60.0],), nprocs=2, join=False, method=method)
+    begin = time.monotonic()
+    with pytest.raises(tether.ProcessRaisedException, match="rank 0 failed"):
+        ctx.join(grace_period=0.2)
+    assert time.monotonic() - begin < 10
+    assert ctx.processes[1].exitcode == -signal.SIGTERM
+
+
+def test_spawn_from_a_short_lived_thread(method):
+    box = {}
+    thread = threading.Thread(
+        target=lambda: box.setdefault("ctx", start(success_after, args=(0.5,), join=False, method=method))
+    )
+    thread.start()
+    thread.join()
+    ctx = box["ctx"]
+    time.sleep(0.2)
+    assert all(p.is_alive() for p in ctx.processes)
+    assert ctx.join() is True
+
+
+def success_after(i, delay):
+    time.sleep(delay)
+
+
+def test_unknown_start_method_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown start method 'threads'"):
+        tether.start_processes(success, nprocs=1, start_method="threads")
+
+
+def test_bad_nprocs_is_a_value_error():
+    with pytest.raises(ValueError, match="nprocs"):
+        tether.start_processes(success, nprocs=-1)
+
+
+def test_spawn_warns_about_another_start_method():
+    with pytest.warns(FutureWarning, match="start_method='spawn'"):
+        tether.spawn(success, nprocs=1, start_method="fork")
+
+
+def test_zero_processes():
+    ctx = tether.start_processes(success, nprocs=0, join=False)
+    assert ctx.pids() == [] and ctx.join() is True
+
+
+def test_import_does_not_import_torch():
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, tether; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "False"
