@@ -1,0 +1,99 @@
+"""Cases that need a real parent process of their own: the parent killed with SIGKILL,
+Ctrl-C in the parent, and a user's __main__ script."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from conftest import wait_gone
+
+pytestmark = pytest.mark.timeout(90)
+
+SCRIPTS = Path(__file__).parent / "scripts"
+METHODS = ["spawn", "fork"]
+
+
+def start_script(name: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPTS / name), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def read_pids(proc: subprocess.Popen) -> List[int]:
+    line = proc.stdout.readline()
+    assert line, proc.stderr.read()
+    return json.loads(line)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_parent_sigkill_takes_children_and_grandchildren(method):
+    proc = start_script("parent_killed.py", method)
+    try:
+        pids = read_pids(proc)
+        assert len(set(pids)) == 6
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert wait_gone(pids, 1.0) == [], "children outlived a parent killed with SIGKILL"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ctrl_c_during_join_stops_every_child(method):
+    proc = start_script("interrupted.py", method, "obedient")
+    pids = read_pids(proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert "alive after interrupt: [False, False]" in out
+    assert err.rstrip().endswith("KeyboardInterrupt"), err
+    assert proc.returncode != 0
+    assert wait_gone(pids, 1.0) == []
+
+
+def test_second_ctrl_c_kills_at_once():
+    proc = start_script("interrupted.py", "spawn", "stubborn")
+    pids = read_pids(proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert proc.poll() is None, "the parent did not wait for the SIGTERM grace period"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=10)
+    assert "KeyboardInterrupt" in err
+    assert wait_gone(pids, 1.0) == []
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_functions_of_a_guarded_main_script(method):
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "main_guard.py"), method],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    main_name = "__mp_main__" if method == "spawn" else "__main__"
+    assert out.stdout.strip() == str([(0, 0, main_name), (1, 1, main_name), (2, 4, main_name)])
+
+
+def test_a_script_without_the_main_guard_fails_clearly():
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "no_guard.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "parent done" not in out.stdout
+    assert "ProcessRaisedException" in out.stderr
+    assert "if __name__ == '__main__':" in out.stderr
