@@ -1,0 +1,50 @@
+# The two commands: `make demo` shows tether at work, `make test` runs every test.
+# Both set everything up on a fresh machine: a virtual environment in .venv with the test
+# dependencies (torch, numpy, pytest, ...), and tether built and installed into it.
+
+VENV      ?= .venv
+PYTHON    ?= python3
+PY        := $(VENV)/bin/python
+DEPS      := $(VENV)/.deps-installed
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
+
+.PHONY: all build test test-rust test-python lint demo bench clean
+
+all: build
+
+$(DEPS): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch numpy pytest pytest-timeout maturin ruff loky
+	touch $(DEPS)
+
+# The `tether` launcher binary travels inside the Python package (python/tether/bin).
+build: $(DEPS)
+	cargo build --release -p tether-cli
+	mkdir -p python/tether/bin
+	cp target/release/tether python/tether/bin/tether
+	$(VENV)/bin/maturin develop --release --quiet
+
+test: build lint test-rust test-python
+
+test-rust:
+	cargo test --workspace --exclude tether-py
+
+test-python: build
+	$(PY) -m pytest
+
+lint: $(DEPS)
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	$(VENV)/bin/ruff check python tests bench examples
+
+demo: build
+	$(PY) examples/failing_rank.py
+	$(PY) examples/train_gloo.py
+
+bench: build
+	$(PY) bench/spawn.py
+
+clean:
+	rm -rf target $(VENV) python/tether/bin python/tether/*.so
