@@ -65,19 +65,29 @@ def test_record_error_file_is_the_report(tmp_path: Path) -> None:
         """,
     )
     proc = subprocess.run(
-        [str(tether_binary()), "run", "-n", "2", "--grace-period", "5", "--",
-         sys.executable, str(script)],
+        [
+            str(tether_binary()),
+            "run",
+            "-n",
+            "2",
+            "--grace-period",
+            "5",
+            "--",
+            sys.executable,
+            str(script),
+        ],
+        check=False,
         capture_output=True,
         text=True,
         timeout=100,
     )
     assert proc.returncode == 1, proc.stderr
-    report = proc.stderr[proc.stderr.index("root cause"):]
+    report = proc.stderr[proc.stderr.index("root cause") :]
     assert "rank 1 failed first" in proc.stderr
     assert "ValueError: rank 1 does not like its data" in report
     assert "traceback (from TORCHELASTIC_ERROR_FILE)" in report
     assert "Traceback (most recent call last)" in report
-    assert 'in check' in report
+    assert "in check" in report
 
 
 def test_two_nodes_on_one_machine_all_reduce(tmp_path: Path) -> None:
@@ -101,9 +111,25 @@ def test_two_nodes_on_one_machine_all_reduce(tmp_path: Path) -> None:
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     launchers = [
         subprocess.Popen(
-            [str(tether_binary()), "run", "--nnodes", "2", "--node-rank", str(node),
-             "-n", "2", "--master-addr", "127.0.0.1", "--master-port", port,
-             "--grace-period", "5", "--", sys.executable, str(script)],
+            [
+                str(tether_binary()),
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "-n",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "--grace-period",
+                "5",
+                "--",
+                sys.executable,
+                str(script),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -133,7 +159,11 @@ def test_console_script_execs_the_binary() -> None:
     code = "import sys, tether._cli; assert 'torch' not in sys.modules; tether._cli.main()"
     proc = subprocess.run(
         [sys.executable, "-c", code, "--version"],
-        capture_output=True, text=True, env=env, timeout=30,
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("tether "), proc.stdout

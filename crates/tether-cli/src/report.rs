@@ -1,0 +1,260 @@
+//! The failure report: which rank failed first, how, and why (the error file that torch's
+//! `@record` writes, or the last lines of the rank's stderr), and the OOM evidence.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use tether_core::status::signal_hint;
+use tether_core::{signal_name, ExitStatus};
+
+/// The error that `torch.distributed.elastic.multiprocessing.errors.record` wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorFile {
+    pub message: String,
+    pub traceback: Option<String>,
+    pub timestamp: Option<String>,
+}
+
+impl ErrorFile {
+    /// Reads `path`; `None` when the rank wrote nothing there.
+    pub fn read(path: &Path) -> Option<ErrorFile> {
+        let text = std::fs::read_to_string(path).ok()?;
+        if text.trim().is_empty() {
+            return None;
+        }
+        Some(ErrorFile::parse(&text))
+    }
+
+    /// `{"message": {"message": "<Type>: <msg>", "extraInfo": {"py_callstack": ...,
+    /// "timestamp": ...}}}`; a plain `{"message": "..."}` and text that is not JSON at all
+    /// are shown as they are.
+    pub fn parse(text: &str) -> ErrorFile {
+        let raw = || ErrorFile {
+            message: text.trim_end().to_string(),
+            traceback: None,
+            timestamp: None,
+        };
+        let Ok(json) = serde_json::from_str::<serde_json::Value>(text) else {
+            return raw();
+        };
+        let outer = &json["message"];
+        if let Some(message) = outer.as_str() {
+            return ErrorFile {
+                message: message.to_string(),
+                traceback: None,
+                timestamp: None,
+            };
+        }
+        let Some(message) = outer["message"].as_str() else {
+            return raw();
+        };
+        let extra = &outer["extraInfo"];
+        let as_text = |v: &serde_json::Value| match v {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Null => None,
+            other => Some(other.to_string()),
+        };
+        ErrorFile {
+            message: message.to_string(),
+            traceback: as_text(&extra["py_callstack"]),
+            timestamp: as_text(&extra["timestamp"]),
+        }
+    }
+}
+
+/// The OOM-kill counter of this process's memory cgroup (v2 `memory.events`, or v1
+/// `memory.oom_control`), when it can be read.
+pub fn oom_kills() -> Option<u64> {
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mut candidates = Vec::new();
+    for line in cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let path = path.trim_start_matches('/');
+        if controllers.is_empty() {
+            candidates.push(Path::new("/sys/fs/cgroup").join(path).join("memory.events"));
+            candidates.push(Path::new("/sys/fs/cgroup/memory.events").to_path_buf());
+        } else if controllers.split(',').any(|c| c == "memory") {
+            let root = Path::new("/sys/fs/cgroup/memory");
+            candidates.push(root.join(path).join("memory.oom_control"));
+            candidates.push(root.join("memory.oom_control"));
+        }
+    }
+    candidates.into_iter().find_map(|file| {
+        let text = std::fs::read_to_string(file).ok()?;
+        text.lines().find_map(|l| {
+            l.strip_prefix("oom_kill ")
+                .and_then(|n| n.trim().parse().ok())
+        })
+    })
+}
+
+/// One rank at the end of an attempt.
+#[derive(Debug, Clone)]
+pub struct RankEnd {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub pid: i32,
+    pub status: ExitStatus,
+    /// True when it exited after tether began stopping the ranks.
+    pub stopped: bool,
+}
+
+/// Everything the report says about the root cause.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub root: RankEnd,
+    pub node_rank: usize,
+    pub attempt: u32,
+    pub error: Option<ErrorFile>,
+    pub stderr_tail: Vec<String>,
+    /// OOM-kill counter at launch and at the failure.
+    pub oom: Option<(u64, u64)>,
+    pub others: Vec<RankEnd>,
+    pub log_dir: Option<String>,
+}
+
+fn describe(status: ExitStatus) -> String {
+    match status {
+        ExitStatus::Exited(code) => format!("exit code {code}"),
+        ExitStatus::Signaled {
+            signal,
+            core_dumped,
+        } => format!(
+            "signal {} ({signal}){}",
+            signal_name(signal),
+            if core_dumped { ", core dumped" } else { "" }
+        ),
+        ExitStatus::Unknown => "an unknown status".to_string(),
+    }
+}
+
+const RULE: &str = "==============================================================================";
+
+impl Failure {
+    pub fn render(&self) -> String {
+        let r = &self.root;
+        let mut s = String::new();
+        let _ = writeln!(s, "{RULE}");
+        let _ = writeln!(s, "tether run: rank {} failed first (root cause)", r.rank);
+        let _ = writeln!(s, "  rank       : {}", r.rank);
+        let _ = writeln!(
+            s,
+            "  local rank : {} (node rank {})",
+            r.local_rank, self.node_rank
+        );
+        let _ = writeln!(s, "  pid        : {}", r.pid);
+        let _ = writeln!(s, "  exit       : {}", describe(r.status));
+        let _ = writeln!(s, "  attempt    : {}", self.attempt);
+        if let Some(signal) = r.status.signal() {
+            if signal == libc::SIGKILL {
+                match self.oom {
+                    Some((before, after)) if after > before => {
+                        let _ = writeln!(
+                            s,
+                            "  hint       : the kernel OOM killer killed it: this cgroup's \
+                             oom_kill count rose from {before} to {after}"
+                        );
+                    }
+                    _ => {
+                        let _ = writeln!(
+                            s,
+                            "  hint       : SIGKILL may come from the kernel OOM killer (check \
+                             `dmesg` or the job's memory limit)"
+                        );
+                    }
+                }
+            } else if let Some(hint) = signal_hint(signal) {
+                let _ = writeln!(s, "  hint       : {hint}");
+            }
+        }
+        if let Some(err) = &self.error {
+            let _ = writeln!(s, "  error      : {}", err.message);
+            if let Some(ts) = &err.timestamp {
+                let _ = writeln!(s, "  timestamp  : {ts}");
+            }
+            if let Some(tb) = &err.traceback {
+                let _ = writeln!(s, "--- traceback (from TORCHELASTIC_ERROR_FILE) ---");
+                let _ = writeln!(s, "{}", tb.trim_end());
+            }
+        } else if !self.stderr_tail.is_empty() {
+            let _ = writeln!(
+                s,
+                "--- last {} lines of rank {}'s stderr ---",
+                self.stderr_tail.len(),
+                r.rank
+            );
+            for line in &self.stderr_tail {
+                let _ = writeln!(s, "{line}");
+            }
+        } else {
+            let _ = writeln!(s, "  (no error file and nothing on stderr)");
+        }
+        if let Some(dir) = &self.log_dir {
+            let _ = writeln!(s, "  logs       : {dir}");
+        }
+        if !self.others.is_empty() {
+            let _ = writeln!(s, "--- other ranks ---");
+            for o in &self.others {
+                let note = if o.stopped && !o.status.success() {
+                    " (stopped by tether)"
+                } else {
+                    ""
+                };
+                let _ = writeln!(
+                    s,
+                    "  rank {} (local rank {}, pid {}): {}{note}",
+                    o.rank,
+                    o.local_rank,
+                    o.pid,
+                    describe(o.status)
+                );
+            }
+        }
+        let _ = writeln!(s, "{RULE}");
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_torch_error_files() {
+        let text = r#"{"message": {"message": "ValueError: bad", "extraInfo": {"py_callstack": "Traceback (most recent call last):\n  x\nValueError: bad\n", "timestamp": "1700000000"}}}"#;
+        let e = ErrorFile::parse(text);
+        assert_eq!(e.message, "ValueError: bad");
+        assert!(e.traceback.unwrap().starts_with("Traceback"));
+        assert_eq!(e.timestamp.as_deref(), Some("1700000000"));
+        assert_eq!(ErrorFile::parse(r#"{"message": "plain"}"#).message, "plain");
+        assert_eq!(ErrorFile::parse("not json").message, "not json");
+    }
+
+    #[test]
+    fn renders_signal_names_and_hints() {
+        let f = Failure {
+            root: RankEnd {
+                rank: 2,
+                local_rank: 2,
+                pid: 99,
+                status: ExitStatus::Signaled {
+                    signal: libc::SIGKILL,
+                    core_dumped: false,
+                },
+                stopped: false,
+            },
+            node_rank: 0,
+            attempt: 0,
+            error: None,
+            stderr_tail: vec!["last words".into()],
+            oom: Some((1, 2)),
+            others: vec![],
+            log_dir: None,
+        };
+        let text = f.render();
+        assert!(text.contains("SIGKILL"), "{text}");
+        assert!(text.contains("OOM killer killed it"), "{text}");
+        assert!(text.contains("last words"), "{text}");
+    }
+}

@@ -1,0 +1,598 @@
+//! `tether run` end to end: environment, output, logs, failures, restarts, signals, usage.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::{alive, by_rank, command, eventually, run, run_env, split_prefix, Launcher, Scratch};
+
+fn env_of(out: &str) -> BTreeMap<usize, BTreeMap<String, String>> {
+    by_rank(out)
+        .into_iter()
+        .map(|(rank, lines)| {
+            let vars = lines
+                .iter()
+                .filter_map(|l| l.split_once('='))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            (rank, vars)
+        })
+        .collect()
+}
+
+const PRINT_ENV: &str =
+    "test -d \"$(dirname \"$TORCHELASTIC_ERROR_FILE\")\" && echo ERRDIR=ok; env";
+
+#[test]
+fn every_rank_gets_torchruns_environment() {
+    let out = run(&[
+        "run",
+        "-n",
+        "3",
+        "--master-port",
+        "1234",
+        "--",
+        "sh",
+        "-c",
+        PRINT_ENV,
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let envs = env_of(&out.stdout);
+    assert_eq!(envs.len(), 3);
+    let run_id = envs[&0]["TORCHELASTIC_RUN_ID"].clone();
+    assert!(!run_id.is_empty());
+    let mut error_files = Vec::new();
+    for (rank, env) in &envs {
+        let r = rank.to_string();
+        for (key, want) in [
+            ("RANK", r.as_str()),
+            ("LOCAL_RANK", &r),
+            ("WORLD_SIZE", "3"),
+            ("LOCAL_WORLD_SIZE", "3"),
+            ("GROUP_RANK", "0"),
+            ("GROUP_WORLD_SIZE", "1"),
+            ("ROLE_RANK", &r),
+            ("ROLE_WORLD_SIZE", "3"),
+            ("ROLE_NAME", "default"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "1234"),
+            ("TORCHELASTIC_RESTART_COUNT", "0"),
+            ("TORCHELASTIC_MAX_RESTARTS", "0"),
+            ("TORCHELASTIC_RUN_ID", &run_id),
+            ("OMP_NUM_THREADS", "1"),
+            ("ERRDIR", "ok"),
+        ] {
+            assert_eq!(
+                env.get(key).map(String::as_str),
+                Some(want),
+                "rank {rank} {key}"
+            );
+        }
+        error_files.push(env["TORCHELASTIC_ERROR_FILE"].clone());
+    }
+    error_files.sort();
+    error_files.dedup();
+    assert_eq!(error_files.len(), 3, "error files must differ per rank");
+}
+
+#[test]
+fn node_rank_gives_global_ranks_and_defaults_follow_torchrun() {
+    let out = run(&[
+        "run",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "10.0.0.1",
+        "--rdzv-id",
+        "job7",
+        "--max-restarts",
+        "0",
+        "sh",
+        "-c",
+        PRINT_ENV,
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let envs = env_of(&out.stdout);
+    assert_eq!(envs.keys().copied().collect::<Vec<_>>(), [2, 3]);
+    for (rank, env) in &envs {
+        assert_eq!(env["RANK"], rank.to_string());
+        assert_eq!(env["LOCAL_RANK"], (rank - 2).to_string());
+        assert_eq!(env["WORLD_SIZE"], "4");
+        assert_eq!(env["GROUP_RANK"], "1");
+        assert_eq!(env["GROUP_WORLD_SIZE"], "2");
+        assert_eq!(env["MASTER_ADDR"], "10.0.0.1");
+        assert_eq!(env["MASTER_PORT"], "29500");
+        assert_eq!(env["TORCHELASTIC_RUN_ID"], "job7");
+    }
+}
+
+#[test]
+fn omp_num_threads_rules() {
+    let show = ["sh", "-c", "echo OMP=${OMP_NUM_THREADS-unset}"];
+    let one = run(&[&["run", "-n", "1", "--"][..], &show].concat());
+    assert_eq!(one.stdout.trim(), "[rank 0]: OMP=unset", "{one:?}");
+    let kept = run_env(
+        &[&["run", "-n", "2", "--"][..], &show].concat(),
+        &[("OMP_NUM_THREADS", "7")],
+    );
+    assert!(
+        kept.stdout.lines().all(|l| l.ends_with("OMP=7")),
+        "{kept:?}"
+    );
+    let set = run(&[&["run", "-n", "2", "--"][..], &show].concat());
+    assert_eq!(
+        set.stdout.lines().filter(|l| l.ends_with("OMP=1")).count(),
+        2,
+        "{set:?}"
+    );
+}
+
+#[test]
+fn slurm_sets_nodes_and_master() {
+    let out = run_env(
+        &["run", "-n", "2", "sh", "-c", PRINT_ENV],
+        &[
+            ("SLURM_JOB_ID", "99"),
+            ("SLURM_JOB_NUM_NODES", "3"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_JOB_NODELIST", "gpu[03-05,07],cpu1"),
+        ],
+    );
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let envs = env_of(&out.stdout);
+    assert_eq!(envs.keys().copied().collect::<Vec<_>>(), [4, 5]);
+    assert_eq!(envs[&4]["MASTER_ADDR"], "gpu03");
+    assert_eq!(envs[&4]["GROUP_WORLD_SIZE"], "3");
+}
+
+const FLOOD: &str = r#"
+import os, random, sys
+r = int(os.environ["RANK"])
+rng = random.Random(r)
+for i in range(2000):
+    n = rng.randint(100, 3000)
+    stream = sys.stdout if i % 2 == 0 else sys.stderr
+    stream.write(f"R{r} L{i} N{n} " + "x" * n + " END\n")
+"#;
+
+fn check_flood_lines(text: &str, stream_lines: usize) {
+    let mut seen: BTreeMap<usize, usize> = BTreeMap::new();
+    for line in text.lines() {
+        let (rank, rest) = split_prefix(line).unwrap_or_else(|| panic!("bad line {:.80}", line));
+        let mut words = rest.splitn(4, ' ');
+        let r = words.next().unwrap();
+        let _l = words.next().unwrap();
+        let n: usize = words.next().unwrap()[1..].parse().unwrap();
+        let body = words.next().unwrap();
+        assert_eq!(
+            r,
+            format!("R{rank}"),
+            "line of another rank under [rank {rank}]"
+        );
+        assert_eq!(body.len(), n + 4, "torn line from rank {rank}");
+        assert!(body.bytes().take(n).all(|b| b == b'x') && body.ends_with(" END"));
+        *seen.entry(rank).or_default() += 1;
+    }
+    assert_eq!(seen.len(), 4);
+    assert!(seen.values().all(|&c| c == stream_lines), "{seen:?}");
+}
+
+#[test]
+fn heavy_concurrent_output_keeps_lines_whole() {
+    let out = run(&["run", "-n", "4", "--", "python3", "-c", FLOOD]);
+    assert_eq!(
+        out.code,
+        Some(0),
+        "{}",
+        &out.stderr[..out.stderr.len().min(2000)]
+    );
+    check_flood_lines(&out.stdout, 1000);
+    check_flood_lines(&out.stderr, 1000);
+}
+
+#[test]
+fn very_long_lines_stay_whole() {
+    let script = "import os, sys\nc = chr(ord('a') + int(os.environ['RANK']))\nfor _ in range(4):\n    sys.stdout.write(c * 700000 + '\\n')\n";
+    let out = run(&["run", "-n", "3", "--", "python3", "-c", script]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let lines = by_rank(&out.stdout);
+    assert_eq!(lines.len(), 3);
+    for (rank, lines) in lines {
+        let c = (b'a' + rank as u8) as char;
+        assert_eq!(lines.len(), 4);
+        assert!(lines
+            .iter()
+            .all(|l| l.len() == 700000 && l.chars().all(|x| x == c)));
+    }
+}
+
+#[test]
+fn no_prefix_and_final_line_without_newline() {
+    let out = run(&[
+        "run",
+        "-n",
+        "2",
+        "--no-prefix",
+        "--",
+        "sh",
+        "-c",
+        "echo a$RANK; printf b$RANK",
+    ]);
+    assert_eq!(out.code, Some(0));
+    let mut lines: Vec<&str> = out.stdout.lines().collect();
+    lines.sort();
+    assert_eq!(lines, ["a0", "a1", "b0", "b1"]);
+    let out = run(&["run", "-n", "1", "--", "sh", "-c", "printf 'no newline'"]);
+    assert_eq!(out.stdout, "[rank 0]: no newline\n");
+}
+
+#[test]
+fn ranks_filter_limits_the_console() {
+    let out = run(&[
+        "run",
+        "-n",
+        "4",
+        "--ranks-filter",
+        "0,3",
+        "--",
+        "sh",
+        "-c",
+        "echo out; echo err >&2",
+    ]);
+    assert_eq!(out.code, Some(0));
+    assert_eq!(
+        by_rank(&out.stdout).keys().copied().collect::<Vec<_>>(),
+        [0, 3]
+    );
+    assert_eq!(
+        by_rank(&out.stderr).keys().copied().collect::<Vec<_>>(),
+        [0, 3]
+    );
+    let out = run(&[
+        "run",
+        "-n",
+        "3",
+        "--local-ranks-filter",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo out",
+    ]);
+    assert_eq!(out.stdout, "[rank 1]: out\n");
+}
+
+#[test]
+fn log_dir_layout_with_and_without_tee() {
+    let logs = Scratch::new("logs");
+    let dir = logs.path().to_str().unwrap();
+    let script = "echo out$RANK; echo err$RANK >&2; printf last$RANK";
+    let out = run(&[
+        "run",
+        "-n",
+        "2",
+        "--log-dir",
+        dir,
+        "--run-id",
+        "r1",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(out.stdout, "", "without --tee the console gets nothing");
+    for rank in 0..2 {
+        let base = logs.path().join(format!("r1/attempt_0/rank_{rank}"));
+        let stdout = std::fs::read_to_string(base.join("stdout.log")).unwrap();
+        let stderr = std::fs::read_to_string(base.join("stderr.log")).unwrap();
+        assert_eq!(stdout, format!("out{rank}\nlast{rank}"));
+        assert_eq!(stderr, format!("err{rank}\n"));
+    }
+    let out = run(&[
+        "run",
+        "-n",
+        "2",
+        "--log-dir",
+        dir,
+        "--run-id",
+        "r2",
+        "--tee",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(out.code, Some(0));
+    assert_eq!(by_rank(&out.stdout).len(), 2);
+    assert!(out.stdout.contains("[rank 1]: out1\n") && out.stderr.contains("[rank 0]: err0\n"));
+    let file = logs.path().join("r2/attempt_0/rank_1/stdout.log");
+    assert_eq!(std::fs::read_to_string(file).unwrap(), "out1\nlast1");
+    let out = run(&[
+        "run",
+        "-n",
+        "1",
+        "--log-dir",
+        dir,
+        "--run-id",
+        "r3",
+        "--tee",
+        "2",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(
+        (out.stdout.as_str(), out.stderr.as_str()),
+        ("", "[rank 0]: err0\n")
+    );
+}
+
+#[test]
+fn first_failure_in_time_is_the_root_cause() {
+    let script = r#"
+        case $RANK in
+          2) echo "rank two breaks" >&2; exit 3 ;;
+          0) trap '' TERM; sleep 0.4; echo "rank zero breaks later" >&2; exit 1 ;;
+          *) exec sleep 30 ;;
+        esac"#;
+    let out = run(&[
+        "run",
+        "-n",
+        "3",
+        "--grace-period",
+        "5",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(out.code, Some(3), "{}", out.stderr);
+    let report = out.stderr;
+    assert!(
+        report.contains("rank 2 failed first (root cause)"),
+        "{report}"
+    );
+    assert!(report.contains("exit code 3"), "{report}");
+    assert!(report.contains("rank two breaks"), "{report}");
+    assert!(report.contains("rank 0 (local rank 0, pid"), "{report}");
+    assert!(
+        report.contains("rank 1 (local rank 1, pid") && report.contains("SIGTERM"),
+        "{report}"
+    );
+}
+
+#[test]
+fn signal_deaths_are_named() {
+    let out = run(&[
+        "run",
+        "-n",
+        "2",
+        "--grace-period",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "[ $RANK = 1 ] && kill -SEGV $$; sleep 30",
+    ]);
+    assert_eq!(out.code, Some(139), "{}", out.stderr);
+    assert!(out.stderr.contains("signal SIGSEGV"), "{}", out.stderr);
+    let out = run(&[
+        "run",
+        "-n",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo dying >&2; kill -KILL $$",
+    ]);
+    assert_eq!(out.code, Some(137), "{}", out.stderr);
+    assert!(out.stderr.contains("signal SIGKILL"), "{}", out.stderr);
+    assert!(out.stderr.contains("OOM killer"), "{}", out.stderr);
+    assert!(out.stderr.contains("dying"), "{}", out.stderr);
+}
+
+#[test]
+fn restarts_until_it_works() {
+    let script = r#"[ "$TORCHELASTIC_RESTART_COUNT" = 2 ] || { echo "attempt $TORCHELASTIC_RESTART_COUNT fails" >&2; exit 4; }; echo ok"#;
+    let logs = Scratch::new("restart-logs");
+    let dir = logs.path().to_str().unwrap();
+    let out = run(&[
+        "run",
+        "-n",
+        "2",
+        "--max-restarts",
+        "2",
+        "--grace-period",
+        "1",
+        "--log-dir",
+        dir,
+        "--run-id",
+        "x",
+        "--tee",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert_eq!(
+        out.stderr.matches("restarting all 2 ranks").count(),
+        2,
+        "{}",
+        out.stderr
+    );
+    assert_eq!(
+        out.stdout.lines().filter(|l| l.ends_with(": ok")).count(),
+        2
+    );
+    for attempt in 0..3 {
+        assert!(logs
+            .path()
+            .join(format!("x/attempt_{attempt}/rank_1/stderr.log"))
+            .exists());
+    }
+    let out = run(&[
+        "run",
+        "-n",
+        "2",
+        "--max-restarts",
+        "1",
+        "--grace-period",
+        "1",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert_eq!(out.code, Some(4), "{}", out.stderr);
+    assert!(out.stderr.contains("attempt    : 1"), "{}", out.stderr);
+}
+
+#[test]
+fn a_missing_command_is_exit_127() {
+    let out = run(&["run", "-n", "2", "--", "/nonexistent/tether-test-program"]);
+    assert_eq!(out.code, Some(127), "{out:?}");
+    assert!(out.stderr.contains("cannot start"), "{}", out.stderr);
+}
+
+/// Starts `script` in `n` ranks that each write `$DIR/ready.$RANK` with their pid, and
+/// waits until all have.
+fn start_ready(args: &[&str], n: usize, script: &str) -> (Launcher, Scratch, Vec<i32>) {
+    let dir = Scratch::new("ready");
+    let mut cmd = command(args);
+    cmd.env("DIR", dir.path()).args(["--", "sh", "-c", script]);
+    let launcher = Launcher::spawn(cmd);
+    let ready = |r: usize| dir.path().join(format!("ready.{r}"));
+    assert!(
+        eventually(Duration::from_secs(10), || (0..n)
+            .all(|r| ready(r).exists())),
+        "ranks did not start"
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    let pids = (0..n)
+        .map(|r| {
+            std::fs::read_to_string(ready(r))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    (launcher, dir, pids)
+}
+
+fn signal(pid: i32, sig: i32) {
+    // SAFETY: signalling a process this test started.
+    assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
+}
+
+#[test]
+fn sigterm_is_forwarded_and_exit_is_143() {
+    let script = r#"trap 'echo "got TERM"; exit 0' TERM; echo $$ > "$DIR/ready.$RANK"; while :; do sleep 0.05; done"#;
+    let (launcher, _dir, pids) = start_ready(&["run", "-n", "2", "--grace-period", "5"], 2, script);
+    signal(launcher.pid(), libc::SIGTERM);
+    let out = launcher.finish(Duration::from_secs(10));
+    assert_eq!(out.code, Some(143), "{out:?}");
+    assert_eq!(out.stdout.matches("got TERM").count(), 2, "{out:?}");
+    assert!(out.elapsed < Duration::from_secs(4), "{out:?}");
+    assert!(pids.iter().all(|&p| !alive(p)));
+}
+
+#[test]
+fn a_rank_ignoring_sigterm_is_killed_after_the_grace_period() {
+    let script = r#"trap '' TERM; echo $$ > "$DIR/ready.$RANK"; while :; do sleep 0.05; done"#;
+    let (launcher, _dir, pids) = start_ready(&["run", "-n", "2", "--grace-period", "1"], 2, script);
+    let sent = std::time::Instant::now();
+    signal(launcher.pid(), libc::SIGTERM);
+    let out = launcher.finish(Duration::from_secs(10));
+    let took = sent.elapsed();
+    assert_eq!(out.code, Some(143), "{out:?}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(4),
+        "{took:?}"
+    );
+    assert!(pids.iter().all(|&p| !alive(p)));
+}
+
+#[test]
+fn sighup_is_forwarded_too() {
+    let script = r#"trap 'echo "got HUP"; exit 0' HUP; echo $$ > "$DIR/ready.$RANK"; while :; do sleep 0.05; done"#;
+    let (launcher, _dir, _) = start_ready(&["run", "-n", "1", "--grace-period", "5"], 1, script);
+    signal(launcher.pid(), libc::SIGHUP);
+    let out = launcher.finish(Duration::from_secs(10));
+    assert_eq!(out.code, Some(128 + libc::SIGHUP), "{out:?}");
+    assert_eq!(out.stdout, "[rank 0]: got HUP\n");
+}
+
+#[test]
+fn a_second_sigint_kills_at_once() {
+    let script = r#"trap '' INT TERM; echo $$ > "$DIR/ready.$RANK"; while :; do sleep 0.05; done"#;
+    let (launcher, _dir, pids) =
+        start_ready(&["run", "-n", "2", "--grace-period", "30"], 2, script);
+    let sent = std::time::Instant::now();
+    signal(launcher.pid(), libc::SIGINT);
+    std::thread::sleep(Duration::from_millis(100));
+    signal(launcher.pid(), libc::SIGINT);
+    let out = launcher.finish(Duration::from_secs(10));
+    assert_eq!(out.code, Some(130), "{out:?}");
+    assert!(sent.elapsed() < Duration::from_secs(3));
+    assert!(pids.iter().all(|&p| !alive(p)));
+}
+
+#[test]
+fn what_a_rank_leaves_behind_is_killed() {
+    // A grandchild in its own session (out of reach of the rank's process group).
+    let script = r#"setsid sh -c 'echo $$ > "$DIR/escaped.$RANK"; exec sleep 30' & sleep 0.2; echo $$ > "$DIR/ready.$RANK""#;
+    let (launcher, dir, _) = start_ready(&["run", "-n", "2"], 2, script);
+    let out = launcher.finish(Duration::from_secs(10));
+    assert_eq!(out.code, Some(0), "{out:?}");
+    for r in 0..2 {
+        let pid: i32 = std::fs::read_to_string(dir.path().join(format!("escaped.{r}")))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(!alive(pid), "escaped grandchild {pid} outlived tether");
+    }
+}
+
+#[test]
+fn bad_usage_is_exit_2_with_usage() {
+    for args in [
+        &["run"][..],
+        &["run", "-n", "0", "true"],
+        &["run", "--nnodes", "2", "--node-rank", "2", "true"],
+        &["run", "--bogus", "true"],
+        &["run", "--nnodes", "2", "--max-restarts", "1", "true"],
+        &[],
+    ] {
+        let out = run(args);
+        assert_eq!(out.code, Some(2), "{args:?}: {out:?}");
+        assert!(
+            out.stderr.contains("Usage: tether"),
+            "{args:?}: {}",
+            out.stderr
+        );
+    }
+    let out = run(&["run", "--nnodes", "2", "--max-restarts", "1", "true"]);
+    assert!(out.stderr.contains("--max-restarts"), "{}", out.stderr);
+}
+
+#[test]
+fn help_and_version() {
+    let out = run(&["--help"]);
+    assert_eq!(out.code, Some(0));
+    assert!(out.stdout.contains("run"));
+    let out = run(&["run", "--help"]);
+    assert_eq!(out.code, Some(0));
+    assert!(out.stdout.contains("--nproc-per-node") && out.stdout.contains("[rank N]: "));
+    let out = run(&["--version"]);
+    assert_eq!(
+        out.stdout.trim(),
+        format!("tether {}", env!("CARGO_PKG_VERSION"))
+    );
+}
