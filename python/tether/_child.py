@@ -35,6 +35,14 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
 def run_rank(call: Callable[[], Any], report_fd: int) -> int:
     """Runs ``call``; returns the exit status, having written a report on an exception."""
     try:
@@ -42,6 +50,8 @@ def run_rank(call: Callable[[], Any], report_fd: int) -> int:
     except SystemExit as exc:
         return _exit_code(exc)
     except BaseException as exc:
+        # The parent stops this process as soon as the report is whole: flush first.
+        _flush_stdio()
         _report.write(report_fd, exc)
         return 1
     return 0
@@ -115,9 +125,5 @@ def run_forked(
         # children do before they exit.
         multiprocessing.util._exit_function()  # type: ignore[attr-defined]
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
+        _flush_stdio()
         os._exit(code)

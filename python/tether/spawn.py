@@ -204,9 +204,9 @@ class ProcessContext:
     def _first_failure(self) -> Optional[int]:
         failures = []
         for i in range(len(self.processes)):
-            status = self._group.exit(i)
-            if status is not None and status[0] != 0:
-                failures.append((status[3], i))
+            at = self._group.failed_at(i)
+            if at is not None:
+                failures.append((at, i))
         return min(failures)[1] if failures else None
 
     def _stop(self, grace_period: Optional[float]) -> None:

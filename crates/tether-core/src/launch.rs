@@ -32,7 +32,9 @@ pub struct LaunchSpec {
     /// environment variable `TETHER_PAYLOAD_FD`; the socket is closed once all is written.
     pub payload: Option<Vec<u8>>,
     /// Open a report pipe: the child writes to the fd named by `TETHER_REPORT_FD`, and the
-    /// supervisor collects everything written while the child runs.
+    /// supervisor collects everything written while the child runs. A failure report is one
+    /// frame (a little-endian u64 length, then the body); once it is whole, the child counts
+    /// as failed (see `Member::failed_at`).
     pub report: bool,
     /// Replaces stdout and stderr with these fds (for a launcher that captures output).
     pub stdout: Option<RawFd>,

@@ -27,6 +27,19 @@ use crate::Error;
 /// Reports larger than this are cut (the child is still drained, so it never blocks).
 const REPORT_LIMIT: usize = 64 << 20;
 
+/// A child's failure report is one frame: a little-endian u64 length, then that many bytes.
+/// The moment a whole frame has arrived the child counts as failed, even while it is still
+/// shutting down (an interpreter with torch loaded takes most of a second to exit).
+fn complete_frame(report: &[u8]) -> bool {
+    let Some(header) = report.get(..8) else {
+        return false;
+    };
+    let mut len = [0u8; 8];
+    len.copy_from_slice(header);
+    let len = u64::from_le_bytes(len);
+    (report.len() as u64 - 8) >= len || report.len() >= REPORT_LIMIT
+}
+
 /// When and how a child ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Exit {
@@ -43,11 +56,24 @@ pub struct Member {
     pidfd: OwnedFd,
     exit: Option<Exit>,
     report: Vec<u8>,
+    reported_at: Option<Duration>,
 }
 
 impl Member {
     pub fn exit(&self) -> Option<Exit> {
         self.exit
+    }
+    /// When a whole failure report had arrived (`CLOCK_MONOTONIC`).
+    pub fn reported_at(&self) -> Option<Duration> {
+        self.reported_at
+    }
+    /// When the member failed: its report's arrival, or its non-zero exit.
+    pub fn failed_at(&self) -> Option<Duration> {
+        let failed_exit = self.exit.filter(|e| !e.status.success()).map(|e| e.at);
+        match (self.reported_at, failed_exit) {
+            (Some(r), Some(e)) => Some(r.min(e)),
+            (r, e) => r.or(e),
+        }
     }
     pub fn report(&self) -> &[u8] {
         &self.report
@@ -88,7 +114,8 @@ pub struct Group {
 pub enum WaitFor {
     /// Every chosen member has exited.
     AllExited,
-    /// Every chosen member has exited, or one of them exited with a failure.
+    /// Every chosen member has exited, or one of them failed (exited non-zero, or sent a
+    /// whole failure report).
     AllExitedOrFailure,
     /// Any chosen member has exited.
     AnyExited,
@@ -215,6 +242,9 @@ fn holds(members: &[Member], which: Option<&[usize]>, until: WaitFor) -> bool {
     };
     let mut all = true;
     for m in chosen {
+        if until == WaitFor::AllExitedOrFailure && m.reported_at.is_some() {
+            return true;
+        }
         match m.exit {
             None => all = false,
             Some(e) if until == WaitFor::AllExitedOrFailure && !e.status.success() => return true,
@@ -469,6 +499,7 @@ impl Loop {
                 pidfd,
                 exit: None,
                 report: Vec::new(),
+                reported_at: None,
             });
             state.members.len() - 1
         };
@@ -589,9 +620,14 @@ fn drain(fd: BorrowedFd<'_>, group: &GroupInner, index: usize) -> bool {
             Ok(0) => return false,
             Ok(n) => {
                 let mut state = group.lock();
-                let report = &mut state.members[index].report;
-                let room = REPORT_LIMIT.saturating_sub(report.len());
-                report.extend_from_slice(&buf[..n.min(room)]);
+                let member = &mut state.members[index];
+                let room = REPORT_LIMIT.saturating_sub(member.report.len());
+                member.report.extend_from_slice(&buf[..n.min(room)]);
+                if member.reported_at.is_none() && complete_frame(&member.report) {
+                    member.reported_at = Some(now_monotonic());
+                    drop(state);
+                    group.changed.notify_all();
+                }
             }
             Err(Errno::AGAIN) => return true,
             Err(Errno::INTR) => {}

@@ -193,3 +193,21 @@ fn a_program_that_does_not_exist_is_a_clear_error() {
     assert!(group.wait(None, WaitFor::AllExited, LIMIT));
     assert_eq!(group.exit(0).unwrap().status.signal(), Some(libc::SIGKILL));
 }
+
+#[test]
+fn a_whole_report_counts_as_a_failure_before_the_exit() {
+    let group = Group::new();
+    group
+        .launch(vec![
+            sh("exec sleep 30"),
+            sh("printf '\\x03\\0\\0\\0\\0\\0\\0\\0ab' >&$TETHER_REPORT_FD; sleep 0.2; printf c >&$TETHER_REPORT_FD; exec sleep 30"),
+        ])
+        .unwrap();
+    assert!(group.wait(None, WaitFor::AllExitedOrFailure, LIMIT));
+    let (report, reported, failed, exit) =
+        group.with_member(1, |m| (m.report().to_vec(), m.reported_at(), m.failed_at(), m.exit())).unwrap();
+    assert_eq!(&report[8..], b"abc");
+    assert!(reported.is_some() && failed == reported && exit.is_none());
+    assert!(group.with_member(0, |m| m.failed_at()).unwrap().is_none());
+    group.terminate(libc::SIGTERM, Duration::from_secs(5));
+}

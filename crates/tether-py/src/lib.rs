@@ -11,6 +11,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tether_core::{ExitStatus, LaunchSpec, WaitFor};
 
+mod channel;
+
 /// How often a wait wakes to let Python run its signal handlers (Ctrl-C).
 const SIGNAL_CHECK: Duration = Duration::from_millis(50);
 
@@ -107,6 +109,14 @@ impl Group {
         }))
     }
 
+    /// When the member failed (`time.monotonic()` clock): the arrival of its whole failure
+    /// report, or its non-zero exit; None while it has not failed.
+    fn failed_at(&self, index: usize) -> PyResult<Option<f64>> {
+        self.inner
+            .with_member(index, |m| m.failed_at().map(|t| t.as_secs_f64()))
+            .ok_or_else(|| no_member(index))
+    }
+
     /// Everything the member wrote to its report pipe so far.
     fn report<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyBytes>> {
         self.inner
@@ -191,6 +201,7 @@ fn signal_hint(signal: i32) -> Option<&'static str> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Group>()?;
+    channel::register(m)?;
     m.add_function(wrap_pyfunction!(setup_forked_child, m)?)?;
     m.add_function(wrap_pyfunction!(signal_name, m)?)?;
     m.add_function(wrap_pyfunction!(signal_hint, m)?)?;
