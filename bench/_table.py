@@ -1,0 +1,37 @@
+"""Shared by the benchmarks: repeat a measurement and print medians and ratios."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Dict, List, Sequence, Tuple
+
+
+def repeat(fn: Callable[[], float], reps: int) -> List[float]:
+    """Runs ``fn`` (which returns seconds) ``reps`` times."""
+    return [fn() for _ in range(reps)]
+
+
+def median(samples: Sequence[float]) -> float:
+    return statistics.median(samples)
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Tuple[str, Sequence[str]]]) -> None:
+    """A plain-text table: a header line, then one line per row."""
+    widths = [max(len(c), *(len(r[1][i]) for r in rows)) for i, c in enumerate(columns)]
+    label_width = max(len(title), *(len(r[0]) for r in rows))
+    print()
+    print(title.ljust(label_width), *(c.rjust(w) for c, w in zip(columns, widths)), sep="  ")
+    for label, cells in rows:
+        print(label.ljust(label_width), *(c.rjust(w) for c, w in zip(cells, widths)), sep="  ")
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def ratio(reference: float, ours: float) -> str:
+    """How many times faster ``ours`` is than ``reference``."""
+    return f"{reference / ours:.2f}x" if ours > 0 else "inf"
+
+
+Results = Dict[str, List[float]]
