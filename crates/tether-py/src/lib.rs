@@ -11,7 +11,6 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tether_core::{ExitStatus, LaunchSpec, WaitFor};
 
-mod channel;
 
 /// How often a wait wakes to let Python run its signal handlers (Ctrl-C).
 const SIGNAL_CHECK: Duration = Duration::from_millis(50);
@@ -201,7 +200,6 @@ fn signal_hint(signal: i32) -> Option<&'static str> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Group>()?;
-    channel::register(m)?;
     m.add_function(wrap_pyfunction!(setup_forked_child, m)?)?;
     m.add_function(wrap_pyfunction!(signal_name, m)?)?;
     m.add_function(wrap_pyfunction!(signal_hint, m)?)?;
