@@ -32,11 +32,13 @@ def child_pids(parent: int = 0) -> Set[int]:
 
 
 def stray_children() -> Set[int]:
-    """Live children of this process other than the long-lived resource tracker."""
+    """Live children of this process other than the resource tracker and the zygotes."""
     from multiprocessing import resource_tracker
 
-    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return {p for p in child_pids() if p != tracker and alive(p)}
+    from tether import _zygote
+
+    helpers = {getattr(resource_tracker._resource_tracker, "_pid", None), *_zygote.pids()}
+    return {p for p in child_pids() if p not in helpers and alive(p)}
 
 
 def alive(pid: int) -> bool:
@@ -60,9 +62,12 @@ def wait_gone(pids: List[int], limit: float) -> List[int]:
 
 
 def _snapshot() -> Dict[str, Set[str]]:
+    from tether import _zygote
+
     gc.collect()
+    zygotes = set(_zygote.pids())
     return {
-        "children": {str(p) for p in child_pids()},
+        "children": {str(p) for p in child_pids() - zygotes},
         "fds": set(os.listdir("/proc/self/fd")),
         "tmp": set(os.listdir(tempfile.gettempdir())),
         "shm": set(os.listdir("/dev/shm")),
@@ -79,6 +84,8 @@ def _long_lived_helpers() -> None:
 
     resource_tracker.ensure_running()
     tether.start_processes(_noop, nprocs=1, start_method="spawn")
+    # The default zygote lives as long as the process that uses it.
+    tether.start_processes(_noop, nprocs=1, start_method="forkserver")
     # multiprocessing keeps the shared-memory arena of its first Value for reuse.
     _kept.append(multiprocessing.get_context("spawn").Value("i", 0))
 

@@ -22,7 +22,7 @@ from conftest import stray_children, wait_gone
 
 pytestmark = pytest.mark.timeout(60)
 
-METHODS = ["spawn", "fork"]
+METHODS = ["forkserver", "spawn", "fork"]
 
 
 @pytest.fixture(params=METHODS)
@@ -393,7 +393,7 @@ def test_bad_nprocs_is_a_value_error():
 
 
 def test_spawn_warns_about_another_start_method():
-    with pytest.warns(FutureWarning, match="start_method='spawn'"):
+    with pytest.warns(FutureWarning, match="start_method='fork'"):
         tether.spawn(success, nprocs=1, start_method="fork")
 
 

@@ -19,7 +19,7 @@ from conftest import wait_gone
 pytestmark = pytest.mark.timeout(90)
 
 SCRIPTS = Path(__file__).parent / "scripts"
-METHODS = ["spawn", "fork"]
+METHODS = ["forkserver", "spawn", "fork"]
 
 
 def start_script(name: str, *args: str) -> subprocess.Popen:
@@ -82,7 +82,7 @@ def test_functions_of_a_guarded_main_script(method):
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    main_name = "__mp_main__" if method == "spawn" else "__main__"
+    main_name = "__main__" if method == "fork" else "__mp_main__"
     assert out.stdout.strip() == str([(0, 0, main_name), (1, 1, main_name), (2, 4, main_name)])
 
 

@@ -7,6 +7,7 @@ parent, is watched from a Rust supervisor thread through a pidfd, and reports it
 
 from ._native import __version__
 from .errors import ProcessException, ProcessExitedException, ProcessRaisedException
+from ._zygote import set_preload, warm_up
 from .spawn import ProcessContext, spawn, start_processes
 
 __all__ = [
@@ -15,6 +16,8 @@ __all__ = [
     "ProcessExitedException",
     "ProcessRaisedException",
     "__version__",
+    "set_preload",
     "spawn",
     "start_processes",
+    "warm_up",
 ]

@@ -9,6 +9,7 @@ On an exception (``KeyboardInterrupt`` included) it writes a report to the pipe 
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing.process
 import multiprocessing.spawn
 import multiprocessing.util
@@ -17,7 +18,8 @@ import pickle
 import signal
 import struct
 import sys
-from typing import Any, Callable, Dict, Sequence
+import threading
+from typing import Any, Callable, Dict, NoReturn, Sequence, Tuple
 
 from . import _native, _report
 
@@ -83,6 +85,29 @@ def _prepare(data: Dict[str, Any]) -> None:
         process._inheriting = False  # type: ignore[attr-defined]
 
 
+def run_payload(prep: bytes, work: bytes, rank: int, report_fd: int) -> int:
+    """Rebuilds the parent's ``__main__`` from ``prep``, unpickles ``(fn, args)`` from ``work``
+    and runs ``fn(rank, *args)``; returns the exit status (see ``run_rank``)."""
+
+    def call() -> None:
+        _prepare(pickle.loads(prep))
+        fn, args = pickle.loads(work)
+        fn(rank, *args)
+
+    return run_rank(call, report_fd)
+
+
+def split_payload(payload: bytes) -> Tuple[int, bytes, bytes]:
+    """The rank, preparation data and work of a payload made by ``make_payload``."""
+    rank, prep_size, work_size = HEADER.unpack_from(payload)
+    start = HEADER.size
+    return rank, payload[start : start + prep_size], payload[start + prep_size : start + prep_size + work_size]
+
+
+def make_payload(rank: int, prep: bytes, work: bytes) -> bytes:
+    return HEADER.pack(rank, len(prep), len(work)) + prep + work
+
+
 def main() -> None:
     """Entry point of a spawn child: ``python -c 'from tether._child import main; main()'``."""
     payload_fd = int(os.environ.pop("TETHER_PAYLOAD_FD"))
@@ -90,16 +115,32 @@ def main() -> None:
     os.set_inheritable(report_fd, False)
     payload = _read_all(payload_fd)
     os.close(payload_fd)
-    rank, prep_size, work_size = HEADER.unpack_from(payload)
-    start = HEADER.size
+    rank, prep, work = split_payload(payload)
+    sys.exit(run_payload(prep, work, rank, report_fd))
 
-    def call() -> None:
-        _prepare(pickle.loads(payload[start : start + prep_size]))
-        fn, args = pickle.loads(payload[start + prep_size : start + prep_size + work_size])
-        fn(rank, *args)
 
-    code = run_rank(call, report_fd)
-    sys.exit(code)
+def reset_after_fork() -> None:
+    """What multiprocessing does in a process it forks: forget the parent's children and
+    finalizers, and let queues, locks and loggers reset themselves."""
+    multiprocessing.util._finalizer_registry.clear()  # type: ignore[attr-defined]
+    multiprocessing.process._children = set()  # type: ignore[attr-defined]
+    multiprocessing.util._run_after_forkers()  # type: ignore[attr-defined]
+
+
+def exit_forked(code: int, run_atexit: bool) -> NoReturn:
+    """Ends a forked child as multiprocessing ends its fork and forkserver children: its
+    finalizers run (queue feeder threads flush), non-daemon threads are joined, the standard
+    streams flushed, then ``os._exit`` skips the interpreter's slow teardown. ``run_atexit``
+    also runs the ``atexit`` handlers, which belong to the child only when it was forked
+    from a zygote (a fork of the user's process would run the parent's)."""
+    try:
+        multiprocessing.util._exit_function()  # type: ignore[attr-defined]
+        threading._shutdown()  # type: ignore[attr-defined]
+        if run_atexit:
+            atexit._run_exitfuncs()
+    finally:
+        _flush_stdio()
+        os._exit(code)
 
 
 def run_forked(
@@ -109,21 +150,14 @@ def run_forked(
     report_fd: int,
     parent_pid: int,
     from_main_thread: bool,
-) -> None:
+) -> NoReturn:
     """Entry point of a fork child, right after ``os.fork()``; never returns."""
     code = 1
     try:
         _native.setup_forked_child(parent_pid, from_main_thread)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        # What multiprocessing does in a process it forks: forget the parent's children and
-        # let queues, locks and loggers reset themselves.
-        multiprocessing.process._children = set()  # type: ignore[attr-defined]
-        multiprocessing.util._run_after_forkers()  # type: ignore[attr-defined]
+        reset_after_fork()
         code = run_rank(lambda: fn(rank, *args), report_fd)
-        # Flush what multiprocessing buffers (queue feeder threads), as its own fork
-        # children do before they exit.
-        multiprocessing.util._exit_function()  # type: ignore[attr-defined]
     finally:
-        _flush_stdio()
-        os._exit(code)
+        exit_forked(code, run_atexit=False)

@@ -185,6 +185,39 @@ fn setup_forked_child(parent_pid: i32, from_main_thread: bool) -> PyResult<()> {
     tether_core::launch::setup_forked_child(parent_pid, from_main_thread).map_err(os_error)
 }
 
+/// Forks the calling (single-threaded) zygote with `clone(CLONE_PARENT)`, so that the new
+/// process is a child of the zygote's parent: the process that started the zygote waits
+/// for it with a pidfd, sees its real exit status, and its parent-death signal follows that
+/// process's supervisor thread. Wrapped in `PyOS_BeforeFork` / `PyOS_AfterFork_*` like
+/// `os.fork()`. Returns 0 in the child and the child's pid in the zygote.
+#[pyfunction]
+fn zygote_fork(_py: Python<'_>) -> PyResult<i32> {
+    // SAFETY: called with the GIL held, as these C-API calls require. The raw clone with a
+    // null stack pointer behaves like fork (the child continues on a copy of this stack);
+    // the zygote has no other threads whose locks the child could inherit.
+    let pid = unsafe {
+        pyo3::ffi::PyOS_BeforeFork();
+        let pid = libc::syscall(
+            libc::SYS_clone,
+            (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+        );
+        if pid == 0 {
+            pyo3::ffi::PyOS_AfterFork_Child();
+        } else {
+            pyo3::ffi::PyOS_AfterFork_Parent();
+        }
+        pid
+    };
+    if pid < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(pid as i32)
+}
+
 /// The name of a signal number (`SIGKILL`), as torch and `signal.Signals` spell it.
 #[pyfunction]
 fn signal_name(signal: i32) -> String {
@@ -202,6 +235,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Group>()?;
     m.add_function(wrap_pyfunction!(setup_forked_child, m)?)?;
     m.add_function(wrap_pyfunction!(signal_name, m)?)?;
+    m.add_function(wrap_pyfunction!(zygote_fork, m)?)?;
     m.add_function(wrap_pyfunction!(signal_hint, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
