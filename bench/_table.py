@@ -15,7 +15,9 @@ def median(samples: Sequence[float]) -> float:
     return statistics.median(samples)
 
 
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Tuple[str, Sequence[str]]]) -> None:
+def print_table(
+    title: str, columns: Sequence[str], rows: Sequence[Tuple[str, Sequence[str]]]
+) -> None:
     """A plain-text table: a header line, then one line per row."""
     widths = [max(len(c), *(len(r[1][i]) for r in rows)) for i, c in enumerate(columns)]
     label_width = max(len(title), *(len(r[0]) for r in rows))

@@ -18,8 +18,9 @@ import torch.multiprocessing as tmp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import tether  # noqa: E402
 from _table import fmt_seconds, median, print_table, ratio, repeat  # noqa: E402
+
+import tether  # noqa: E402
 
 
 def trivial(i: int) -> None:
@@ -56,14 +57,16 @@ def main() -> None:
 
     rows = []
     for n in args.nprocs:
-        theirs = median(repeat(lambda: time_spawn(tmp.spawn, n), args.reps))
-        ours = median(repeat(lambda: time_spawn(tether.spawn, n), args.reps))
+        theirs = median(repeat(lambda n=n: time_spawn(tmp.spawn, n), args.reps))
+        ours = median(repeat(lambda n=n: time_spawn(tether.spawn, n), args.reps))
         rows.append((f"nprocs={n}", [fmt_seconds(theirs), fmt_seconds(ours), ratio(theirs, ours)]))
         print(f"  nprocs={n}: torch {fmt_seconds(theirs)}, tether {fmt_seconds(ours)}", flush=True)
     print_table("spawn to join (median)", ["torch.mp.spawn", "tether.spawn", "speed-up"], rows)
 
     theirs = median(repeat(lambda: time_failure(tmp.spawn, tmp.ProcessRaisedException), args.reps))
-    ours = median(repeat(lambda: time_failure(tether.spawn, tether.ProcessRaisedException), args.reps))
+    ours = median(
+        repeat(lambda: time_failure(tether.spawn, tether.ProcessRaisedException), args.reps)
+    )
     print_table(
         "child raise -> parent raise (median)",
         ["torch.mp.spawn", "tether.spawn", "speed-up"],

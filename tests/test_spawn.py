@@ -165,7 +165,9 @@ def test_first_argument_index(method):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_exception_single(method, rank):
-    with pytest.raises(Exception, match=r"\nValueError: legitimate exception from process %d$" % rank):
+    with pytest.raises(
+        Exception, match=r"\nValueError: legitimate exception from process %d$" % rank
+    ):
         start(raise_in, args=(rank,), method=method)
 
 
@@ -368,7 +370,9 @@ def test_grace_period_then_sigkill(method):
 def test_spawn_from_a_short_lived_thread(method):
     box = {}
     thread = threading.Thread(
-        target=lambda: box.setdefault("ctx", start(success_after, args=(0.5,), join=False, method=method))
+        target=lambda: box.setdefault(
+            "ctx", start(success_after, args=(0.5,), join=False, method=method)
+        )
     )
     thread.start()
     thread.join()

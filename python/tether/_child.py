@@ -101,7 +101,11 @@ def split_payload(payload: bytes) -> Tuple[int, bytes, bytes]:
     """The rank, preparation data and work of a payload made by ``make_payload``."""
     rank, prep_size, work_size = HEADER.unpack_from(payload)
     start = HEADER.size
-    return rank, payload[start : start + prep_size], payload[start + prep_size : start + prep_size + work_size]
+    return (
+        rank,
+        payload[start : start + prep_size],
+        payload[start + prep_size : start + prep_size + work_size],
+    )
 
 
 def make_payload(rank: int, prep: bytes, work: bytes) -> bytes:

@@ -26,6 +26,7 @@ import importlib
 import multiprocessing.spawn
 import os
 import pickle
+import select
 import site
 import socket
 import struct
@@ -186,12 +187,23 @@ def _place_fds(fds: List[int], targets: List[int]) -> None:
         os.close(fd)
 
 
+#: The seed torch gives its default generator in a new process, in builds that do not
+#: draw one at random.
+_TORCH_FIXED_SEED = 67280421310721
+
+
 def _reseed() -> None:
     """A fresh process's random state. Python's ``random`` reseeds itself after a fork;
-    numpy's global generator does not."""
+    numpy's global generator does not; torch's default generator starts as in a new
+    process: from a fresh random seed, or from its fixed default seed in builds that use
+    one (the zygote never draws from it, so that state is still untouched)."""
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "initial_seed"):
+        if torch.initial_seed() != _TORCH_FIXED_SEED:
+            torch.seed()
 
 
 # The parent's side ----------------------------------------------------------------------
@@ -253,8 +265,15 @@ class Zygote:
         with self._lock:
             self._ensure_started()
 
+    def _alive(self) -> bool:
+        """Running and connected: a zygote that died leaves its socket readable (at end of
+        file) before the supervisor may have seen its exit."""
+        if self._group is None or self._sock is None or self._group.exit(0) is not None:
+            return False
+        return not select.select([self._sock], [], [], 0)[0] or not self._ready
+
     def _ensure_started(self) -> None:
-        if self._group is not None and self._group.exit(0) is None:
+        if self._alive():
             return
         if self._group is not None:
             warnings.warn(f"{self._describe_death()}; starting a new one", RuntimeWarning, 3)
@@ -288,8 +307,9 @@ class Zygote:
         assert self._sock is not None
         try:
             kind, body, _ = _recv(self._sock)
-        except (EOFError, OSError):
-            raise ZygoteError(f"{self._describe_death()} while importing {list(self.preload)}")
+        except (EOFError, OSError) as exc:
+            message = f"{self._describe_death()} while importing {list(self.preload)}"
+            raise ZygoteError(message) from exc
         info = pickle.loads(body)
         for module, error in info["failures"]:
             warnings.warn(
@@ -328,12 +348,21 @@ class Zygote:
         }
         body = pickle.dumps(request)
         with self._lock:
-            self._ensure_started()
-            self._await_ready()
-            assert self._sock is not None
+            for attempt in (1, 2):
+                self._ensure_started()
+                self._await_ready()
+                assert self._sock is not None
+                try:
+                    _send(self._sock, REQUEST, body, [*fds, *report_fds])
+                    break
+                except OSError as exc:
+                    # It died before it read the request, so it started nothing: once more
+                    # with a new zygote.
+                    if attempt == 2:
+                        message = f"{self._describe_death()} while starting processes"
+                        raise ZygoteError(message) from exc
             pids: List[int] = []
             try:
-                _send(self._sock, REQUEST, body, [*fds, *report_fds])
                 while True:
                     kind, reply, _ = _recv(self._sock)
                     if kind == PID:

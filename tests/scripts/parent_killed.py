@@ -1,6 +1,7 @@
 """A parent that will be killed with SIGKILL: it ignores SIGINT (as a background job of a
 non-interactive shell does), starts children that ignore SIGINT and SIGTERM, each of which
-starts grandchildren through tether too; prints every pid as one JSON line, then waits."""
+starts grandchildren through tether too; prints every pid (with the zygote's, if any) as
+one JSON line, then waits."""
 
 import json
 import multiprocessing
@@ -35,5 +36,7 @@ if __name__ == "__main__":
     queue = multiprocessing.get_context("spawn").SimpleQueue()
     tether.start_processes(child, args=(queue, method), nprocs=2, join=False, start_method=method)
     pids = [queue.get() for _ in range(6)]
-    print(json.dumps(pids), flush=True)
+    from tether import _zygote
+
+    print(json.dumps(pids + _zygote.pids()), flush=True)
     time.sleep(120)

@@ -1,0 +1,216 @@
+"""The zygote behind start_method="forkserver": children as fresh as spawn's, preloading,
+restarts, and safety against a busy, multi-threaded parent."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+
+import tether
+from conftest import stray_children, wait_gone
+from tether import _zygote
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def own_zygote():
+    """A zygote with its own preload set, stopped at the end of the test."""
+    made = []
+
+    def make(preload=("json",)):
+        made.append(_zygote.get(preload))
+        return list(preload)
+
+    yield make
+    for zygote in made:
+        zygote.close()
+
+
+def report_randoms(i, queue):
+    import numpy
+
+    queue.put((random.random(), float(numpy.random.random())))
+
+
+def report_torch_random(i, queue):
+    import torch
+
+    queue.put((torch.initial_seed(), torch.rand(3).tolist()))
+
+
+def report_state(i, queue):
+    queue.put(
+        (
+            os.environ.get("TETHER_TEST_VALUE"),
+            os.getcwd(),
+            os.getppid(),
+            os.getpgrp() == os.getpid(),
+        )
+    )
+
+
+def kill_zygote_then_sleep(i, zygote_pid):
+    if i == 0:
+        os.kill(zygote_pid, signal.SIGKILL)
+    time.sleep(0.5)
+
+
+def success(i):
+    pass
+
+
+def test_children_have_their_own_random_streams():
+    import numpy  # noqa: F401  (so that the zygote preloads numpy)
+
+    queue = multiprocessing.get_context("spawn").SimpleQueue()
+    tether.start_processes(report_randoms, args=(queue,), nprocs=3, start_method="forkserver")
+    draws = [queue.get() for _ in range(3)]
+    assert len({d[0] for d in draws}) == 3, "Python's random repeats across children"
+    assert len({d[1] for d in draws}) == 3, "numpy's global generator repeats across children"
+
+
+def test_torch_generator_starts_as_in_a_spawned_child():
+    pytest.importorskip("torch")
+    queue = multiprocessing.get_context("spawn").SimpleQueue()
+    tether.start_processes(report_torch_random, args=(queue,), nprocs=2, start_method="spawn")
+    spawned = [queue.get() for _ in range(2)]
+    tether.start_processes(report_torch_random, args=(queue,), nprocs=2, start_method="forkserver")
+    forked = [queue.get() for _ in range(2)]
+    if spawned[0] == spawned[1]:
+        # A torch build with a fixed default seed: every new process starts the same way.
+        assert forked == spawned
+    else:
+        # A torch build that seeds at random: every child draws its own seed.
+        assert forked[0] != forked[1]
+
+
+def test_children_see_the_parents_current_environment_and_directory(tmp_path, monkeypatch):
+    tether.warm_up()
+    monkeypatch.setenv("TETHER_TEST_VALUE", "set after the zygote started")
+    monkeypatch.chdir(tmp_path)
+    queue = multiprocessing.get_context("spawn").SimpleQueue()
+    tether.start_processes(report_state, args=(queue,), nprocs=1, start_method="forkserver")
+    value, cwd, ppid, leads_group = queue.get()
+    assert value == "set after the zygote started"
+    assert cwd == str(tmp_path)
+    assert ppid == os.getpid(), "the child is not a child of the spawning process"
+    assert leads_group
+
+
+def test_a_module_that_fails_to_preload_is_a_warning(own_zygote):
+    preload = own_zygote(("json", "tether_no_such_module"))
+    with pytest.warns(RuntimeWarning, match="cannot preload module 'tether_no_such_module'"):
+        tether.start_processes(success, nprocs=2, start_method="forkserver", preload=preload)
+
+
+def test_set_preload_chooses_the_zygote(own_zygote):
+    preload = own_zygote(("json", "csv"))
+    tether.set_preload(preload)
+    try:
+        tether.start_processes(success, nprocs=1)
+        assert _zygote.get().preload == ("json", "csv")
+    finally:
+        tether.set_preload(None)
+
+
+def test_a_killed_zygote_is_restarted_with_a_warning(own_zygote):
+    preload = own_zygote()
+    tether.start_processes(success, nprocs=1, preload=preload)
+    zygote = _zygote.get(preload)
+    old = zygote.pid
+    os.kill(old, signal.SIGKILL)
+    assert wait_gone([old], 5.0) == []
+    with pytest.warns(RuntimeWarning, match=rf"zygote \(pid {old}\) died with signal SIGKILL"):
+        tether.start_processes(success, nprocs=2, preload=preload)
+    assert zygote.pid != old
+
+
+def test_a_zygote_dying_during_a_spawn_fails_clearly(own_zygote):
+    preload = own_zygote()
+    zygote = _zygote.get(preload)
+    tether.start_processes(success, nprocs=1, preload=preload)
+    # The first child kills the zygote while it may still be forking the others: either the
+    # call fails with a clear error, or (if every fork was done) the children run and the
+    # next call restarts the zygote. It never hangs, and nothing is left running.
+    try:
+        tether.start_processes(
+            kill_zygote_then_sleep, args=(zygote.pid,), nprocs=40, preload=preload
+        )
+    except RuntimeError as e:
+        assert "zygote" in str(e) and "SIGKILL" in str(e)
+    assert stray_children() == set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        tether.start_processes(success, nprocs=1, preload=preload)
+
+
+def test_busy_parent_threads_holding_locks_do_not_deadlock_children():
+    import logging
+
+    stop = threading.Event()
+    lock = threading.Lock()
+    handler_lock = logging.getLogger().handlers[0].lock if logging.getLogger().handlers else None
+
+    def busy():
+        while not stop.is_set():
+            with lock:
+                data = [bytearray(4096) for _ in range(50)]  # malloc under a held lock
+                if handler_lock is not None:
+                    with handler_lock:
+                        del data
+
+    threads = [threading.Thread(target=busy) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(5):
+            tether.start_processes(success, nprocs=4, start_method="forkserver")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def test_concurrent_spawns_from_several_threads():
+    errors = []
+
+    def run():
+        try:
+            for _ in range(3):
+                tether.start_processes(success, nprocs=2, start_method="forkserver")
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_child_output_goes_to_the_parents_current_stdout(capfd):
+    tether.start_processes(print_hello, nprocs=1, start_method="forkserver")
+    assert "hello from the zygote child" in capfd.readouterr().out
+
+
+def print_hello(i):
+    print("hello from the zygote child", flush=True)
+
+
+def test_the_zygote_does_not_import_the_users_modules():
+    # This test module was imported by the parent, but is not an installed package.
+    assert "test_zygote" not in _zygote.get().preload
+    assert all(
+        "/tests/" not in (getattr(sys.modules.get(m), "__file__", "") or "")
+        for m in _zygote.get().preload
+    )
