@@ -41,7 +41,9 @@ def test_parent_sigkill_takes_children_and_grandchildren(method):
     proc = start_script("parent_killed.py", method)
     try:
         pids = read_pids(proc)
-        assert len(set(pids)) == (7 if method == "forkserver" else 6)
+        # Six children and grandchildren; with "forkserver" also the zygote and the children
+        # it keeps ready.
+        assert len(set(pids)) >= 7 if method == "forkserver" else len(set(pids)) == 6
     finally:
         proc.kill()
         proc.communicate()

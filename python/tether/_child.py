@@ -9,7 +9,6 @@ On an exception (``KeyboardInterrupt`` included) it writes a report to the pipe 
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing.process
 import multiprocessing.spawn
 import multiprocessing.util
@@ -131,17 +130,14 @@ def reset_after_fork() -> None:
     multiprocessing.util._run_after_forkers()  # type: ignore[attr-defined]
 
 
-def exit_forked(code: int, run_atexit: bool) -> NoReturn:
+def exit_forked(code: int) -> NoReturn:
     """Ends a forked child as multiprocessing ends its fork and forkserver children: its
     finalizers run (queue feeder threads flush), non-daemon threads are joined, the standard
-    streams flushed, then ``os._exit`` skips the interpreter's slow teardown. ``run_atexit``
-    also runs the ``atexit`` handlers, which belong to the child only when it was forked
-    from a zygote (a fork of the user's process would run the parent's)."""
+    streams flushed, then ``os._exit`` skips ``atexit`` handlers and the interpreter's slow
+    teardown (most of a second with torch loaded)."""
     try:
         multiprocessing.util._exit_function()  # type: ignore[attr-defined]
         threading._shutdown()  # type: ignore[attr-defined]
-        if run_atexit:
-            atexit._run_exitfuncs()
     finally:
         _flush_stdio()
         os._exit(code)
@@ -164,4 +160,4 @@ def run_forked(
         reset_after_fork()
         code = run_rank(lambda: fn(rank, *args), report_fd)
     finally:
-        exit_forked(code, run_atexit=False)
+        exit_forked(code)

@@ -27,6 +27,7 @@ import multiprocessing.spawn
 import os
 import pickle
 import select
+import signal
 import site
 import socket
 import struct
@@ -35,12 +36,14 @@ import sys
 import threading
 import traceback
 import warnings
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, NoReturn, Optional, Sequence, Set, Tuple
 
 from . import _child, _native
 
 _MESSAGE = struct.Struct("<BQ")
-READY, PID, DONE, ERROR, REQUEST = range(1, 6)
+READY, PID, DONE, ERROR, REQUEST, RESERVE = range(1, 7)
+#: Most blank children a zygote keeps ready.
+MAX_RESERVE = 64
 #: Most fds one request may pass.
 _MAX_FDS = 250
 
@@ -61,9 +64,9 @@ def _send(sock: socket.socket, kind: int, body: bytes = b"", fds: Sequence[int] 
     head = _MESSAGE.pack(kind, len(body))
     if fds:
         socket.send_fds(sock, [head], list(fds))
+        sock.sendall(body)
     else:
-        sock.sendall(head)
-    sock.sendall(body)
+        sock.sendall(head + body)  # one write: small messages arrive whole
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
@@ -124,64 +127,134 @@ def main() -> None:
     _quiesce()
     threads = len(os.listdir("/proc/self/task"))
     _send(sock, READY, pickle.dumps({"failures": failures, "threads": threads}))
-    parent = os.getppid()
-    while True:
+    _Server(sock, os.getppid(), config["reserve"]).run()
+
+
+class _Server:
+    """The zygote's loop. Between requests it keeps ``target`` blank children ready: forked
+    already, waiting on a private socket for their work, so that a request costs no fork
+    (the target grows to the largest request seen, up to ``MAX_RESERVE``). The parent is
+    told each blank's pid (RESERVE), so that it can reap the blanks that never get work."""
+
+    def __init__(self, sock: socket.socket, parent: int, target: int) -> None:
+        self.sock = sock
+        self.parent = parent
+        self.target = min(target, MAX_RESERVE)
+        self.blanks: List[Tuple[int, socket.socket]] = []
+
+    def run(self) -> None:
+        while True:
+            self.replenish()
+            try:
+                kind, body, fds = _recv(self.sock)
+            except EOFError:
+                for _, channel in self.blanks:
+                    channel.close()  # each blank sees the end of file and exits
+                os._exit(0)
+            try:
+                if kind == REQUEST:
+                    self.serve(body, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def serve(self, body: bytes, fds: List[int]) -> None:
+        """Starts one child per rank of the request, telling the parent each pid at once."""
+        request = pickle.loads(body)
+        shared = len(request["targets"])
+        self.target = min(max(self.target, len(request["ranks"])), MAX_RESERVE)
         try:
-            kind, body, fds = _recv(sock)
-        except EOFError:
-            os._exit(0)
-        if kind == REQUEST:
-            _serve(sock, pickle.loads(body), fds, parent)
-        for fd in fds:
-            os.close(fd)
+            for n, rank in enumerate(request["ranks"]):
+                own = fds[:shared] + [fds[shared + n]]
+                pid = self.activate(body, rank, own) or self.fork_now(request, rank, own)
+                _send(self.sock, PID, struct.pack("<i", pid))
+        except Exception:
+            _send(self.sock, ERROR, traceback.format_exc().encode())
+        else:
+            _send(self.sock, DONE)
 
+    def activate(self, body: bytes, rank: int, fds: List[int]) -> Optional[int]:
+        """Hands the work to a blank child; None when none is left."""
+        while self.blanks:
+            pid, channel = self.blanks.pop(0)
+            try:
+                _send(channel, REQUEST, struct.pack("<I", rank) + body, fds)
+                return pid
+            except OSError:
+                continue  # that blank died; the parent reaps it with the others
+            finally:
+                channel.close()
+        return None
 
-def _serve(sock: socket.socket, request: Dict, fds: List[int], parent: int) -> None:
-    """Forks one child per rank of the request, telling the parent each pid at once."""
-    shared = len(request["targets"])
-    try:
-        for n, rank in enumerate(request["ranks"]):
+    def fork_now(self, request: Dict, rank: int, fds: List[int]) -> int:
+        pid = _native.zygote_fork()
+        if pid == 0:
+            code = 1
+            try:
+                _native.setup_forked_child(self.parent, True)
+                code = _run_request(request, fds, rank)
+            finally:
+                _child.exit_forked(code)
+        return pid
+
+    def replenish(self) -> None:
+        """Forks blanks up to the target, stopping early when a request is waiting."""
+        while len(self.blanks) < self.target and not select.select([self.sock], [], [], 0)[0]:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             pid = _native.zygote_fork()
             if pid == 0:
-                _become_child(sock, request, fds[:shared] + [fds[shared + n]], rank, parent)
-            _send(sock, PID, struct.pack("<i", pid))
-    except Exception:
-        _send(sock, ERROR, traceback.format_exc().encode())
-    else:
-        _send(sock, DONE)
+                _wait_for_work(theirs, self.parent)
+            theirs.close()
+            self.blanks.append((pid, ours))
+            _send(self.sock, RESERVE, struct.pack("<i", pid))
 
 
-def _become_child(sock: socket.socket, request: Dict, fds: List[int], rank: int, parent: int):
-    """In a new child of the zygote: become a clean process, then run the user's function.
-    Never returns."""
+def _wait_for_work(channel: socket.socket, parent: int) -> NoReturn:
+    """A blank child: wait for a request on ``channel`` (exit at its end), then run it."""
     code = 1
     try:
-        sock.close()
         _native.setup_forked_child(parent, True)
-        report_target = request["report_targets"][rank]
-        _place_fds(fds, request["targets"] + [report_target])
-        os.set_inheritable(report_target, False)
-        os.environb.clear()
-        os.environb.update(request["env"])
-        _child.reset_after_fork()
-        _reseed()
-        code = _child.run_payload(request["prep"], request["work"], rank, report_target)
+        _close_all_but([channel.fileno()])
+        try:
+            kind, body, fds = _recv(channel)
+        except EOFError:
+            os._exit(0)
+        channel.close()
+        (rank,) = struct.unpack_from("<I", body)
+        code = _run_request(pickle.loads(body[4:]), fds, rank)
     except BaseException:
         traceback.print_exc()
     finally:
-        _child.exit_forked(code, run_atexit=True)
+        _child.exit_forked(code)
+
+
+def _run_request(request: Dict, fds: List[int], rank: int) -> int:
+    """In a new child: take the parent's fds, environment and a fresh random state, then run
+    the user's function; returns the exit status."""
+    report_target = request["report_targets"][rank]
+    _place_fds(fds, request["targets"] + [report_target])
+    os.set_inheritable(report_target, False)
+    os.environb.clear()
+    os.environb.update(request["env"])
+    _child.reset_after_fork()
+    _reseed()
+    return _child.run_payload(request["prep"], request["work"], rank, report_target)
+
+
+def _close_all_but(keep: Sequence[int]) -> None:
+    """Closes every fd above 2 but those in ``keep``."""
+    low = 3
+    for fd in sorted(keep):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
 
 
 def _place_fds(fds: List[int], targets: List[int]) -> None:
     """Puts each received fd at its target number and closes every other fd but 0, 1, 2."""
     base = max([2, *fds, *targets]) + 1
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, base) for fd in fds]
-    keep = sorted(high)
-    low = 3
-    for fd in keep:
-        os.closerange(low, fd)
-        low = fd + 1
-    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+    _close_all_but(high)
     for fd, target in zip(high, targets):
         os.dup2(fd, target)
         os.close(fd)
@@ -201,9 +274,9 @@ def _reseed() -> None:
     if numpy is not None:
         numpy.random.seed()
     torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "initial_seed"):
-        if torch.initial_seed() != _TORCH_FIXED_SEED:
-            torch.seed()
+    generator = getattr(torch, "default_generator", None)
+    if generator is not None and generator.initial_seed() != _TORCH_FIXED_SEED:
+        generator.seed()
 
 
 # The parent's side ----------------------------------------------------------------------
@@ -254,25 +327,60 @@ class Zygote:
         self._group: Optional[_native.Group] = None
         self._sock: Optional[socket.socket] = None
         self._ready = False
+        #: Blank children the zygote has forked for later requests (ours to reap).
+        self._reserve: Set[int] = set()
 
     @property
     def pid(self) -> Optional[int]:
         return None if self._group is None else self._group.pid(0)
 
-    def start(self) -> None:
-        """Starts the zygote process if it is not running; returns at once (the imports
-        happen in the background)."""
+    def pids(self) -> List[int]:
+        """The zygote's pid and those of its blank children, if it runs."""
         with self._lock:
-            self._ensure_started()
+            if not self._alive():
+                return []
+            return [self._group.pid(0), *sorted(self._reserve)]  # type: ignore[union-attr]
+
+    def start(self, reserve: int = 0) -> None:
+        """Starts the zygote process if it is not running, with ``reserve`` children forked
+        ahead; returns at once (the imports happen in the background)."""
+        with self._lock:
+            self._ensure_started(reserve)
+
+    def _pending(self) -> bool:
+        """Whether a whole message from the zygote is waiting. Raises EOFError at its end."""
+        assert self._sock is not None
+        peek = socket.MSG_PEEK | socket.MSG_DONTWAIT
+        try:
+            head = self._sock.recv(_MESSAGE.size, peek)
+            if not head:
+                raise EOFError
+            if len(head) < _MESSAGE.size:
+                return False
+            size = _MESSAGE.size + _MESSAGE.unpack(head)[1]
+            return len(self._sock.recv(size, peek)) == size
+        except BlockingIOError:
+            return False
 
     def _alive(self) -> bool:
-        """Running and connected: a zygote that died leaves its socket readable (at end of
-        file) before the supervisor may have seen its exit."""
+        """Running and connected. Takes in the zygote's notices about blank children; a
+        zygote that died is seen at the end of its socket before the supervisor may have
+        seen its exit."""
         if self._group is None or self._sock is None or self._group.exit(0) is not None:
             return False
-        return not select.select([self._sock], [], [], 0)[0] or not self._ready
+        if not self._ready:
+            return True
+        try:
+            while self._pending():
+                kind, body, _ = _recv(self._sock)
+                if kind != RESERVE:
+                    return False
+                self._reserve.add(struct.unpack("<i", body)[0])
+        except (EOFError, OSError):
+            return False
+        return True
 
-    def _ensure_started(self) -> None:
+    def _ensure_started(self, reserve: int = 0) -> None:
         if self._alive():
             return
         if self._group is not None:
@@ -282,11 +390,12 @@ class Zygote:
         argv = [multiprocessing.spawn.get_executable()]
         argv += subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
         argv += ["-c", "from tether._zygote import main; main()"]
-        config = pickle.dumps({"preload": self.preload, "sys_path": list(sys.path)})
+        config = {"preload": self.preload, "sys_path": list(sys.path), "reserve": reserve}
         env = [(b"TETHER_ZYGOTE_FD", str(theirs.fileno()).encode())]
         group = _native.Group()
         try:
-            group.launch([([os.fsencode(a) for a in argv], env, [theirs.fileno()], config)])
+            spec = ([os.fsencode(a) for a in argv], env, [theirs.fileno()], pickle.dumps(config))
+            group.launch([spec])
         finally:
             theirs.close()
         self._group, self._sock, self._ready = group, ours, False
@@ -335,9 +444,11 @@ class Zygote:
         report_fds: Sequence[int],
         prep: bytes,
         work: bytes,
-    ) -> List[int]:
-        """Starts one child per rank; returns their pids. The children get ``fds`` at the
-        numbers ``targets`` and their report pipe at the number of the parent's fd."""
+        on_pid: Callable[[int, int], None],
+    ) -> None:
+        """Starts one child per rank, calling ``on_pid(n, pid)`` for the n-th as soon as it
+        exists. The children get ``fds`` at the numbers ``targets`` and their report pipe
+        at the number of the parent's fd."""
         request = {
             "ranks": list(ranks),
             "targets": list(targets),
@@ -365,10 +476,15 @@ class Zygote:
             try:
                 while True:
                     kind, reply, _ = _recv(self._sock)
-                    if kind == PID:
-                        pids.append(struct.unpack("<i", reply)[0])
+                    if kind == RESERVE:
+                        self._reserve.add(struct.unpack("<i", reply)[0])
+                    elif kind == PID:
+                        pid = struct.unpack("<i", reply)[0]
+                        self._reserve.discard(pid)
+                        pids.append(pid)
+                        on_pid(len(pids) - 1, pid)
                     elif kind == DONE:
-                        return pids
+                        return
                     else:
                         raise ZygoteError(
                             f"the tether zygote failed to start a process:\n{reply.decode()}", pids
@@ -378,11 +494,29 @@ class Zygote:
                 raise ZygoteError(message, pids) from exc
 
     def _close(self) -> None:
+        """Stops the zygote and reaps the blank children it kept: at the end of its socket
+        it closes theirs, and each exits."""
         if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_WR)
+                self._sock.settimeout(5.0)
+                while True:
+                    kind, body, _ = _recv(self._sock)
+                    if kind == RESERVE:
+                        self._reserve.add(struct.unpack("<i", body)[0])
+            except (EOFError, OSError):
+                pass
             self._sock.close()
         if self._group is not None and not self._group.wait(None, "all", 1.0):
-            self._group.signal_all(9)
+            self._group.signal_all(signal.SIGKILL)
             self._group.wait(None, "all", 5.0)
+        for pid in self._reserve:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except OSError:
+                pass  # already reaped (a SIGCHLD disposition of SIG_IGN does that)
+        self._reserve.clear()
         self._group = self._sock = None
 
     def close(self) -> None:
@@ -409,17 +543,18 @@ def get(preload: Optional[Iterable[str]] = None) -> Zygote:
     return zygote
 
 
-def warm_up(preload: Optional[Iterable[str]] = None) -> None:
+def warm_up(preload: Optional[Iterable[str]] = None, processes: int = 0) -> None:
     """Starts the zygote now, in the background, so that its imports overlap the caller's
-    own start-up; the first ``forkserver`` start then finds it ready."""
-    get(preload).start()
+    own start-up; the first ``forkserver`` start then finds it ready. ``processes``
+    children are forked ahead of time, so that a first start of that many costs no fork."""
+    get(preload).start(processes)
 
 
 def pids() -> List[int]:
-    """The pids of this process's running zygotes."""
+    """The pids of this process's running zygotes and of the children they keep ready."""
     with _zygotes_lock:
         zygotes = [z for (pid, _, _), z in _zygotes.items() if pid == os.getpid()]
-    return [z.pid for z in zygotes if z.pid is not None]
+    return [pid for z in zygotes for pid in z.pids()]
 
 
 @atexit.register

@@ -298,19 +298,19 @@ def _launch_forkserver(
     pipes = [os.pipe() for _ in range(nprocs)]
     group = _native.Group()
     try:
-        pids = _zygote.get(preload).fork(
+        _zygote.get(preload).fork(
             ranks=range(nprocs),
             fds=stdio + popen.fds,
             targets=stdio + popen.fds,
             report_fds=[w for _, w in pipes],
             prep=prep,
             work=work,
+            on_pid=lambda n, pid: group.adopt(pid, pipes[n][0]),
         )
-        for pid, (read_fd, _) in zip(pids, pipes):
-            group.adopt(pid, read_fd)
     except _zygote.ZygoteError as e:
-        for pid in e.pids:
+        for pid in e.pids[len(group) :]:
             _kill_stray(pid)
+        group.signal_all(signal.SIGKILL)
         raise
     finally:
         for read_fd, write_fd in pipes:
