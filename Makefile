@@ -40,8 +40,15 @@ lint: $(DEPS)
 	$(VENV)/bin/ruff check python tests bench examples
 
 demo: build
+	@echo "== tether.spawn: a rank fails, the others are stopped, the root cause is reported"
 	$(PY) examples/failing_rank.py
+	@echo "== tether.spawn: a CPU training job over 2 ranks with torch.distributed (gloo)"
 	$(PY) examples/train_gloo.py
+	@echo "== the zygote: 8 processes from a script that imports torch"
+	$(PY) examples/zygote.py
+	@echo "== tether run: 4 ranks of a script, then the same with rank 2 failing"
+	$(VENV)/bin/tether run -n 4 -- $(PY) examples/rank_report.py
+	-$(VENV)/bin/tether run -n 4 --grace-period 5 -- $(PY) examples/rank_report.py --fail
 
 bench: build
 	$(PY) bench/spawn.py
