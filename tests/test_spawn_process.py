@@ -98,3 +98,18 @@ def test_a_script_without_the_main_guard_fails_clearly():
     assert "parent done" not in out.stdout
     assert "ProcessRaisedException" in out.stderr
     assert "if __name__ == '__main__':" in out.stderr
+
+
+@pytest.mark.parametrize("daemon", ["daemon", "nondaemon"])
+def test_interpreter_exit_without_join(daemon):
+    proc = start_script("exit_without_join.py", daemon)
+    pids = read_pids(proc)
+    out = proc.stdout.read()  # up to the parent's exit
+    finished = time.monotonic()
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    main_done = float(out.split("main done at ")[1])
+    if daemon == "daemon":
+        assert finished - main_done < 20, "the parent waited for its daemonic children"
+    else:
+        assert finished - main_done >= 0.3, "the parent did not wait for its children"
+    assert wait_gone(pids, 1.0) == []
