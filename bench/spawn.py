@@ -1,26 +1,34 @@
-"""tether.spawn against torch.multiprocessing.spawn, from a script that imports torch (so
-each spawned child imports torch too, as in real training scripts).
+"""Starting processes from a script that imports torch (so that each fresh child imports
+torch too, as a training script's children do): tether against torch, in the same run.
 
     python bench/spawn.py [--reps 3] [--nprocs 2 4 8]
 
-Prints, per nprocs, the median wall time from the call to a successful join for each, and the
-ratio; then the latency from a child's exception to the parent's raise."""
+For each nprocs, the median wall time from the call to a successful join of a trivial
+function: torch.multiprocessing.spawn; torch's start_processes with Python's forkserver and
+torch preloaded (cold: server started by the call; warm: already up); tether "spawn"; and
+tether "forkserver", the zygote (cold: zygote started by the call; warm: already up). Then
+the latency from a child's exception to the parent's raise, and the summed PSS of 8 idle
+children, spawn against zygote."""
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 import time
+from typing import Callable, Dict, List
 
-import torch  # noqa: F401  (what a training script has imported when it spawns)
+import torch
 import torch.multiprocessing as tmp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _table import fmt_seconds, median, print_table, ratio, repeat  # noqa: E402
+from _table import fmt_seconds, median, print_table, ratio  # noqa: E402
 
 import tether  # noqa: E402
+from tether import _zygote  # noqa: E402
 
 
 def trivial(i: int) -> None:
@@ -31,21 +39,83 @@ def raise_now(i: int) -> None:
     raise ValueError(repr(time.monotonic()))
 
 
-def time_spawn(spawn, nprocs: int) -> float:
+def idle(i: int, ready, release) -> None:
+    ready.put(os.getpid())
+    release.wait()
+
+
+def timed(call: Callable[[], None]) -> float:
     start = time.perf_counter()
-    spawn(trivial, nprocs=nprocs)
+    call()
     return time.perf_counter() - start
 
 
-def time_failure(spawn, errors) -> float:
+def stop_python_forkserver() -> None:
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        server._stop()
+
+
+def torch_forkserver(n: int, cold: bool) -> float:
+    if cold:
+        stop_python_forkserver()
+    multiprocessing.set_forkserver_preload(["torch"])
+    return timed(lambda: tmp.start_processes(trivial, nprocs=n, start_method="forkserver"))
+
+
+def tether_forkserver(n: int, cold: bool) -> float:
+    if cold:
+        _zygote.shutdown()
+    else:
+        tether.warm_up()
+        tether.start_processes(trivial, nprocs=1)  # the zygote is up and ready
+    return timed(lambda: tether.start_processes(trivial, nprocs=n, start_method="forkserver"))
+
+
+CONTENDERS: Dict[str, Callable[[int], float]] = {
+    "torch spawn": lambda n: timed(lambda: tmp.spawn(trivial, nprocs=n)),
+    "torch forkserver cold": lambda n: torch_forkserver(n, cold=True),
+    "torch forkserver warm": lambda n: torch_forkserver(n, cold=False),
+    "tether spawn": lambda n: timed(
+        lambda: tether.start_processes(trivial, nprocs=n, start_method="spawn")
+    ),
+    "tether zygote cold": lambda n: tether_forkserver(n, cold=True),
+    "tether zygote warm": lambda n: tether_forkserver(n, cold=False),
+}
+
+
+def failure_latency(spawn, errors) -> float:
     """Seconds from the child's raise to the parent's raise."""
     try:
         spawn(raise_now, nprocs=1)
     except errors as e:
         caught = time.monotonic()
-        raised = float(str(e).strip().rsplit("ValueError: ", 1)[1])
-        return caught - raised
+        return caught - float(str(e).strip().rsplit("ValueError: ", 1)[1])
     raise AssertionError("the child did not fail")
+
+
+def pss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    return 0
+
+
+def idle_children_pss(method: str, n: int = 8) -> float:
+    """The summed PSS (MiB) of ``n`` idle children started with ``method``."""
+    mp = multiprocessing.get_context("spawn")
+    ready, release = mp.Queue(), mp.Event()
+    ctx = tether.start_processes(
+        idle, args=(ready, release), nprocs=n, join=False, start_method=method
+    )
+    pids = [ready.get(timeout=300) for _ in range(n)]
+    total = sum(pss_kib(p) for p in pids) / 1024
+    release.set()
+    ctx.join()
+    ready.close()
+    ready.join_thread()
+    return total
 
 
 def main() -> None:
@@ -55,22 +125,52 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, {args.reps} repetitions")
 
-    rows = []
+    results: Dict[int, Dict[str, float]] = {}
     for n in args.nprocs:
-        theirs = median(repeat(lambda n=n: time_spawn(tmp.spawn, n), args.reps))
-        ours = median(repeat(lambda n=n: time_spawn(tether.spawn, n), args.reps))
-        rows.append((f"nprocs={n}", [fmt_seconds(theirs), fmt_seconds(ours), ratio(theirs, ours)]))
-        print(f"  nprocs={n}: torch {fmt_seconds(theirs)}, tether {fmt_seconds(ours)}", flush=True)
-    print_table("spawn to join (median)", ["torch.mp.spawn", "tether.spawn", "speed-up"], rows)
+        samples: Dict[str, List[float]] = {name: [] for name in CONTENDERS}
+        for _ in range(args.reps):  # interleaved, so that drift hits every contender alike
+            for name, run in CONTENDERS.items():
+                samples[name].append(run(n))
+        results[n] = {name: median(s) for name, s in samples.items()}
+        print(
+            f"  nprocs={n}: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in results[n].items()),
+            flush=True,
+        )
 
-    theirs = median(repeat(lambda: time_failure(tmp.spawn, tmp.ProcessRaisedException), args.reps))
+    names = list(CONTENDERS)
+    print_table(
+        "start to join (median)",
+        [f"nprocs={n}" for n in args.nprocs],
+        [(name, [fmt_seconds(results[n][name]) for n in args.nprocs]) for name in names],
+    )
+    base = "torch spawn"
+    print_table(
+        f"speed-up over {base}",
+        [f"nprocs={n}" for n in args.nprocs],
+        [
+            (name, [ratio(results[n][base], results[n][name]) for n in args.nprocs])
+            for name in names[1:]
+        ],
+    )
+
+    theirs = median(
+        [failure_latency(tmp.spawn, tmp.ProcessRaisedException) for _ in range(args.reps)]
+    )
     ours = median(
-        repeat(lambda: time_failure(tether.spawn, tether.ProcessRaisedException), args.reps)
+        [failure_latency(tether.spawn, tether.ProcessRaisedException) for _ in range(args.reps)]
     )
     print_table(
         "child raise -> parent raise (median)",
         ["torch.mp.spawn", "tether.spawn", "speed-up"],
         [("nprocs=1", [fmt_seconds(theirs), fmt_seconds(ours), ratio(theirs, ours)])],
+    )
+
+    spawn_pss = idle_children_pss("spawn")
+    zygote_pss = idle_children_pss("forkserver")
+    print_table(
+        "summed PSS of 8 idle children",
+        ["spawn", "zygote", "zygote/spawn"],
+        [("MiB", [f"{spawn_pss:.0f}", f"{zygote_pss:.0f}", f"{zygote_pss / spawn_pss:.2f}"])],
     )
 
 

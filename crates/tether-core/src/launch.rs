@@ -235,7 +235,10 @@ pub fn setup_forked_child(parent: libc::pid_t, forked_from_main: bool) -> io::Re
     std::thread::Builder::new()
         .name("tether-parent-watch".into())
         .spawn(move || {
-            let mut fds = [rustix::event::PollFd::new(&pidfd, rustix::event::PollFlags::IN)];
+            let mut fds = [rustix::event::PollFd::new(
+                &pidfd,
+                rustix::event::PollFlags::IN,
+            )];
             while rustix::event::poll(&mut fds, None).is_err() {}
             // SAFETY: kill ourselves; the parent is gone.
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };

@@ -84,10 +84,37 @@ impl fmt::Display for ExitStatus {
 }
 
 const NAMES: [&str; 31] = [
-    "SIGHUP", "SIGINT", "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGKILL",
-    "SIGUSR1", "SIGSEGV", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM", "SIGSTKFLT", "SIGCHLD",
-    "SIGCONT", "SIGSTOP", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGXCPU", "SIGXFSZ",
-    "SIGVTALRM", "SIGPROF", "SIGWINCH", "SIGIO", "SIGPWR", "SIGSYS",
+    "SIGHUP",
+    "SIGINT",
+    "SIGQUIT",
+    "SIGILL",
+    "SIGTRAP",
+    "SIGABRT",
+    "SIGBUS",
+    "SIGFPE",
+    "SIGKILL",
+    "SIGUSR1",
+    "SIGSEGV",
+    "SIGUSR2",
+    "SIGPIPE",
+    "SIGALRM",
+    "SIGTERM",
+    "SIGSTKFLT",
+    "SIGCHLD",
+    "SIGCONT",
+    "SIGSTOP",
+    "SIGTSTP",
+    "SIGTTIN",
+    "SIGTTOU",
+    "SIGURG",
+    "SIGXCPU",
+    "SIGXFSZ",
+    "SIGVTALRM",
+    "SIGPROF",
+    "SIGWINCH",
+    "SIGIO",
+    "SIGPWR",
+    "SIGSYS",
 ];
 
 /// The conventional name of a signal (`SIGKILL`), `SIGRTMIN+n` for real-time signals, or
@@ -119,10 +146,7 @@ pub fn signal_from_name(name: &str) -> Option<i32> {
     if full == "SIGIOT" {
         return Some(libc::SIGABRT);
     }
-    NAMES
-        .iter()
-        .position(|n| *n == full)
-        .map(|i| i as i32 + 1)
+    NAMES.iter().position(|n| *n == full).map(|i| i as i32 + 1)
 }
 
 /// A hint that helps the reader of an error about a process killed by `signal`.

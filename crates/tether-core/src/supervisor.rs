@@ -401,7 +401,8 @@ impl Loop {
     fn serve_requests(&mut self) {
         let mut buf = [0u8; 8];
         let _ = rustix::io::read(&self.sup.wake, &mut buf);
-        let requests = std::mem::take(&mut *self.sup.queue.lock().unwrap_or_else(|e| e.into_inner()));
+        let requests =
+            std::mem::take(&mut *self.sup.queue.lock().unwrap_or_else(|e| e.into_inner()));
         for request in requests {
             match request {
                 Request::Launch {
@@ -423,7 +424,11 @@ impl Loop {
         }
     }
 
-    fn launch_all(&mut self, group: &Arc<GroupInner>, specs: Vec<LaunchSpec>) -> Result<Vec<usize>, Error> {
+    fn launch_all(
+        &mut self,
+        group: &Arc<GroupInner>,
+        specs: Vec<LaunchSpec>,
+    ) -> Result<Vec<usize>, Error> {
         let mut started = Vec::with_capacity(specs.len());
         for spec in specs {
             match self.launch(group, spec) {
@@ -469,7 +474,11 @@ impl Loop {
         let child = launch::command(&spec, &extra_keep)?
             .spawn()
             .map_err(|e| Error::Launch {
-                program: spec.argv.first().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default(),
+                program: spec
+                    .argv
+                    .first()
+                    .map(|p| p.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
                 source: e,
             })?;
         let pid = child.id() as i32;
@@ -479,7 +488,12 @@ impl Loop {
         self.register(group, pid, report, payload)
     }
 
-    fn adopt(&mut self, group: &Arc<GroupInner>, pid: i32, report: Option<OwnedFd>) -> Result<usize, Error> {
+    fn adopt(
+        &mut self,
+        group: &Arc<GroupInner>,
+        pid: i32,
+        report: Option<OwnedFd>,
+    ) -> Result<usize, Error> {
         self.register(group, pid, report, None)
     }
 
@@ -490,7 +504,8 @@ impl Loop {
         report: Option<OwnedFd>,
         payload: Option<(OwnedFd, Vec<u8>)>,
     ) -> Result<usize, Error> {
-        let raw = rustix::process::Pid::from_raw(pid).ok_or(Error::Io(io::Error::from_raw_os_error(libc::ESRCH)))?;
+        let raw = rustix::process::Pid::from_raw(pid)
+            .ok_or(Error::Io(io::Error::from_raw_os_error(libc::ESRCH)))?;
         let pidfd = rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty())?;
         let index = {
             let mut state = group.lock();
@@ -507,8 +522,20 @@ impl Loop {
             Some(fd) => {
                 rustix::io::ioctl_fionbio(&fd, true)?;
                 let token = self.token();
-                epoll::add(&self.epoll, &fd, epoll::EventData::new_u64(token), epoll::EventFlags::IN)?;
-                self.watches.insert(token, Watch::Report { group: group.clone(), index, fd });
+                epoll::add(
+                    &self.epoll,
+                    &fd,
+                    epoll::EventData::new_u64(token),
+                    epoll::EventFlags::IN,
+                )?;
+                self.watches.insert(
+                    token,
+                    Watch::Report {
+                        group: group.clone(),
+                        index,
+                        fd,
+                    },
+                );
                 Some(token)
             }
             None => None,
@@ -517,8 +544,20 @@ impl Loop {
             Some((fd, data)) => {
                 rustix::io::ioctl_fionbio(&fd, true)?;
                 let token = self.token();
-                epoll::add(&self.epoll, &fd, epoll::EventData::new_u64(token), epoll::EventFlags::OUT)?;
-                self.watches.insert(token, Watch::Payload { fd, data, written: 0 });
+                epoll::add(
+                    &self.epoll,
+                    &fd,
+                    epoll::EventData::new_u64(token),
+                    epoll::EventFlags::OUT,
+                )?;
+                self.watches.insert(
+                    token,
+                    Watch::Payload {
+                        fd,
+                        data,
+                        written: 0,
+                    },
+                );
                 Some(token)
             }
             None => None,
@@ -529,7 +568,12 @@ impl Loop {
             // SAFETY: the pidfd is owned by the member, which lives as long as `group`,
             // which this watch keeps alive until the fd is removed from the epoll set.
             let fd = unsafe { BorrowedFd::borrow_raw(state.members[index].pidfd.as_raw_fd()) };
-            epoll::add(&self.epoll, fd, epoll::EventData::new_u64(token), epoll::EventFlags::IN)?;
+            epoll::add(
+                &self.epoll,
+                fd,
+                epoll::EventData::new_u64(token),
+                epoll::EventFlags::IN,
+            )?;
         }
         self.watches.insert(
             token,
@@ -579,7 +623,13 @@ impl Loop {
     /// The child behind `token` is ready to be waited for: observe its status without reaping
     /// it, drain its report, kill what it left in its process group, then reap it.
     fn on_exit(&mut self, token: u64) {
-        let Some(Watch::Exit { group, index, report, payload }) = self.watches.get(&token) else {
+        let Some(Watch::Exit {
+            group,
+            index,
+            report,
+            payload,
+        }) = self.watches.get(&token)
+        else {
             return;
         };
         let (group, index, report, payload) = (group.clone(), *index, *report, *payload);

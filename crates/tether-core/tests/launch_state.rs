@@ -35,9 +35,19 @@ fn child_starts_clean_in_its_own_group() {
     let pid = group.pid(idx).unwrap();
     common::wait_exec(pid, "sleep");
 
-    assert_eq!(common::pgid(pid), Some(pid), "child leads its own process group");
-    assert_eq!(common::status_field(pid, "SigIgn").unwrap(), "0000000000000000");
-    assert_eq!(common::status_field(pid, "SigBlk").unwrap(), "0000000000000000");
+    assert_eq!(
+        common::pgid(pid),
+        Some(pid),
+        "child leads its own process group"
+    );
+    assert_eq!(
+        common::status_field(pid, "SigIgn").unwrap(),
+        "0000000000000000"
+    );
+    assert_eq!(
+        common::status_field(pid, "SigBlk").unwrap(),
+        "0000000000000000"
+    );
     assert_eq!(common::fds(pid), vec![0, 1, 2, kept.as_raw_fd()]);
     assert!(!common::fds(pid).contains(&stray_inheritable));
 

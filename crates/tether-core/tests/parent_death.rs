@@ -35,7 +35,12 @@ fn helper_parent() {
 #[test]
 fn children_die_with_their_parent() {
     let mut helper = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "helper_parent", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "helper_parent",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(HELPER, "1")
         .stdout(Stdio::piped())
         .spawn()
@@ -46,7 +51,11 @@ fn children_die_with_their_parent() {
         line.clear();
         assert!(out.read_line(&mut line).unwrap() > 0, "helper exited early");
     }
-    let pids: Vec<i32> = line.split_whitespace().skip(1).map(|w| w.parse().unwrap()).collect();
+    let pids: Vec<i32> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|w| w.parse().unwrap())
+        .collect();
     for &pid in &pids {
         common::wait_exec(pid, "sleep");
     }

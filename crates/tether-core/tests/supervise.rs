@@ -17,7 +17,9 @@ fn sh(script: &str) -> LaunchSpec {
 fn report_pid(group: &Group, idx: usize) -> i32 {
     let mut pid = 0;
     assert!(common::eventually(Duration::from_secs(5), || {
-        let text = group.with_member(idx, |m| String::from_utf8_lossy(m.report()).into_owned()).unwrap();
+        let text = group
+            .with_member(idx, |m| String::from_utf8_lossy(m.report()).into_owned())
+            .unwrap();
         pid = text.trim().parse().unwrap_or(0);
         pid > 0
     }));
@@ -28,7 +30,12 @@ fn report_pid(group: &Group, idx: usize) -> i32 {
 fn exit_statuses_are_classified() {
     let group = Group::new();
     group
-        .launch(vec![sh("exit 0"), sh("exit 3"), sh("kill -ABRT $$"), sh("kill -KILL $$")])
+        .launch(vec![
+            sh("exit 0"),
+            sh("exit 3"),
+            sh("kill -ABRT $$"),
+            sh("kill -KILL $$"),
+        ])
         .unwrap();
     assert!(group.wait(None, WaitFor::AllExited, LIMIT));
     assert_eq!(group.exit(0).unwrap().status, ExitStatus::Exited(0));
@@ -36,7 +43,10 @@ fn exit_statuses_are_classified() {
     assert_eq!(group.exit(2).unwrap().status.signal(), Some(libc::SIGABRT));
     assert_eq!(
         group.exit(3).unwrap().status,
-        ExitStatus::Signaled { signal: libc::SIGKILL, core_dumped: false }
+        ExitStatus::Signaled {
+            signal: libc::SIGKILL,
+            core_dumped: false
+        }
     );
 }
 
@@ -60,7 +70,9 @@ fn a_large_report_is_drained_while_the_child_runs() {
     let group = Group::new();
     // 8 MiB is far more than a pipe holds: the child finishes only if it is drained.
     group
-        .launch(vec![sh("head -c 8388608 /dev/zero | tr '\\0' x >&$TETHER_REPORT_FD; exit 1")])
+        .launch(vec![sh(
+            "head -c 8388608 /dev/zero | tr '\\0' x >&$TETHER_REPORT_FD; exit 1",
+        )])
         .unwrap();
     assert!(group.wait(None, WaitFor::AllExited, LIMIT));
     let report = group.with_member(0, |m| m.report().to_vec()).unwrap();
@@ -95,10 +107,16 @@ fn exit_times_are_recorded_in_order() {
 #[test]
 fn wait_stops_at_the_first_failure_or_the_timeout() {
     let group = Group::new();
-    group.launch(vec![sh("exec sleep 30"), sh("exit 5")]).unwrap();
+    group
+        .launch(vec![sh("exec sleep 30"), sh("exit 5")])
+        .unwrap();
     assert!(group.wait(None, WaitFor::AllExitedOrFailure, LIMIT));
     assert!(group.exit(0).is_none());
-    assert!(!group.wait(Some(&[0]), WaitFor::AllExited, Some(Duration::from_millis(50))));
+    assert!(!group.wait(
+        Some(&[0]),
+        WaitFor::AllExited,
+        Some(Duration::from_millis(50))
+    ));
     group.terminate(libc::SIGTERM, Duration::from_secs(5));
     assert!(group.exit(0).is_some());
 }
@@ -112,7 +130,10 @@ fn children_outlive_the_thread_that_asked_for_them() {
         .unwrap();
     let pid = group.pid(0).unwrap();
     std::thread::sleep(Duration::from_millis(200));
-    assert!(common::alive(pid), "the child died with the thread that launched it");
+    assert!(
+        common::alive(pid),
+        "the child died with the thread that launched it"
+    );
     group.terminate(libc::SIGTERM, Duration::from_secs(5));
 }
 
@@ -121,20 +142,26 @@ fn terminate_escalates_to_sigkill_and_takes_grandchildren() {
     let group = Group::new();
     // The child and its grandchild ignore SIGTERM.
     group
-        .launch(vec![sh("trap '' TERM; sleep 30 & echo $! >&$TETHER_REPORT_FD; wait")])
+        .launch(vec![sh(
+            "trap '' TERM; sleep 30 & echo $! >&$TETHER_REPORT_FD; wait",
+        )])
         .unwrap();
     let grandchild = report_pid(&group, 0);
     let start = Instant::now();
     group.terminate(libc::SIGTERM, Duration::from_millis(300));
     assert!(start.elapsed() >= Duration::from_millis(300));
     assert_eq!(group.exit(0).unwrap().status.signal(), Some(libc::SIGKILL));
-    assert!(common::eventually(Duration::from_secs(1), || !common::alive(grandchild)));
+    assert!(common::eventually(Duration::from_secs(1), || {
+        !common::alive(grandchild)
+    }));
 }
 
 #[test]
 fn terminate_is_quick_when_children_obey_sigterm() {
     let group = Group::new();
-    group.launch(vec![sh("exec sleep 30"), sh("exec sleep 30")]).unwrap();
+    group
+        .launch(vec![sh("exec sleep 30"), sh("exec sleep 30")])
+        .unwrap();
     let start = Instant::now();
     group.terminate(libc::SIGTERM, Duration::from_secs(10));
     assert!(start.elapsed() < Duration::from_secs(5));
@@ -147,11 +174,15 @@ fn terminate_is_quick_when_children_obey_sigterm() {
 fn what_a_child_leaves_in_its_group_is_killed_when_it_exits() {
     let group = Group::new();
     group
-        .launch(vec![sh("sleep 30 & echo $! >&$TETHER_REPORT_FD; sleep 0.2; exit 0")])
+        .launch(vec![sh(
+            "sleep 30 & echo $! >&$TETHER_REPORT_FD; sleep 0.2; exit 0",
+        )])
         .unwrap();
     let grandchild = report_pid(&group, 0);
     assert!(group.wait(None, WaitFor::AllExited, LIMIT));
-    assert!(common::eventually(Duration::from_secs(1), || !common::alive(grandchild)));
+    assert!(common::eventually(Duration::from_secs(1), || {
+        !common::alive(grandchild)
+    }));
 }
 
 #[test]
@@ -185,7 +216,10 @@ fn adopted_fork_children_are_supervised() {
 fn a_program_that_does_not_exist_is_a_clear_error() {
     let group = Group::new();
     let err = group
-        .launch(vec![LaunchSpec::new(["sleep", "30"]), LaunchSpec::new(["/nonexistent/tether-test"])])
+        .launch(vec![
+            LaunchSpec::new(["sleep", "30"]),
+            LaunchSpec::new(["/nonexistent/tether-test"]),
+        ])
         .unwrap_err();
     assert!(matches!(err, Error::Launch { .. }), "{err}");
     assert!(err.to_string().contains("/nonexistent/tether-test"));
@@ -204,8 +238,16 @@ fn a_whole_report_counts_as_a_failure_before_the_exit() {
         ])
         .unwrap();
     assert!(group.wait(None, WaitFor::AllExitedOrFailure, LIMIT));
-    let (report, reported, failed, exit) =
-        group.with_member(1, |m| (m.report().to_vec(), m.reported_at(), m.failed_at(), m.exit())).unwrap();
+    let (report, reported, failed, exit) = group
+        .with_member(1, |m| {
+            (
+                m.report().to_vec(),
+                m.reported_at(),
+                m.failed_at(),
+                m.exit(),
+            )
+        })
+        .unwrap();
     assert_eq!(&report[8..], b"abc");
     assert!(reported.is_some() && failed == reported && exit.is_none());
     assert!(group.with_member(0, |m| m.failed_at()).unwrap().is_none());

@@ -21,7 +21,10 @@ pub fn pgid(pid: i32) -> Option<i32> {
 /// The open fd numbers of a process.
 pub fn fds(pid: i32) -> Vec<i32> {
     let mut fds: Vec<i32> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
         .unwrap_or_default();
     fds.sort();
     fds
