@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tether_core::{ExitStatus, LaunchSpec, WaitFor};
 
+mod channel;
 
 /// How often a wait wakes to let Python run its signal handlers (Ctrl-C).
 const SIGNAL_CHECK: Duration = Duration::from_millis(50);
@@ -18,6 +19,17 @@ const SIGNAL_CHECK: Duration = Duration::from_millis(50);
 fn os_error(err: impl std::fmt::Display) -> PyErr {
     PyOSError::new_err(err.to_string())
 }
+
+/// A launch as Python gives it: `(argv, env, keep_fds, payload)`, strings as bytes.
+type PySpec = (
+    Vec<Vec<u8>>,
+    Vec<(Vec<u8>, Vec<u8>)>,
+    Vec<i32>,
+    Option<Vec<u8>>,
+);
+
+/// A member's exit as Python sees it: `(exitcode, signal_name, core_dumped, exited_at)`.
+type PyExit = (i32, Option<String>, bool, f64);
 
 /// A set of children started and watched together.
 #[pyclass(module = "tether._native", frozen)]
@@ -36,11 +48,7 @@ impl Group {
 
     /// Starts one child per `(argv, env, keep_fds, payload)`; returns their indices.
     /// `argv` and `env` items are bytes (`os.fsencode`); each child gets a report pipe.
-    fn launch(
-        &self,
-        py: Python<'_>,
-        specs: Vec<(Vec<Vec<u8>>, Vec<(Vec<u8>, Vec<u8>)>, Vec<i32>, Option<Vec<u8>>)>,
-    ) -> PyResult<Vec<usize>> {
+    fn launch(&self, py: Python<'_>, specs: Vec<PySpec>) -> PyResult<Vec<usize>> {
         let specs: Vec<LaunchSpec> = specs
             .into_iter()
             .map(|(argv, env, keep_fds, payload)| LaunchSpec {
@@ -93,12 +101,18 @@ impl Group {
     /// `None` while the member runs; else `(exitcode, signal_name, core_dumped, exited_at)`
     /// with `exitcode` negative for a signal (as in multiprocessing) and `exited_at` on the
     /// `time.monotonic()` clock.
-    fn exit(&self, index: usize) -> PyResult<Option<(i32, Option<String>, bool, f64)>> {
+    fn exit(&self, index: usize) -> PyResult<Option<PyExit>> {
         if index >= self.inner.len() {
             return Err(no_member(index));
         }
         Ok(self.inner.exit(index).map(|e| {
-            let core = matches!(e.status, ExitStatus::Signaled { core_dumped: true, .. });
+            let core = matches!(
+                e.status,
+                ExitStatus::Signaled {
+                    core_dumped: true,
+                    ..
+                }
+            );
             (
                 e.status.as_exitcode(),
                 e.status.signal().map(tether_core::signal_name),
@@ -148,11 +162,17 @@ impl Group {
             "all" => WaitFor::AllExited,
             "all_or_failure" => WaitFor::AllExitedOrFailure,
             "any" => WaitFor::AnyExited,
-            other => return Err(PyValueError::new_err(format!("unknown wait condition {other:?}"))),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown wait condition {other:?}"
+                )))
+            }
         };
         let deadline = match timeout {
             Some(t) if !t.is_finite() || t < 0.0 => {
-                return Err(PyValueError::new_err("timeout must be a non-negative number"))
+                return Err(PyValueError::new_err(
+                    "timeout must be a non-negative number",
+                ))
             }
             Some(t) => Some(Instant::now() + Duration::from_secs_f64(t)),
             None => None,
@@ -160,7 +180,9 @@ impl Group {
         loop {
             let slice = match deadline {
                 None => SIGNAL_CHECK,
-                Some(d) => d.saturating_duration_since(Instant::now()).min(SIGNAL_CHECK),
+                Some(d) => d
+                    .saturating_duration_since(Instant::now())
+                    .min(SIGNAL_CHECK),
             };
             if py.allow_threads(|| self.inner.wait(which.as_deref(), until, Some(slice))) {
                 return Ok(true);
@@ -233,6 +255,7 @@ fn signal_hint(signal: i32) -> Option<&'static str> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Group>()?;
+    channel::register(m)?;
     m.add_function(wrap_pyfunction!(setup_forked_child, m)?)?;
     m.add_function(wrap_pyfunction!(signal_name, m)?)?;
     m.add_function(wrap_pyfunction!(zygote_fork, m)?)?;
