@@ -6,11 +6,13 @@ parent, is watched from a Rust supervisor thread through a pidfd, and reports it
 (traceback and exception) whole. Importing tether never imports torch."""
 
 from ._native import __version__
-from .errors import ProcessException, ProcessExitedException, ProcessRaisedException
 from ._zygote import set_preload, warm_up
+from .errors import ProcessException, ProcessExitedException, ProcessRaisedException
+from .pool import Pool
 from .spawn import ProcessContext, spawn, start_processes
 
 __all__ = [
+    "Pool",
     "ProcessContext",
     "ProcessException",
     "ProcessExitedException",

@@ -286,22 +286,29 @@ def _launch_spawn(fn: Callable[..., Any], args: Sequence[Any], nprocs: int) -> _
     return group
 
 
-def _launch_forkserver(
-    fn: Callable[..., Any], args: Sequence[Any], nprocs: int, preload: Optional[Sequence[str]]
+def launch_forkserver(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    ranks: Sequence[int],
+    preload: Optional[Sequence[str]],
+    keep_fds: Sequence[int] = (),
 ) -> _native.Group:
+    """Starts ``fn(rank, *args)`` for each rank as a fork of the zygote for ``preload``; the
+    children inherit the standard streams, the fds the arguments pass and ``keep_fds``,
+    under the same numbers. Also the pool's way of starting its workers."""
     from . import _zygote
 
     popen = _SpawningPopen()
     prep = _dumps(_preparation_data(popen), popen)
     work = _dumps((fn, tuple(args)), popen)
-    stdio = [0, 1, 2]
-    pipes = [os.pipe() for _ in range(nprocs)]
+    passed = [0, 1, 2, *popen.fds, *keep_fds]
+    pipes = [os.pipe() for _ in ranks]
     group = _native.Group()
     try:
         _zygote.get(preload).fork(
-            ranks=range(nprocs),
-            fds=stdio + popen.fds,
-            targets=stdio + popen.fds,
+            ranks=ranks,
+            fds=passed,
+            targets=passed,
             report_fds=[w for _, w in pipes],
             prep=prep,
             work=work,
@@ -386,7 +393,7 @@ def start_processes(
             "    if __name__ == '__main__':\n        ...\n"
         )
     if start_method == "forkserver":
-        group = _launch_forkserver(fn, args, nprocs, preload)
+        group = launch_forkserver(fn, args, range(nprocs), preload)
     elif start_method == "spawn":
         group = _launch_spawn(fn, args, nprocs)
     else:

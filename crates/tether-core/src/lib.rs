@@ -8,6 +8,7 @@
 //!   handle to a set of children.
 //! - [`status`]: exit statuses and signal names.
 
+pub mod channel;
 pub mod launch;
 pub mod status;
 pub mod supervisor;

@@ -1,0 +1,389 @@
+//! Python classes over `tether_core::channel`: `Endpoint`, `SharedFlag` and `Poller`.
+//! Every wait releases the GIL and wakes every [`SIGNAL_CHECK`] to run Python's signal
+//! handlers (in the main thread; elsewhere that check does nothing).
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pyo3::exceptions::{PyEOFError, PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tether_core::channel::{self, Recv};
+
+/// How often a wait wakes to let Python run its signal handlers (Ctrl-C).
+const SIGNAL_CHECK: Duration = Duration::from_millis(50);
+
+fn os_error(err: std::io::Error) -> PyErr {
+    PyOSError::new_err((err.raw_os_error().unwrap_or(0), err.to_string()))
+}
+
+fn closed() -> PyErr {
+    PyValueError::new_err("operation on a closed tether channel")
+}
+
+/// A timeout in seconds as a deadline; `None` waits for ever.
+fn deadline(timeout: Option<f64>) -> PyResult<Option<Instant>> {
+    match timeout {
+        Some(t) if t.is_nan() => Err(PyValueError::new_err("timeout must be a number")),
+        Some(t) if t <= 0.0 => Ok(Some(Instant::now())),
+        Some(t) if t > 1e9 => Ok(None),
+        Some(t) => Ok(Some(Instant::now() + Duration::from_secs_f64(t))),
+        None => Ok(None),
+    }
+}
+
+/// Runs `step` with the GIL released in slices of at most [`SIGNAL_CHECK`] until it returns
+/// `Some` or the deadline passes, checking Python signals between slices.
+fn sliced<T, F>(py: Python<'_>, until: Option<Instant>, mut step: F) -> PyResult<Option<T>>
+where
+    F: FnMut(Duration) -> std::io::Result<Option<T>> + Send,
+    T: Send,
+{
+    loop {
+        let slice = match until {
+            None => SIGNAL_CHECK,
+            Some(d) => d
+                .saturating_duration_since(Instant::now())
+                .min(SIGNAL_CHECK),
+        };
+        if let Some(found) = py.allow_threads(|| step(slice)).map_err(os_error)? {
+            return Ok(Some(found));
+        }
+        if until.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
+        py.check_signals()?;
+    }
+}
+
+/// Takes ownership of the raw fds (ints) of a message.
+fn into_raw(fds: Vec<OwnedFd>) -> Vec<RawFd> {
+    fds.into_iter().map(IntoRawFd::into_raw_fd).collect()
+}
+
+/// One end of a message channel (a `SOCK_SEQPACKET` socket pair): messages are sent and
+/// received whole, with fds, by any number of processes and threads.
+#[pyclass(module = "tether._native", frozen)]
+pub struct Endpoint {
+    inner: Mutex<Option<Arc<channel::Endpoint>>>,
+}
+
+impl Endpoint {
+    fn wrap(inner: channel::Endpoint) -> Endpoint {
+        Endpoint {
+            inner: Mutex::new(Some(Arc::new(inner))),
+        }
+    }
+
+    fn get(&self) -> PyResult<Arc<channel::Endpoint>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(closed)
+    }
+}
+
+#[pymethods]
+impl Endpoint {
+    /// A connected pair: what one end sends, the other receives.
+    #[staticmethod]
+    fn pair() -> PyResult<(Endpoint, Endpoint)> {
+        let (a, b) = channel::Endpoint::pair().map_err(os_error)?;
+        Ok((Endpoint::wrap(a), Endpoint::wrap(b)))
+    }
+
+    /// Takes ownership of `fd`, one end of a pair (received from another process).
+    #[staticmethod]
+    fn from_fd(fd: RawFd) -> PyResult<Endpoint> {
+        if fd < 0 {
+            return Err(PyValueError::new_err("invalid fd"));
+        }
+        // SAFETY: the caller hands over an open fd it no longer uses.
+        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Endpoint::wrap(channel::Endpoint::from_fd(owned)))
+    }
+
+    fn fileno(&self) -> PyResult<RawFd> {
+        Ok(self.get()?.as_fd().as_raw_fd())
+    }
+
+    /// A new fd (close-on-exec) for the same socket, owned by the caller.
+    fn dup(&self) -> PyResult<RawFd> {
+        let fd = self.get()?.as_fd().try_clone_to_owned().map_err(os_error)?;
+        Ok(fd.into_raw_fd())
+    }
+
+    /// Closes this process's fd (once no call on another thread still uses it).
+    fn close(&self) {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+    }
+
+    /// Sends `data` and `fds` (which stay owned by the caller) as one message; waits while
+    /// the channel is full, up to `timeout` seconds. Returns False on timeout.
+    #[pyo3(signature = (data, fds=Vec::new(), timeout=None))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        data: &[u8],
+        fds: Vec<RawFd>,
+        timeout: Option<f64>,
+    ) -> PyResult<bool> {
+        let ep = self.get()?;
+        let until = deadline(timeout)?;
+        if fds.iter().any(|&fd| fd < 0) {
+            return Err(PyValueError::new_err("invalid fd"));
+        }
+        // SAFETY: the caller keeps these fds open for the duration of the call.
+        let borrowed: Vec<BorrowedFd<'_>> = fds
+            .iter()
+            .map(|&fd| unsafe { BorrowedFd::borrow_raw(fd) })
+            .collect();
+        // Fast path: room in the socket buffer, no GIL release needed for a short syscall.
+        if ep
+            .send(data, &borrowed, Some(Duration::ZERO))
+            .map_err(os_error)?
+        {
+            return Ok(true);
+        }
+        if until.is_some_and(|d| d <= Instant::now()) {
+            return Ok(false);
+        }
+        let sent = sliced(py, until, |slice| {
+            Ok(ep.send(data, &borrowed, Some(slice))?.then_some(()))
+        })?;
+        Ok(sent.is_some())
+    }
+
+    /// Receives one message as `(data, fds)` (the fds are the caller's to close), waiting up
+    /// to `timeout` seconds (for ever when None); None on timeout. Raises EOFError once every
+    /// peer end is closed.
+    ///
+    /// With `spin` (seconds), an empty channel is polled without sleeping (and without the
+    /// GIL) that long before the thread sleeps: a message that comes soon is taken without
+    /// the cost of a wake-up.
+    #[pyo3(signature = (timeout=None, spin=0.0))]
+    fn recv<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+        spin: f64,
+    ) -> PyResult<Option<(Bound<'py, PyBytes>, Vec<RawFd>)>> {
+        let ep = self.get()?;
+        let until = deadline(timeout)?;
+        let mut first = ep.recv(Some(Duration::ZERO)).map_err(os_error)?;
+        if matches!(first, Recv::Timeout)
+            && spin > 0.0
+            && !until.is_some_and(|d| d <= Instant::now())
+        {
+            let spin = Duration::from_secs_f64(spin.min(0.01));
+            first = py
+                .allow_threads(|| {
+                    let start = Instant::now();
+                    loop {
+                        let got = ep.recv(Some(Duration::ZERO))?;
+                        if !matches!(got, Recv::Timeout) || start.elapsed() >= spin {
+                            return Ok(got);
+                        }
+                        std::hint::spin_loop();
+                    }
+                })
+                .map_err(os_error)?;
+        }
+        let got = match first {
+            Recv::Timeout if until.is_some_and(|d| d <= Instant::now()) => None,
+            Recv::Timeout => sliced(py, until, |slice| match ep.recv(Some(slice))? {
+                Recv::Timeout => Ok(None),
+                other => Ok(Some(other)),
+            })?,
+            other => Some(other),
+        };
+        match got {
+            None => Ok(None),
+            Some(Recv::Message(msg)) => Ok(Some((PyBytes::new(py, &msg.data), into_raw(msg.fds)))),
+            Some(Recv::Closed) => Err(PyEOFError::new_err("the channel's peer is closed")),
+            Some(Recv::Timeout) => Ok(None),
+        }
+    }
+
+    /// True when a message (or the end of the channel) is waiting.
+    fn readable(&self) -> PyResult<bool> {
+        self.get()?.readable().map_err(os_error)
+    }
+}
+
+/// A flag in a shared memory page: set/clear/is_set/wait across processes.
+#[pyclass(module = "tether._native", frozen)]
+pub struct SharedFlag {
+    inner: Mutex<Option<Arc<channel::SharedFlag>>>,
+}
+
+impl SharedFlag {
+    fn get(&self) -> PyResult<Arc<channel::SharedFlag>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(closed)
+    }
+}
+
+#[pymethods]
+impl SharedFlag {
+    #[new]
+    fn new() -> PyResult<SharedFlag> {
+        let flag = channel::SharedFlag::new().map_err(os_error)?;
+        Ok(SharedFlag {
+            inner: Mutex::new(Some(Arc::new(flag))),
+        })
+    }
+
+    /// Takes ownership of `fd` (a flag's memfd received from another process) and maps it.
+    #[staticmethod]
+    fn from_fd(fd: RawFd) -> PyResult<SharedFlag> {
+        if fd < 0 {
+            return Err(PyValueError::new_err("invalid fd"));
+        }
+        // SAFETY: the caller hands over an open fd it no longer uses.
+        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+        let flag = channel::SharedFlag::from_fd(owned).map_err(os_error)?;
+        Ok(SharedFlag {
+            inner: Mutex::new(Some(Arc::new(flag))),
+        })
+    }
+
+    fn fileno(&self) -> PyResult<RawFd> {
+        Ok(self.get()?.as_fd().as_raw_fd())
+    }
+
+    fn close(&self) {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
+
+    fn is_set(&self) -> PyResult<bool> {
+        Ok(self.get()?.is_set())
+    }
+
+    fn set(&self) -> PyResult<()> {
+        self.get()?.set();
+        Ok(())
+    }
+
+    fn clear(&self) -> PyResult<()> {
+        self.get()?.clear();
+        Ok(())
+    }
+
+    /// Waits until the flag is set or `timeout` seconds pass; returns whether it is set.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let flag = self.get()?;
+        if flag.is_set() {
+            return Ok(true);
+        }
+        let until = deadline(timeout)?;
+        Ok(sliced(py, until, |slice| Ok(flag.wait(Some(slice)).then_some(())))?.is_some())
+    }
+}
+
+/// Epoll over fds, each under an int token, with a wake-up.
+#[pyclass(module = "tether._native", frozen)]
+pub struct Poller {
+    inner: Mutex<Option<Arc<channel::Poller>>>,
+}
+
+impl Poller {
+    fn get(&self) -> PyResult<Arc<channel::Poller>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(closed)
+    }
+}
+
+#[pymethods]
+impl Poller {
+    #[new]
+    fn new() -> PyResult<Poller> {
+        let poller = channel::Poller::new().map_err(os_error)?;
+        Ok(Poller {
+            inner: Mutex::new(Some(Arc::new(poller))),
+        })
+    }
+
+    /// Watches `fd` (kept open by the caller until `remove`) for readability under `token`.
+    fn add(&self, token: u64, fd: RawFd) -> PyResult<()> {
+        if token == u64::MAX || fd < 0 {
+            return Err(PyValueError::new_err("invalid token or fd"));
+        }
+        // SAFETY: the caller keeps `fd` open while it is registered.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        self.get()?.add(token, fd).map_err(os_error)
+    }
+
+    fn remove(&self, fd: RawFd) -> PyResult<()> {
+        if fd < 0 {
+            return Err(PyValueError::new_err("invalid fd"));
+        }
+        // SAFETY: only used for the duration of the epoll_ctl call.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        self.get()?.remove(fd).map_err(os_error)
+    }
+
+    /// Makes the current or next `wait` return at once.
+    fn wake(&self) -> PyResult<()> {
+        self.get()?.wake().map_err(os_error)
+    }
+
+    /// Closes the epoll and wake-up fds (once no `wait` on another thread uses them).
+    fn close(&self) {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
+
+    /// The tokens that are ready (without the GIL), waiting up to `timeout` seconds; with
+    /// `spin`, polling without sleeping that long first (see `Endpoint.recv`).
+    #[pyo3(signature = (timeout=None, spin=0.0))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>, spin: f64) -> PyResult<Vec<u64>> {
+        let timeout = match timeout {
+            Some(t) if t.is_nan() => return Err(PyValueError::new_err("timeout must be a number")),
+            Some(t) => Some(Duration::from_secs_f64(t.clamp(0.0, 1e9))),
+            None => None,
+        };
+        let spin = Duration::from_secs_f64(spin.clamp(0.0, 0.01));
+        let poller = self.get()?;
+        py.allow_threads(|| {
+            if !spin.is_zero() {
+                let start = Instant::now();
+                loop {
+                    let (ready, woken) = poller.wait(Some(Duration::ZERO))?;
+                    if woken || !ready.is_empty() {
+                        return Ok(ready);
+                    }
+                    if start.elapsed() >= spin {
+                        break;
+                    }
+                    std::hint::spin_loop();
+                }
+            }
+            poller.wait(timeout).map(|(ready, _)| ready)
+        })
+        .map_err(os_error)
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Endpoint>()?;
+    m.add_class::<SharedFlag>()?;
+    m.add_class::<Poller>()?;
+    Ok(())
+}

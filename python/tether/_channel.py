@@ -1,0 +1,345 @@
+"""Queues and events over tether channels, and the pickling that carries fds with a message.
+
+A ``Queue`` is a ``SOCK_SEQPACKET`` socket pair (``_native.Endpoint``): ``put`` sends one
+message on one end, ``get`` receives one whole message from the other, so any number of
+processes and threads may put and get at once, with no feeder thread and no manager
+process. An ``Event`` is a flag in a shared memfd page (``_native.SharedFlag``).
+
+Objects are pickled with ``multiprocessing.reduction.ForkingPickler`` (so torch's reductions
+apply: a tensor's storage moves to shared memory) while an ``_FdCollector`` stands in for
+multiprocessing's "spawning popen": every fd that a reduction passes through
+``multiprocessing.reduction.DupFd`` (a shared-memory storage, a connection, a tether queue)
+is collected and travels with the message as ``SCM_RIGHTS`` ancillary data, and comes back
+in the receiver from ``detach()``. Nothing goes through ``resource_sharer`` and nothing is
+copied more than with torch's own queues.
+
+Queues and events travel to other processes only this way: as arguments of a process the
+pool starts, or inside a message of another tether channel."""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import multiprocessing.context
+import os
+import pickle
+import queue
+import threading
+import time
+from multiprocessing.context import get_spawning_popen
+from multiprocessing.reduction import DupFd, ForkingPickler
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import _native
+
+__all__ = ["Event", "Queue", "dumps", "loads"]
+
+#: How often a waiting ``Queue.get`` in the main thread checks the processes that feed it.
+WATCH_INTERVAL = 0.1
+
+
+class _FdRef:
+    """What ``DupFd`` returns while an ``_FdCollector`` is active: the position of an fd in
+    the message's fd list. It pickles as a call that claims that fd in the receiver."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> Tuple[Callable[[int], "_ReceivedFd"], Tuple[int]]:
+        return _received_fd, (self.index,)
+
+
+class _FdCollector:
+    """Stands in for multiprocessing's "spawning popen" while an object is pickled for a
+    channel: ``duplicate_for_child`` collects the fd and returns its position in the
+    message, ``DupFd`` wraps that position. With ``dup``, the fds are duplicates owned by the
+    collector (for a message sent later, after the pickled objects may be gone)."""
+
+    def __init__(self, dup: bool = False) -> None:
+        self.fds: List[int] = []
+        self.dup = dup
+        #: The tether queues pickled into the message (a pool process watches them).
+        self.channels: List[Any] = []
+
+    def duplicate_for_child(self, fd: int) -> int:
+        self.fds.append(os.dup(fd) if self.dup else fd)
+        return len(self.fds) - 1
+
+    def DupFd(self, index: int) -> _FdRef:  # noqa: N802 (multiprocessing's name)
+        return _FdRef(index)
+
+    def close(self) -> None:
+        """Closes the duplicates (only those made with ``dup``)."""
+        if self.dup:
+            _close_all(self.fds)
+            self.fds = []
+
+
+class _Incoming:
+    """The fds of a message being unpickled; those nobody claims are closed afterwards."""
+
+    __slots__ = ("fds", "claimed")
+
+    def __init__(self, fds: Sequence[int]) -> None:
+        self.fds = list(fds)
+        self.claimed = [False] * len(self.fds)
+
+    def take(self, index: int) -> int:
+        if self.claimed[index]:
+            return os.dup(self.fds[index])
+        self.claimed[index] = True
+        return self.fds[index]
+
+    def close_unclaimed(self) -> None:
+        _close_all(fd for fd, taken in zip(self.fds, self.claimed) if not taken)
+
+
+class _ReceivedFd:
+    """An fd that arrived with a message; ``detach()`` hands it over (multiprocessing's
+    protocol, used by torch's ``rebuild_storage_fd`` and by ``rebuild_connection``)."""
+
+    __slots__ = ("_incoming", "_index")
+
+    def __init__(self, incoming: _Incoming, index: int) -> None:
+        self._incoming = incoming
+        self._index = index
+
+    def detach(self) -> int:
+        return self._incoming.take(self._index)
+
+
+_tls = threading.local()
+# multiprocessing's own thread-local "spawning popen" (what get_spawning_popen() reads).
+_popen_tls = multiprocessing.context._tls  # type: ignore[attr-defined]
+
+
+def _received_fd(index: int) -> _ReceivedFd:
+    incoming: Optional[_Incoming] = getattr(_tls, "incoming", None)
+    if incoming is None:
+        raise RuntimeError("a tether fd reference was unpickled outside of a channel message")
+    return _ReceivedFd(incoming, index)
+
+
+def _close_all(fds: Any) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class _Pickler(pickle.Pickler):
+    """``ForkingPickler``'s reductions (copyreg's table plus those registered with
+    ``ForkingPickler.register``, e.g. torch's) in a table shared by every instance, rebuilt
+    when a registration is added: ``ForkingPickler`` copies it for each message."""
+
+    dispatch_table: Dict[Any, Any] = {}
+    _sizes = (-1, -1)
+
+
+def _pickler_class() -> type:
+    extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    sizes = (len(copyreg.dispatch_table), len(extra))
+    if _Pickler._sizes != sizes:
+        table = dict(copyreg.dispatch_table)
+        table.update(extra)
+        _Pickler.dispatch_table = table
+        _Pickler._sizes = sizes
+    return _Pickler
+
+
+def dumps(obj: Any, collector: _FdCollector) -> bytes:
+    """Pickles ``obj`` as ``ForkingPickler`` would; the fds it names go to
+    ``collector.fds``."""
+    buf = io.BytesIO()
+    previous = getattr(_popen_tls, "spawning_popen", None)
+    _popen_tls.spawning_popen = collector
+    try:
+        _pickler_class()(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    finally:
+        _popen_tls.spawning_popen = previous
+    return buf.getvalue()
+
+
+def loads(data: bytes, fds: Sequence[int]) -> Any:
+    """Unpickles a message whose fds arrived as ``fds`` (this process owns them): the fds
+    its objects claim are theirs, the rest are closed."""
+    previous = getattr(_tls, "incoming", None)
+    incoming = _Incoming(fds)
+    _tls.incoming = incoming
+    try:
+        return pickle.loads(data)
+    finally:
+        _tls.incoming = previous
+        incoming.close_unclaimed()
+
+
+# Channels a pool worker received while serving one task; closed when the task ends, so
+# nothing of a finished DataLoader stays open in the worker.
+_task_channels: Optional[List[Any]] = None
+
+
+def begin_task_scope() -> None:
+    """In a worker: start recording the channels unpickled from now on."""
+    global _task_channels
+    _task_channels = []
+
+
+def end_task_scope() -> None:
+    """In a worker: close every channel recorded since ``begin_task_scope``."""
+    global _task_channels
+    channels, _task_channels = _task_channels, None
+    for native in channels or ():
+        native.close()
+
+
+def _adopt(native: Any) -> Any:
+    if _task_channels is not None:
+        _task_channels.append(native)
+    return native
+
+
+def _check_travel(obj: Any) -> Any:
+    """The active collector, or an error: a channel travels only with a process start or a
+    channel message (as multiprocessing queues travel only "through inheritance")."""
+    popen = get_spawning_popen()
+    if popen is None:
+        raise RuntimeError(
+            f"{type(obj).__name__} objects of tether travel to other processes only as "
+            "arguments of a process the pool starts or inside a message of a tether queue"
+        )
+    if isinstance(popen, _FdCollector):
+        popen.channels.append(obj)
+    return popen
+
+
+class Queue:
+    """A multi-producer, multi-consumer queue between processes (the ``Queue`` of a pool
+    context). ``put`` never needs a feeder thread: a message is in the channel when ``put``
+    returns. ``get`` works from any thread and raises ``queue.Empty`` on timeout; in the main
+    thread it also notices when a pool process feeding it died (see ``_watch``)."""
+
+    def __init__(self, maxsize: int = 0) -> None:
+        self._tx, self._rx = _native.Endpoint.pair()
+        self._maxsize = maxsize
+        #: Pool processes that received this queue (parent side); see ``get``.
+        self._watch: List[Any] = []
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, Any]]:
+        _check_travel(self)
+        return _rebuild_queue, (DupFd(self._tx.fileno()), DupFd(self._rx.fileno()))
+
+    def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
+        """Sends ``obj``; waits only while the channel's buffer is full (``queue.Full`` after
+        ``timeout``, or at once when not ``block``)."""
+        collector = _FdCollector()
+        data = dumps(obj, collector)
+        if not self._tx.send(data, collector.fds, timeout if block else 0.0):
+            raise queue.Full
+
+    def put_nowait(self, obj: Any) -> None:
+        self.put(obj, False)
+
+    def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
+        """Receives one object, waiting up to ``timeout`` (for ever when None).
+
+        In the main thread a wait also watches the pool processes that hold this queue: when
+        one of them dies (or its target fails), ``get`` raises the ``RuntimeError`` that
+        torch's SIGCHLD handler raises for a DataLoader worker ("DataLoader worker (pid N) is
+        killed by signal: Killed."), so the DataLoader reports it at once."""
+        if not block:
+            timeout = 0.0
+        elif timeout is not None and timeout < 0:
+            raise ValueError("'timeout' must be a non-negative number")
+        watch = self._watch and threading.current_thread() is threading.main_thread()
+        if not watch:
+            got = self._rx.recv(timeout)
+        else:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = WATCH_INTERVAL if deadline is None else deadline - time.monotonic()
+                got = self._rx.recv(max(0.0, min(left, WATCH_INTERVAL)))
+                if got is not None:
+                    break
+                for process in self._watch:
+                    error = process._failure_error()
+                    if error is not None:
+                        raise error
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+        if got is None:
+            raise queue.Empty
+        return loads(got[0], got[1])
+
+    def get_nowait(self) -> Any:
+        return self.get(False)
+
+    def empty(self) -> bool:
+        return not self._rx.readable()
+
+    def full(self) -> bool:
+        return False
+
+    def qsize(self) -> int:
+        raise NotImplementedError("tether queues do not count their messages")
+
+    def close(self) -> None:
+        """Closes this process's ends of the channel (other processes keep theirs)."""
+        self._tx.close()
+        self._rx.close()
+
+    def join_thread(self) -> None:
+        """Nothing to join: ``put`` needs no feeder thread."""
+
+    def cancel_join_thread(self) -> None:
+        """Nothing to cancel: ``put`` needs no feeder thread."""
+
+    def __repr__(self) -> str:
+        state = "closed" if self._rx.closed else f"fd {self._rx.fileno()}"
+        return f"<tether Queue {state}>"
+
+
+SimpleQueue = Queue
+
+
+def _rebuild_queue(tx: Any, rx: Any) -> Queue:
+    queue_ = Queue.__new__(Queue)
+    queue_._tx = _adopt(_native.Endpoint.from_fd(tx.detach()))
+    queue_._rx = _adopt(_native.Endpoint.from_fd(rx.detach()))
+    queue_._maxsize = 0
+    queue_._watch = []
+    return queue_
+
+
+class Event:
+    """A cross-process event (the ``Event`` of a pool context): a flag in a shared page."""
+
+    def __init__(self) -> None:
+        self._flag = _native.SharedFlag()
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any]]:
+        _check_travel(self)
+        return _rebuild_event, (DupFd(self._flag.fileno()),)
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    def set(self) -> None:
+        self._flag.set()
+
+    def clear(self) -> None:
+        self._flag.clear()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._flag.wait(timeout)
+
+    def __repr__(self) -> str:
+        return f"<tether Event {'set' if self.is_set() else 'unset'}>"
+
+
+def _rebuild_event(fd: Any) -> Event:
+    event = Event.__new__(Event)
+    event._flag = _adopt(_native.SharedFlag.from_fd(fd.detach()))
+    return event

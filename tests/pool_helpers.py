@@ -1,0 +1,238 @@
+"""Functions and datasets for the pool tests. It imports no torch, so that a spawn worker
+that unpickles them stays cheap (only a DataLoader's worker loop imports torch)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import random
+import signal
+import sys
+import time
+import weakref
+from typing import Any, List, Optional, Tuple
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def add(a: int, b: int = 0) -> int:
+    return a + b
+
+
+def pid_of(_: Any = None) -> int:
+    return os.getpid()
+
+
+def parent_pid(_: Any = None) -> int:
+    return os.getppid()
+
+
+def sleep_then(seconds: float, value: Any = None) -> Any:
+    time.sleep(seconds)
+    return value
+
+
+def raise_value_error(message: str) -> None:
+    raise ValueError(message)
+
+
+def segfault() -> None:
+    """Dies of SIGSEGV (a real invalid read, as C code would)."""
+    ctypes.string_at(0)
+
+
+def c_exit(code: int) -> None:
+    """Exits at the C level, skipping Python's clean-up."""
+    os._exit(code)
+
+
+def kill_self(signum: int = signal.SIGKILL) -> None:
+    os.kill(os.getpid(), signum)
+
+
+def crash(how: str) -> None:
+    if how == "segfault":
+        segfault()
+    elif how == "sigkill":
+        kill_self(signal.SIGKILL)
+    elif how == "exit":
+        c_exit(7)
+    elif how == "sys_exit":
+        sys.exit(9)
+    raise ValueError(f"unknown crash {how!r}")
+
+
+def maybe_crash(i: int, every: int) -> int:
+    """Task of the race tests: every ``every``-th one kills its worker."""
+    if i % every == every - 1:
+        os._exit(3)
+    return i
+
+
+def worker_state(_: Any = None) -> Tuple[int, bool, int]:
+    """(pid, whether torch's DataLoader worker info is clear, datasets still alive here)."""
+    gc.collect()
+    worker = sys.modules.get("torch.utils.data._utils.worker")
+    info_clear = worker is None or worker._worker_info is None
+    return os.getpid(), info_clear, len(LIVE_DATASETS)
+
+
+# -- objects that misbehave while pickled or unpickled (loky's crash matrix) -------------------
+
+
+def _exit_at_unpickle() -> None:
+    sys.exit(5)
+
+
+def _error_at_unpickle() -> None:
+    raise ValueError("error while unpickling")
+
+
+def _c_exit_at_unpickle() -> None:
+    os._exit(0)
+
+
+def _segfault_at_unpickle() -> None:
+    segfault()
+
+
+class ExitAtPickle:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        sys.exit(5)
+
+
+class ErrorAtPickle:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        raise ValueError("error while pickling")
+
+
+class CExitAtPickle:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        os._exit(0)
+
+
+class SegfaultAtPickle:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        segfault()
+
+
+class ExitAtUnpickle:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return _exit_at_unpickle, ()
+
+
+class ErrorAtUnpickle:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return _error_at_unpickle, ()
+
+
+class CExitAtUnpickle:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return _c_exit_at_unpickle, ()
+
+
+class SegfaultAtUnpickle:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return _segfault_at_unpickle, ()
+
+
+class CExitAtGC:
+    """Kills the worker that garbage collects it (a crash while the task is cleaned up);
+    harmless in the process that made it."""
+
+    def __init__(self) -> None:
+        self.home = os.getpid()
+
+    def __del__(self) -> None:
+        if os.getpid() != self.home:
+            os._exit(4)
+
+
+def identity(x: Any) -> Any:
+    return x
+
+
+def make(kind: str) -> Any:
+    """Returns an object that misbehaves when it is pickled back to the parent."""
+    return {
+        "ExitAtPickle": ExitAtPickle,
+        "ErrorAtPickle": ErrorAtPickle,
+        "CExitAtPickle": CExitAtPickle,
+        "SegfaultAtPickle": SegfaultAtPickle,
+        "ExitAtUnpickle": ExitAtUnpickle,
+        "ErrorAtUnpickle": ErrorAtUnpickle,
+    }[kind]()
+
+
+# -- datasets (map-style ones need no torch) -----------------------------------------------
+
+LIVE_DATASETS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+class Squares:
+    """A map-style dataset of ``i * i``; records its live copies in ``LIVE_DATASETS``."""
+
+    def __init__(
+        self,
+        n: int = 64,
+        fail_at: Optional[int] = None,
+        crash_at: Optional[int] = None,
+        crash_how: str = "sigkill",
+        sleep: float = 0.0,
+    ) -> None:
+        self.n = n
+        self.fail_at = fail_at
+        self.crash_at = crash_at
+        self.crash_how = crash_how
+        self.sleep = sleep
+        LIVE_DATASETS.add(self)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        LIVE_DATASETS.add(self)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if self.sleep:
+            time.sleep(self.sleep)
+        if i == self.fail_at:
+            raise ValueError(f"bad item {i}")
+        if i == self.crash_at:
+            crash(self.crash_how)
+        return i * i
+
+
+class Probe:
+    """Each item: (worker id, num_workers, seed, random draw, what worker_init_fn set)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> List[Any]:
+        import torch.utils.data
+
+        info = torch.utils.data.get_worker_info()
+        return [
+            info.id,
+            info.num_workers,
+            info.seed,
+            random.random(),
+            INIT_MARK.get("id", -1),
+            os.getppid(),
+        ]
+
+
+INIT_MARK: dict = {}
+
+
+def mark_init(worker_id: int) -> None:
+    INIT_MARK["id"] = worker_id
+
+
+def pair_collate(batch: List[int]) -> Tuple[str, List[int]]:
+    return "custom", list(batch)

@@ -1,0 +1,248 @@
+"""``tether.Pool`` itself: construction, the context and its processes, queues and events
+(tether channels), start methods, and the pool's lifetime (shutdown, garbage collection,
+interpreter exit, a parent killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing.context
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pool_helpers as helpers
+import pytest
+
+import tether
+from conftest import alive, wait_gone
+from tether import _channel
+
+pytestmark = pytest.mark.timeout(60)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with tether.Pool(2) as pool:
+        yield pool
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="start method"):
+        tether.Pool(1, start_method="threads")
+    with pytest.raises(ValueError, match="processes"):
+        tether.Pool(0)
+    with pytest.raises(TypeError):
+        tether.Pool(1, initializer=3)
+
+
+def test_context_is_a_real_multiprocessing_context(pool):
+    ctx = pool.context()
+    assert isinstance(ctx, multiprocessing.context.BaseContext)
+    assert ctx.get_start_method() == "forkserver"
+    assert pool.start_method == "forkserver" and pool.processes == 2
+    assert "tether" not in repr(multiprocessing.get_context())
+
+
+def test_process_lifecycle(pool):
+    ctx = pool.context()
+    q = ctx.Queue()
+    p = ctx.Process(target=helpers.sleep_then, args=(0.3,), name="probe")
+    p.daemon = True
+    assert p.pid is None and not p.is_alive() and p.exitcode is None
+    p.start()
+    assert p.pid in pool.pids() and p.is_alive() and p.name == "probe"
+    p.join(10)
+    assert not p.is_alive() and p.exitcode == 0
+    failing = ctx.Process(target=helpers.raise_value_error, args=("x",))
+    failing.start()
+    failing.join(10)
+    assert failing.exitcode == 1
+    exiting = ctx.Process(target=sys.exit, args=(3,))
+    exiting.start()
+    exiting.join(10)
+    assert exiting.exitcode == 3
+    q.close()
+
+
+def test_queue_and_event_between_processes(pool):
+    ctx = pool.context()
+    q, back, ev = ctx.Queue(), ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_echo, args=(q, back, ev))
+    p.start()
+    big = b"x" * 300_000  # travels in a memfd
+    for item in [1, "two", big, None]:
+        q.put(item)
+    assert [back.get(timeout=10) for _ in range(3)] == [1, "two", len(big)]
+    assert ev.wait(10) and ev.is_set()
+    ev.clear()
+    assert not ev.is_set() and not ev.wait(0.05)
+    p.join(10)
+    assert p.exitcode == 0
+    with pytest.raises(queue.Empty):
+        back.get(timeout=0.05)
+    with pytest.raises(queue.Empty):
+        back.get_nowait()
+    assert back.empty()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(back.get(timeout=10)))
+    reader.start()
+    back.put("from a thread")
+    reader.join()
+    assert got == ["from a thread"]
+    for channel in (q, back):
+        channel.cancel_join_thread()
+        channel.close()
+
+
+def _echo(q, back, ev):
+    while True:
+        item = q.get(timeout=10)
+        if item is None:
+            ev.set()
+            return
+        back.put(len(item) if isinstance(item, bytes) else item)
+
+
+def test_queues_travel_only_with_processes_or_messages():
+    import pickle
+
+    q = _channel.Queue()
+    with pytest.raises(RuntimeError, match="travel to other processes only"):
+        pickle.dumps(q)
+    q.close()
+
+
+def test_fork_start_method_preload_and_initializer(tmp_path):
+    with tether.Pool(
+        1, start_method="fork", preload=["json"], initializer=helpers.mark_init, initargs=(41,)
+    ) as pool:
+        assert pool.context().get_start_method() == "fork"
+        assert pool.submit(helpers.parent_pid).result(timeout=30) == os.getpid()
+        assert pool.submit(_init_mark).result(timeout=30) == (41, True)
+
+
+def _init_mark():
+    return helpers.INIT_MARK.get("id"), "json" in sys.modules
+
+
+def test_a_failing_initializer_breaks_the_pool_clearly():
+    with tether.Pool(1, initializer=helpers.raise_value_error, initargs=("no init",)) as pool:
+        future = pool.submit(helpers.square, 2)
+        with pytest.raises(tether.pool.BrokenPool, match="no init"):
+            future.result(timeout=30)
+        with pytest.raises(tether.pool.BrokenPool):
+            pool.submit(helpers.square, 2)
+
+
+def test_shutdown_leaves_no_thread_or_process():
+    threads = threading.active_count()
+    pool = tether.Pool(2)
+    pids = pool.pids()
+    assert pool.submit(helpers.square, 3).result(timeout=30) == 9
+    pool.shutdown()
+    assert wait_gone(pids, 5) == []
+    assert threading.active_count() == threads
+    pool.shutdown()  # twice is fine
+
+
+def test_garbage_collected_pool_stops_its_workers():
+    pool = tether.Pool(1)
+    pids = pool.pids()
+    pool.submit(helpers.square, 1).result(timeout=30)
+    del pool
+    gc.collect()
+    assert wait_gone(pids, 5) == []
+
+
+def _run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    script = textwrap.dedent(body)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_interpreter_exit_without_shutdown():
+    result = _run_script("""
+        import tether, pool_helpers
+        if __name__ == "__main__":
+            pool = tether.Pool(2)
+            print(*pool.pids(), flush=True)
+            pool.submit(pool_helpers.square, 2).result()
+            pool.submit(pool_helpers.sleep_then, 30)
+    """)
+    assert result.returncode == 0, result.stderr
+    pids = [int(p) for p in result.stdout.split()]
+    assert len(pids) == 2 and wait_gone(pids, 5) == []
+
+
+def test_parent_killed_takes_every_worker_with_it():
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
+            import os, signal, sys, tether, pool_helpers
+            if __name__ == "__main__":
+                pool = tether.Pool(3)
+                pool.submit(pool_helpers.square, 2).result()
+                pool.submit(pool_helpers.sleep_then, 30)
+                print(*pool.pids(), flush=True)
+                sys.stdin.readline()
+                os.kill(os.getpid(), signal.SIGKILL)
+        """),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=HERE),
+    )
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 3 and all(alive(p) for p in pids)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(30) == -signal.SIGKILL
+        assert wait_gone(pids, 1.0) == []
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stdin.close()
+
+
+def test_dataloader_parent_killed_takes_leased_workers_with_it():
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
+            import os, signal, sys, tether, pool_helpers
+            from torch.utils.data import DataLoader
+            if __name__ == "__main__":
+                pool = tether.Pool(2, start_method="fork")
+                it = iter(DataLoader(pool_helpers.Squares(64, sleep=0.05), batch_size=1,
+                                     num_workers=2, multiprocessing_context=pool.context()))
+                next(it)
+                print(*pool.pids(), flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=HERE),
+    )
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert proc.wait(60) == -signal.SIGKILL
+        assert len(pids) == 2 and wait_gone(pids, 1.0) == []
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
