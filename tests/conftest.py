@@ -12,6 +12,13 @@ from typing import Dict, Iterator, List, Set
 
 import pytest
 
+# Everything this session and its children put in the temporary directory lands in a
+# private one, checked after every test and removed at the end: the check then sees only
+# what the tests left, whatever else runs on the machine.
+# (Children that import this module share their parent's.)
+_PRIVATE_TMP = os.environ.get("TETHER_TESTS_TMP") or tempfile.mkdtemp(prefix="tether-tests-")
+os.environ["TETHER_TESTS_TMP"] = os.environ["TMPDIR"] = tempfile.tempdir = _PRIVATE_TMP
+
 
 def child_pids(parent: int = 0) -> Set[int]:
     """Live (non-zombie and zombie) children of ``parent`` (this process by default)."""
@@ -95,6 +102,14 @@ _kept: List[object] = []
 
 def _noop(i: int) -> None:
     pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_tmp() -> Iterator[None]:
+    yield
+    import shutil
+
+    shutil.rmtree(_PRIVATE_TMP, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ from . import _native, _report
 HEADER = struct.Struct("<IQQ")
 
 
-def _exit_code(exc: SystemExit) -> int:
+def exit_code(exc: SystemExit) -> int:
     """The exit status the interpreter would give ``exc``, printing its message if any."""
     code = exc.code
     if code is None:
@@ -49,7 +49,7 @@ def run_rank(call: Callable[[], Any], report_fd: int) -> int:
     try:
         call()
     except SystemExit as exc:
-        return _exit_code(exc)
+        return exit_code(exc)
     except BaseException as exc:
         # The parent stops this process as soon as the report is whole: flush first.
         _flush_stdio()

@@ -31,7 +31,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import _channel, _native
+from . import _channel, _child, _native
 
 # Message kinds (first byte).
 BATCH = b"B"
@@ -250,16 +250,6 @@ def _send(ctl: Any, data: bytes, fds: List[int]) -> None:
     ctl.send(data, fds)
 
 
-def _exit_code(exc: SystemExit) -> int:
-    code = exc.code
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
 def _run_lease(ctl: Any, progress: Progress, data: bytes, fds: List[int]) -> None:
     """Runs a leased process's target as ``multiprocessing.Process.run`` would: exit code 0
     on return, the code of a ``SystemExit``, 1 (with the traceback on stderr) otherwise."""
@@ -277,7 +267,7 @@ def _run_lease(ctl: Any, progress: Progress, data: bytes, fds: List[int]) -> Non
         finally:
             del target, args, kwargs
     except SystemExit as exc:
-        code = _exit_code(exc)
+        code = _child.exit_code(exc)
     except BaseException:  # noqa: BLE001 - as multiprocessing's Process._bootstrap does
         sys.stderr.write(f"Process tether-pool-worker (pid {os.getpid()}):\n")
         traceback.print_exc()

@@ -310,44 +310,22 @@ class _Core:
         """Starts the worker of ``slot``: the one place that knows the start methods."""
         if self.start_method == "fork":
             return self._start_fork(slot)
-        if self.start_method == "forkserver":
-            return self._start_forkserver(slot)
-        return self._start_spawn(slot)
+        return self._start_fresh(slot)
 
-    def _start_forkserver(self, slot: int) -> _Worker:
+    def _start_fresh(self, slot: int) -> _Worker:
+        """A worker that is a fresh process: a fork of the zygote, or a new interpreter."""
         ours, theirs = _native.Endpoint.pair()
         progress = _worker.Progress.create()
         try:
             child_fd = theirs.fileno()
             assert progress.fd is not None
-            group = _spawn.launch_forkserver(
-                _worker.serve,
-                (child_fd, progress.fd, self._config()),
-                [slot],
-                self.preload or None,
-                keep_fds=[child_fd, progress.fd],
-            )
-        except BaseException:
-            ours.close()
-            progress.close()
-            raise
-        finally:
-            theirs.close()
-            progress.close_fd()
-        return _Worker(slot, group.pid(0), group, ours, next(self.tokens), progress)
-
-    def _start_spawn(self, slot: int) -> _Worker:
-        ours, theirs = _native.Endpoint.pair()
-        progress = _worker.Progress.create()
-        try:
-            popen = _spawn._SpawningPopen()
-            prep = _spawn._dumps(_spawn._preparation_data(popen), popen)
-            child_fd = theirs.fileno()
-            assert progress.fd is not None
-            work = _spawn._dumps((_worker.serve, (child_fd, progress.fd, self._config())), popen)
-            payload = _child.HEADER.pack(slot, len(prep), len(work)) + prep + work
-            group = _native.Group()
-            group.launch([(_spawn._child_argv(), [], popen.fds + [child_fd, progress.fd], payload)])
+            args = (child_fd, progress.fd, self._config())
+            keep = [child_fd, progress.fd]
+            if self.start_method == "forkserver":
+                preload = self.preload or None
+                group = _spawn.launch_forkserver(_worker.serve, args, [slot], preload, keep)
+            else:
+                group = _spawn.launch_spawn(_worker.serve, args, [slot], keep)
         except BaseException:
             ours.close()
             progress.close()

@@ -273,16 +273,19 @@ def _finish_at_exit() -> None:
         ctx._at_exit()
 
 
-def _launch_spawn(fn: Callable[..., Any], args: Sequence[Any], nprocs: int) -> _native.Group:
+def launch_spawn(
+    fn: Callable[..., Any], args: Sequence[Any], ranks: Sequence[int], keep_fds: Sequence[int] = ()
+) -> _native.Group:
+    """Starts ``fn(rank, *args)`` for each rank in a fresh interpreter; the children inherit
+    the standard streams, the fds the arguments pass and ``keep_fds``, under the same
+    numbers. Also the pool's way of starting its workers."""
     popen = _SpawningPopen()
     prep = _dumps(_preparation_data(popen), popen)
     work = _dumps((fn, tuple(args)), popen)
     argv = _child_argv()
-    specs = []
-    for i in range(nprocs):
-        specs.append((argv, [], popen.fds, _child.make_payload(i, prep, work)))
+    passed = [*popen.fds, *keep_fds]
     group = _native.Group()
-    group.launch(specs)
+    group.launch([(argv, [], passed, _child.make_payload(i, prep, work)) for i in ranks])
     return group
 
 
@@ -395,7 +398,7 @@ def start_processes(
     if start_method == "forkserver":
         group = launch_forkserver(fn, args, range(nprocs), preload)
     elif start_method == "spawn":
-        group = _launch_spawn(fn, args, nprocs)
+        group = launch_spawn(fn, args, range(nprocs))
     else:
         group = _launch_fork(fn, args, nprocs)
     context = ProcessContext(group, daemon)
