@@ -46,12 +46,17 @@ demo: build
 	$(PY) examples/train_gloo.py
 	@echo "== the zygote: 8 processes from a script that imports torch"
 	$(PY) examples/zygote.py
+	@echo "== tether.Pool: one pool of workers serving DataLoaders epoch after epoch"
+	$(PY) examples/pool_dataloaders.py
 	@echo "== tether run: 4 ranks of a script, then the same with rank 2 failing"
 	$(VENV)/bin/tether run -n 4 -- $(PY) examples/rank_report.py
 	-$(VENV)/bin/tether run -n 4 --grace-period 5 -- $(PY) examples/rank_report.py --fail
 
 bench: build
 	$(PY) bench/spawn.py
+	$(PY) bench/launcher.py
+	$(PY) bench/loaders.py
+	$(PY) bench/executor.py
 
 clean:
 	rm -rf target $(VENV) python/tether/bin python/tether/*.so
