@@ -54,6 +54,7 @@ def test_parent_sigkill_takes_children_and_grandchildren(method):
 def test_ctrl_c_during_join_stops_every_child(method):
     proc = start_script("interrupted.py", method, "obedient")
     pids = read_pids(proc)
+    time.sleep(0.3)  # into join()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert "alive after interrupt: [False, False]" in out
@@ -112,4 +113,16 @@ def test_interpreter_exit_without_join(daemon):
         assert finished - main_done < 20, "the parent waited for its daemonic children"
     else:
         assert finished - main_done >= 0.3, "the parent did not wait for its children"
+    assert wait_gone(pids, 1.0) == []
+
+
+def test_ctrl_c_outside_join_does_not_hang_at_exit():
+    # Interrupted before join(): the interpreter exits on KeyboardInterrupt and stops the
+    # (non-daemonic) children instead of waiting for them for ever.
+    proc = start_script("interrupted.py", "forkserver", "obedient", "before-join")
+    pids = read_pids(proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert "alive after interrupt" not in out and "KeyboardInterrupt" in err
+    assert proc.returncode != 0
     assert wait_gone(pids, 1.0) == []

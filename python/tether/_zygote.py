@@ -491,6 +491,7 @@ class Zygote:
                         )
             except (EOFError, OSError) as exc:
                 message = f"{self._describe_death()} while starting processes {list(ranks)}"
+                self._close()  # reaps the children it kept ready; the next call starts anew
                 raise ZygoteError(message, pids) from exc
 
     def _close(self) -> None:

@@ -249,8 +249,8 @@ class ProcessContext:
             _add_note(error, f"process {index} had pid {pid}")
         return error
 
-    def _at_exit(self) -> None:
-        if self._daemon:
+    def _at_exit(self, interrupted: bool) -> None:
+        if self._daemon or interrupted:
             self._stop(1.0)
         else:
             self._group.wait(None, "all", None)
@@ -266,11 +266,14 @@ def _add_note(error: BaseException, note: str) -> None:
 
 @atexit.register
 def _finish_at_exit() -> None:
-    """As multiprocessing does at exit: stop daemonic children, wait for the others."""
+    """As multiprocessing does at exit: stop daemonic children, wait for the others. When
+    the interpreter exits on Ctrl-C, every child is stopped: living in their own process
+    groups, they did not get the terminal's SIGINT, and waiting for them would hang."""
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
     with _live_lock:
         contexts = list(_live)
     for ctx in contexts:
-        ctx._at_exit()
+        ctx._at_exit(interrupted)
 
 
 def launch_spawn(
@@ -321,6 +324,7 @@ def launch_forkserver(
         for pid in e.pids[len(group) :]:
             _kill_stray(pid)
         group.signal_all(signal.SIGKILL)
+        group.wait(None, "all", 5.0)
         raise
     finally:
         for read_fd, write_fd in pipes:

@@ -1,6 +1,6 @@
 """A parent in join() that will get Ctrl-C: prints its children's pids, then joins. With
 "stubborn", the children ignore SIGTERM, so only a second Ctrl-C (SIGKILL) stops them in
-time."""
+time; with "before-join", the Ctrl-C comes before join()."""
 
 import json
 import multiprocessing
@@ -28,6 +28,8 @@ if __name__ == "__main__":
     )
     pids = [queue.get() for _ in range(2)]
     print(json.dumps(pids), flush=True)
+    if "before-join" in sys.argv:
+        time.sleep(30)  # Ctrl-C lands here, outside join()
     try:
         ctx.join()
     except KeyboardInterrupt:
