@@ -44,6 +44,8 @@ _MESSAGE = struct.Struct("<BQ")
 READY, PID, DONE, ERROR, REQUEST, RESERVE = range(1, 7)
 #: Most blank children a zygote keeps ready.
 MAX_RESERVE = 64
+#: How long the zygote waits, idle, before it forks blanks to replace those used.
+REPLENISH_DELAY = 0.05
 #: Most fds one request may pass.
 _MAX_FDS = 250
 
@@ -144,7 +146,10 @@ class _Server:
 
     def run(self) -> None:
         while True:
-            self.replenish()
+            # Forking blanks costs CPU that the children just started need: wait until the
+            # zygote has been idle a moment (or a request comes) before replenishing.
+            if not select.select([self.sock], [], [], REPLENISH_DELAY)[0]:
+                self.replenish()
             try:
                 kind, body, fds = _recv(self.sock)
             except EOFError:
