@@ -68,11 +68,16 @@ def success(i):
     pass
 
 
-def test_children_have_their_own_random_streams():
-    import numpy  # noqa: F401  (so that the zygote preloads numpy)
+@pytest.mark.parametrize("preload", [None, ("numpy", "numpy.random")])
+def test_children_have_their_own_random_streams(own_zygote, preload):
+    import numpy  # noqa: F401  (so that the default zygote preloads numpy)
 
+    if preload is not None:
+        own_zygote(preload)  # numpy's global generator already loaded in the zygote
     queue = multiprocessing.get_context("spawn").SimpleQueue()
-    tether.start_processes(report_randoms, args=(queue,), nprocs=3, start_method="forkserver")
+    tether.start_processes(
+        report_randoms, args=(queue,), nprocs=3, start_method="forkserver", preload=preload
+    )
     draws = [queue.get() for _ in range(3)]
     assert len({d[0] for d in draws}) == 3, "Python's random repeats across children"
     assert len({d[1] for d in draws}) == 3, "numpy's global generator repeats across children"

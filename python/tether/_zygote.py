@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import gc
 import importlib
 import multiprocessing.spawn
 import os
@@ -127,6 +128,10 @@ def main() -> None:
     sys.path[:] = config["sys_path"]
     failures = _preload(config["preload"])
     _quiesce()
+    # What the zygote holds now is shared by every child, page for page, until written to:
+    # keep the garbage collector from walking it (and copying every page it visits) in each
+    # child.
+    gc.freeze()
     threads = len(os.listdir("/proc/self/task"))
     _send(sock, READY, pickle.dumps({"failures": failures, "threads": threads}))
     _Server(sock, os.getppid(), config["reserve"]).run()
@@ -272,12 +277,12 @@ _TORCH_FIXED_SEED = 67280421310721
 
 def _reseed() -> None:
     """A fresh process's random state. Python's ``random`` reseeds itself after a fork;
-    numpy's global generator does not; torch's default generator starts as in a new
+    numpy's global generator, if the zygote has loaded it, does not; torch's default generator starts as in a new
     process: from a fresh random seed, or from its fixed default seed in builds that use
     one (the zygote never draws from it, so that state is still untouched)."""
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:  # else the child's first use imports and seeds it afresh
+        numpy_random.seed()
     torch = sys.modules.get("torch")
     generator = getattr(torch, "default_generator", None)
     if generator is not None and generator.initial_seed() != _TORCH_FIXED_SEED:
