@@ -277,9 +277,10 @@ _TORCH_FIXED_SEED = 67280421310721
 
 def _reseed() -> None:
     """A fresh process's random state. Python's ``random`` reseeds itself after a fork;
-    numpy's global generator, if the zygote has loaded it, does not; torch's default generator starts as in a new
-    process: from a fresh random seed, or from its fixed default seed in builds that use
-    one (the zygote never draws from it, so that state is still untouched)."""
+    numpy's global generator, if the zygote has loaded it, does not; torch's default
+    generator starts as in a new process: from a fresh random seed, or from its fixed
+    default seed in builds that use one (the zygote never draws from it, so that state is
+    still untouched)."""
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:  # else the child's first use imports and seeds it afresh
         numpy_random.seed()
