@@ -59,6 +59,8 @@ def stop_python_forkserver() -> None:
 def torch_forkserver(n: int, cold: bool) -> float:
     if cold:
         stop_python_forkserver()
+    else:
+        time.sleep(0.5)  # the same pause as tether's warm start gets
     multiprocessing.set_forkserver_preload(["torch"])
     return timed(lambda: tmp.start_processes(trivial, nprocs=n, start_method="forkserver"))
 
@@ -67,8 +69,9 @@ def tether_forkserver(n: int, cold: bool) -> float:
     if cold:
         _zygote.shutdown()
     else:
-        tether.warm_up()
-        tether.start_processes(trivial, nprocs=1)  # the zygote is up and ready
+        # Warm: the zygote is up, and has forked ahead the children of a start this size.
+        tether.start_processes(trivial, nprocs=n)
+        time.sleep(0.5)
     return timed(lambda: tether.start_processes(trivial, nprocs=n, start_method="forkserver"))
 
 

@@ -5,11 +5,25 @@
 parent, is watched from a Rust supervisor thread through a pidfd, and reports its failure
 (traceback and exception) whole. Importing tether never imports torch."""
 
+from typing import Any
+
 from ._native import __version__
-from ._zygote import set_preload, warm_up
 from .errors import ProcessException, ProcessExitedException, ProcessRaisedException
-from .pool import Pool
 from .spawn import ProcessContext, spawn, start_processes
+
+#: Imported on first use, so that a child's start-up does not pay for them.
+_LAZY = {"Pool": ".pool", "set_preload": "._zygote", "warm_up": "._zygote"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tether' has no attribute {name!r}")
+
 
 __all__ = [
     "Pool",

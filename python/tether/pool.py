@@ -45,7 +45,7 @@ from typing import (
 )
 
 from . import _channel, _child, _native, _report, _worker
-from . import spawn as _spawn
+from .spawn import launch_forkserver, launch_spawn
 
 if TYPE_CHECKING:
     from .context import PoolContext, PoolProcess
@@ -323,9 +323,9 @@ class _Core:
             keep = [child_fd, progress.fd]
             if self.start_method == "forkserver":
                 preload = self.preload or None
-                group = _spawn.launch_forkserver(_worker.serve, args, [slot], preload, keep)
+                group = launch_forkserver(_worker.serve, args, [slot], preload, keep)
             else:
-                group = _spawn.launch_spawn(_worker.serve, args, [slot], keep)
+                group = launch_spawn(_worker.serve, args, [slot], keep)
         except BaseException:
             ours.close()
             progress.close()
