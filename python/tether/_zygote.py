@@ -34,6 +34,7 @@ import socket
 import struct
 import subprocess
 import sys
+import sysconfig
 import threading
 import traceback
 import warnings
@@ -299,15 +300,26 @@ def _site_dirs() -> List[str]:
     return sorted({os.path.realpath(d) + os.sep for d in dirs if d})
 
 
+def _stdlib_dirs() -> List[str]:
+    paths = sysconfig.get_paths()
+    return sorted({os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib")})
+
+
 def installed_modules() -> Tuple[str, ...]:
-    """The top-level installed third-party packages (from site-packages) imported so far."""
-    dirs = tuple(_site_dirs())
+    """The top-level modules imported so far that are installed packages (site-packages)
+    or part of the standard library: never the user's own. A child still imports its own
+    copy of anything else, as a spawn child would."""
+    installed = tuple(_site_dirs())
+    stdlib = tuple(_stdlib_dirs())
     names = set()
     for name, module in list(sys.modules.items()):
         if "." in name or name in ("__main__", "__mp_main__"):
             continue
         path = getattr(module, "__file__", None)
-        if path and os.path.realpath(path).startswith(dirs):
+        if not path:
+            continue
+        path = os.path.realpath(path)
+        if path.startswith(installed) or (path.startswith(stdlib) and "-packages" not in path):
             names.add(name)
     return tuple(sorted(names))
 
