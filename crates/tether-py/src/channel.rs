@@ -22,6 +22,32 @@ fn closed() -> PyErr {
     PyValueError::new_err("operation on a closed tether channel")
 }
 
+/// A native object that Python can close while other threads still hold it: `close()`
+/// drops this handle's reference, and the object goes once the last call using it returns.
+struct Closable<T>(Mutex<Option<Arc<T>>>);
+
+impl<T> Closable<T> {
+    fn new(value: T) -> Closable<T> {
+        Closable(Mutex::new(Some(Arc::new(value))))
+    }
+
+    fn slot(&self) -> std::sync::MutexGuard<'_, Option<Arc<T>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn get(&self) -> PyResult<Arc<T>> {
+        self.slot().clone().ok_or_else(closed)
+    }
+
+    fn close(&self) {
+        self.slot().take();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.slot().is_none()
+    }
+}
+
 /// A timeout in seconds as a deadline; `None` waits for ever.
 fn deadline(timeout: Option<f64>) -> PyResult<Option<Instant>> {
     match timeout {
@@ -66,22 +92,14 @@ fn into_raw(fds: Vec<OwnedFd>) -> Vec<RawFd> {
 /// received whole, with fds, by any number of processes and threads.
 #[pyclass(module = "tether._native", frozen)]
 pub struct Endpoint {
-    inner: Mutex<Option<Arc<channel::Endpoint>>>,
+    inner: Closable<channel::Endpoint>,
 }
 
 impl Endpoint {
     fn wrap(inner: channel::Endpoint) -> Endpoint {
         Endpoint {
-            inner: Mutex::new(Some(Arc::new(inner))),
+            inner: Closable::new(inner),
         }
-    }
-
-    fn get(&self) -> PyResult<Arc<channel::Endpoint>> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or_else(closed)
     }
 }
 
@@ -106,26 +124,28 @@ impl Endpoint {
     }
 
     fn fileno(&self) -> PyResult<RawFd> {
-        Ok(self.get()?.as_fd().as_raw_fd())
+        Ok(self.inner.get()?.as_fd().as_raw_fd())
     }
 
     /// A new fd (close-on-exec) for the same socket, owned by the caller.
     fn dup(&self) -> PyResult<RawFd> {
-        let fd = self.get()?.as_fd().try_clone_to_owned().map_err(os_error)?;
+        let fd = self
+            .inner
+            .get()?
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(os_error)?;
         Ok(fd.into_raw_fd())
     }
 
     /// Closes this process's fd (once no call on another thread still uses it).
     fn close(&self) {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.inner.close();
     }
 
     #[getter]
     fn closed(&self) -> bool {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_none()
+        self.inner.is_closed()
     }
 
     /// Sends `data` and `fds` (which stay owned by the caller) as one message; waits while
@@ -138,7 +158,7 @@ impl Endpoint {
         fds: Vec<RawFd>,
         timeout: Option<f64>,
     ) -> PyResult<bool> {
-        let ep = self.get()?;
+        let ep = self.inner.get()?;
         let until = deadline(timeout)?;
         if fds.iter().any(|&fd| fd < 0) {
             return Err(PyValueError::new_err("invalid fd"));
@@ -178,7 +198,7 @@ impl Endpoint {
         timeout: Option<f64>,
         spin: f64,
     ) -> PyResult<Option<(Bound<'py, PyBytes>, Vec<RawFd>)>> {
-        let ep = self.get()?;
+        let ep = self.inner.get()?;
         let until = deadline(timeout)?;
         let mut first = ep.recv(Some(Duration::ZERO)).map_err(os_error)?;
         if matches!(first, Recv::Timeout)
@@ -217,24 +237,14 @@ impl Endpoint {
 
     /// True when a message (or the end of the channel) is waiting.
     fn readable(&self) -> PyResult<bool> {
-        self.get()?.readable().map_err(os_error)
+        self.inner.get()?.readable().map_err(os_error)
     }
 }
 
 /// A flag in a shared memory page: set/clear/is_set/wait across processes.
 #[pyclass(module = "tether._native", frozen)]
 pub struct SharedFlag {
-    inner: Mutex<Option<Arc<channel::SharedFlag>>>,
-}
-
-impl SharedFlag {
-    fn get(&self) -> PyResult<Arc<channel::SharedFlag>> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or_else(closed)
-    }
+    inner: Closable<channel::SharedFlag>,
 }
 
 #[pymethods]
@@ -243,7 +253,7 @@ impl SharedFlag {
     fn new() -> PyResult<SharedFlag> {
         let flag = channel::SharedFlag::new().map_err(os_error)?;
         Ok(SharedFlag {
-            inner: Mutex::new(Some(Arc::new(flag))),
+            inner: Closable::new(flag),
         })
     }
 
@@ -257,36 +267,36 @@ impl SharedFlag {
         let owned = unsafe { OwnedFd::from_raw_fd(fd) };
         let flag = channel::SharedFlag::from_fd(owned).map_err(os_error)?;
         Ok(SharedFlag {
-            inner: Mutex::new(Some(Arc::new(flag))),
+            inner: Closable::new(flag),
         })
     }
 
     fn fileno(&self) -> PyResult<RawFd> {
-        Ok(self.get()?.as_fd().as_raw_fd())
+        Ok(self.inner.get()?.as_fd().as_raw_fd())
     }
 
     fn close(&self) {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.inner.close();
     }
 
     fn is_set(&self) -> PyResult<bool> {
-        Ok(self.get()?.is_set())
+        Ok(self.inner.get()?.is_set())
     }
 
     fn set(&self) -> PyResult<()> {
-        self.get()?.set();
+        self.inner.get()?.set();
         Ok(())
     }
 
     fn clear(&self) -> PyResult<()> {
-        self.get()?.clear();
+        self.inner.get()?.clear();
         Ok(())
     }
 
     /// Waits until the flag is set or `timeout` seconds pass; returns whether it is set.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        let flag = self.get()?;
+        let flag = self.inner.get()?;
         if flag.is_set() {
             return Ok(true);
         }
@@ -298,17 +308,7 @@ impl SharedFlag {
 /// Epoll over fds, each under an int token, with a wake-up.
 #[pyclass(module = "tether._native", frozen)]
 pub struct Poller {
-    inner: Mutex<Option<Arc<channel::Poller>>>,
-}
-
-impl Poller {
-    fn get(&self) -> PyResult<Arc<channel::Poller>> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or_else(closed)
-    }
+    inner: Closable<channel::Poller>,
 }
 
 #[pymethods]
@@ -317,7 +317,7 @@ impl Poller {
     fn new() -> PyResult<Poller> {
         let poller = channel::Poller::new().map_err(os_error)?;
         Ok(Poller {
-            inner: Mutex::new(Some(Arc::new(poller))),
+            inner: Closable::new(poller),
         })
     }
 
@@ -328,7 +328,7 @@ impl Poller {
         }
         // SAFETY: the caller keeps `fd` open while it is registered.
         let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-        self.get()?.add(token, fd).map_err(os_error)
+        self.inner.get()?.add(token, fd).map_err(os_error)
     }
 
     fn remove(&self, fd: RawFd) -> PyResult<()> {
@@ -337,17 +337,17 @@ impl Poller {
         }
         // SAFETY: only used for the duration of the epoll_ctl call.
         let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-        self.get()?.remove(fd).map_err(os_error)
+        self.inner.get()?.remove(fd).map_err(os_error)
     }
 
     /// Makes the current or next `wait` return at once.
     fn wake(&self) -> PyResult<()> {
-        self.get()?.wake().map_err(os_error)
+        self.inner.get()?.wake().map_err(os_error)
     }
 
     /// Closes the epoll and wake-up fds (once no `wait` on another thread uses them).
     fn close(&self) {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.inner.close();
     }
 
     /// The tokens that are ready (without the GIL), waiting up to `timeout` seconds; with
@@ -360,7 +360,7 @@ impl Poller {
             None => None,
         };
         let spin = Duration::from_secs_f64(spin.clamp(0.0, 0.01));
-        let poller = self.get()?;
+        let poller = self.inner.get()?;
         py.allow_threads(|| {
             if !spin.is_zero() {
                 let start = Instant::now();
