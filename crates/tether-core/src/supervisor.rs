@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -286,6 +286,9 @@ struct Supervisor {
     pid: u32,
     wake: OwnedFd,
     queue: Mutex<Vec<Request>>,
+    /// Set when its thread could not be started: requests are refused (their callers get
+    /// `SupervisorGone`) and the next call makes a new supervisor.
+    failed: AtomicBool,
 }
 
 static CURRENT: AtomicPtr<Supervisor> = AtomicPtr::new(std::ptr::null_mut());
@@ -295,7 +298,7 @@ fn supervisor() -> Result<&'static Supervisor, Error> {
     let current = CURRENT.load(Ordering::Acquire);
     // SAFETY: a non-null pointer in CURRENT comes from `Box::leak` and is never freed.
     if let Some(sup) = unsafe { current.as_ref() } {
-        if sup.pid == pid {
+        if sup.pid == pid && !sup.failed.load(Ordering::Acquire) {
             return Ok(sup);
         }
     }
@@ -303,22 +306,20 @@ fn supervisor() -> Result<&'static Supervisor, Error> {
         pid,
         wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
         queue: Mutex::new(Vec::new()),
+        failed: AtomicBool::new(false),
     }));
     match CURRENT.compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire) {
         Ok(_) => {
             // SAFETY: `fresh` was just leaked into CURRENT and lives for ever.
             let sup: &'static Supervisor = unsafe { &*fresh };
-            let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
-            epoll::add(
-                &epoll,
-                &sup.wake,
-                epoll::EventData::new_u64(WAKE),
-                epoll::EventFlags::IN,
-            )?;
-            std::thread::Builder::new()
-                .name("tether-supervisor".into())
-                .spawn(move || Loop::new(sup, epoll).run())?;
-            Ok(sup)
+            match sup.start_thread() {
+                Ok(()) => Ok(sup),
+                Err(err) => {
+                    sup.failed.store(true, Ordering::Release);
+                    sup.refuse_queued();
+                    Err(err)
+                }
+            }
         }
         Err(_) => {
             // Another thread made one first: use it.
@@ -330,11 +331,35 @@ fn supervisor() -> Result<&'static Supervisor, Error> {
 }
 
 impl Supervisor {
+    fn start_thread(&'static self) -> Result<(), Error> {
+        let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        epoll::add(
+            &epoll,
+            &self.wake,
+            epoll::EventData::new_u64(WAKE),
+            epoll::EventFlags::IN,
+        )?;
+        std::thread::Builder::new()
+            .name("tether-supervisor".into())
+            .spawn(move || Loop::new(self, epoll).run())?;
+        Ok(())
+    }
+
+    fn queue(&self) -> MutexGuard<'_, Vec<Request>> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Drops the queued requests: their callers' replies fail with `SupervisorGone`.
+    fn refuse_queued(&self) {
+        drop(std::mem::take(&mut *self.queue()));
+    }
+
     fn send(&self, request: Request) -> Result<(), Error> {
-        self.queue
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(request);
+        self.queue().push(request);
+        if self.failed.load(Ordering::Acquire) {
+            self.refuse_queued();
+            return Err(Error::SupervisorGone);
+        }
         rustix::io::write(&self.wake, &1u64.to_ne_bytes())?;
         Ok(())
     }
@@ -401,8 +426,7 @@ impl Loop {
     fn serve_requests(&mut self) {
         let mut buf = [0u8; 8];
         let _ = rustix::io::read(&self.sup.wake, &mut buf);
-        let requests =
-            std::mem::take(&mut *self.sup.queue.lock().unwrap_or_else(|e| e.into_inner()));
+        let requests = std::mem::take(&mut *self.sup.queue());
         for request in requests {
             match request {
                 Request::Launch {
