@@ -200,7 +200,8 @@ class ProcessContext:
             self._group.wait(None, "all", grace_period)
         self._stop(grace_period)
         self._done = True
-        raise self._error(self._first_failure() or failed)
+        # Those stopped now fail later in time: the first failure stays the root cause.
+        raise self._error(failed)
 
     def _first_failure(self) -> Optional[int]:
         failures = []
