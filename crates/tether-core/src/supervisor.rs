@@ -531,6 +531,7 @@ impl Loop {
         let raw = rustix::process::Pid::from_raw(pid)
             .ok_or(Error::Io(io::Error::from_raw_os_error(libc::ESRCH)))?;
         let pidfd = rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty())?;
+        let pidfd_raw = pidfd.as_raw_fd();
         let index = {
             let mut state = group.lock();
             state.members.push(Member {
@@ -542,73 +543,92 @@ impl Loop {
             });
             state.members.len() - 1
         };
+        match self.watch_member(group, index, pidfd_raw, report, payload) {
+            Ok(()) => Ok(index),
+            Err(err) => {
+                // Unwatched, nobody would reap it: stop it and reap it now. Watches already
+                // added for its pipes end by themselves once it is gone.
+                let mut state = group.lock();
+                let member = &mut state.members[index];
+                signal_tree(member.pid, libc::SIGKILL);
+                let mut ready = [rustix::event::PollFd::new(
+                    &member.pidfd,
+                    rustix::event::PollFlags::IN,
+                )];
+                let _ = rustix::event::poll(&mut ready, None);
+                let status = waitid(&member.pidfd, 0)
+                    .ok()
+                    .flatten()
+                    .unwrap_or(ExitStatus::Unknown);
+                member.exit = Some(Exit {
+                    status,
+                    at: now_monotonic(),
+                });
+                drop(state);
+                group.changed.notify_all();
+                Err(err)
+            }
+        }
+    }
+
+    /// Watches the member's pipes and its pidfd.
+    fn watch_member(
+        &mut self,
+        group: &Arc<GroupInner>,
+        index: usize,
+        pidfd: RawFd,
+        report: Option<OwnedFd>,
+        payload: Option<(OwnedFd, Vec<u8>)>,
+    ) -> Result<(), Error> {
         let report = match report {
             Some(fd) => {
-                rustix::io::ioctl_fionbio(&fd, true)?;
-                let token = self.token();
-                epoll::add(
-                    &self.epoll,
-                    &fd,
-                    epoll::EventData::new_u64(token),
-                    epoll::EventFlags::IN,
-                )?;
-                self.watches.insert(
-                    token,
-                    Watch::Report {
-                        group: group.clone(),
-                        index,
-                        fd,
-                    },
-                );
-                Some(token)
+                let raw = fd.as_raw_fd();
+                let watch = Watch::Report {
+                    group: group.clone(),
+                    index,
+                    fd,
+                };
+                Some(self.add_watch(raw, epoll::EventFlags::IN, watch)?)
             }
             None => None,
         };
         let payload = match payload {
             Some((fd, data)) => {
-                rustix::io::ioctl_fionbio(&fd, true)?;
-                let token = self.token();
-                epoll::add(
-                    &self.epoll,
-                    &fd,
-                    epoll::EventData::new_u64(token),
-                    epoll::EventFlags::OUT,
-                )?;
-                self.watches.insert(
-                    token,
-                    Watch::Payload {
-                        fd,
-                        data,
-                        written: 0,
-                    },
-                );
-                Some(token)
+                let raw = fd.as_raw_fd();
+                let watch = Watch::Payload {
+                    fd,
+                    data,
+                    written: 0,
+                };
+                Some(self.add_watch(raw, epoll::EventFlags::OUT, watch)?)
             }
             None => None,
         };
+        let watch = Watch::Exit {
+            group: group.clone(),
+            index,
+            report,
+            payload,
+        };
+        self.add_watch(pidfd, epoll::EventFlags::IN, watch)?;
+        Ok(())
+    }
+
+    /// Adds `fd` (non-blocking) to the epoll set under a new token for `watch`, which owns
+    /// the fd or keeps alive the group whose member owns it.
+    fn add_watch(
+        &mut self,
+        fd: RawFd,
+        flags: epoll::EventFlags,
+        watch: Watch,
+    ) -> Result<u64, Error> {
+        // SAFETY: `watch` keeps `fd` open (see above) for as long as it is in the set.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        rustix::io::ioctl_fionbio(fd, true)?;
         let token = self.token();
-        {
-            let state = group.lock();
-            // SAFETY: the pidfd is owned by the member, which lives as long as `group`,
-            // which this watch keeps alive until the fd is removed from the epoll set.
-            let fd = unsafe { BorrowedFd::borrow_raw(state.members[index].pidfd.as_raw_fd()) };
-            epoll::add(
-                &self.epoll,
-                fd,
-                epoll::EventData::new_u64(token),
-                epoll::EventFlags::IN,
-            )?;
-        }
-        self.watches.insert(
-            token,
-            Watch::Exit {
-                group: group.clone(),
-                index,
-                report,
-                payload,
-            },
-        );
-        Ok(index)
+        epoll::add(&self.epoll, fd, epoll::EventData::new_u64(token), flags)?;
+        self.watches.insert(token, watch);
+        Ok(token)
     }
 
     fn token(&mut self) -> u64 {
