@@ -69,21 +69,24 @@ def encode_batch(items: Sequence[Tuple[int, bytes, Sequence[int]]]) -> Tuple[byt
     return b"".join(head), fds
 
 
-def decode_batch(data: bytes, fds: Sequence[int]) -> List[Tuple[int, memoryview, List[int]]]:
+def _decode(data: bytes, fds: Sequence[int], record: struct.Struct) -> List[Tuple[Any, ...]]:
+    """The records of a message made by ``encode_batch`` or ``encode_results``: each
+    record's fields but the last two (size, fd count), its bytes and its fds."""
     _, count = _COUNT.unpack_from(data)
-    offset = _COUNT.size
-    heads = []
-    for _ in range(count):
-        heads.append(_TASK.unpack_from(data, offset))
-        offset += _TASK.size
+    offset = _COUNT.size + count * record.size
     view = memoryview(data)
-    tasks = []
+    out = []
     fd_at = 0
-    for task_id, size, nfds in heads:
-        tasks.append((task_id, view[offset : offset + size], list(fds[fd_at : fd_at + nfds])))
+    for n in range(count):
+        *fields, size, nfds = record.unpack_from(data, _COUNT.size + n * record.size)
+        out.append((*fields, view[offset : offset + size], list(fds[fd_at : fd_at + nfds])))
         offset += size
         fd_at += nfds
-    return tasks
+    return out
+
+
+def decode_batch(data: bytes, fds: Sequence[int]) -> List[Tuple[int, memoryview, List[int]]]:
+    return _decode(data, fds, _TASK)  # type: ignore[return-value]
 
 
 def encode_results(
@@ -101,22 +104,7 @@ def encode_results(
 def decode_results(
     data: bytes, fds: Sequence[int]
 ) -> List[Tuple[int, bool, memoryview, List[int]]]:
-    _, count = _COUNT.unpack_from(data)
-    offset = _COUNT.size
-    heads = []
-    for _ in range(count):
-        heads.append(_RESULT.unpack_from(data, offset))
-        offset += _RESULT.size
-    view = memoryview(data)
-    out = []
-    fd_at = 0
-    for task_id, ok, size, nfds in heads:
-        out.append(
-            (task_id, bool(ok), view[offset : offset + size], list(fds[fd_at : fd_at + nfds]))
-        )
-        offset += size
-        fd_at += nfds
-    return out
+    return [(t, bool(ok), blob, f) for t, ok, blob, f in _decode(data, fds, _RESULT)]
 
 
 def encode_lease(lease_id: int, blob: bytes) -> bytes:
