@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import tether
-from conftest import child_pids
+from conftest import child_pids, session_pids, shm_entries
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -235,7 +235,7 @@ def _counts():
         len(child_pids()),
         threading.active_count(),
         len(os.listdir("/proc/self/fd")),
-        len(os.listdir("/dev/shm")),
+        len(shm_entries(session_pids())),
     )
 
 
