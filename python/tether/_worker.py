@@ -294,11 +294,6 @@ def _reset_after_lease() -> None:
 
 def serve(slot: int, ctl_fd: int, progress_fd: int, config: Dict[str, Any]) -> None:
     """The worker's main loop (called by tether's child bootstrap as ``fn(rank, *args)``)."""
-    for fd in config.get("close_fds", ()):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
     ctl = _native.Endpoint.from_fd(ctl_fd)
     progress = Progress(progress_fd)
     progress.close_fd()

@@ -44,15 +44,13 @@ from typing import (
     Union,
 )
 
-from . import _channel, _child, _native, _report, _worker
-from .spawn import launch_forkserver, launch_spawn
+from . import _channel, _launch, _native, _report, _worker
 
 if TYPE_CHECKING:
     from .context import PoolContext, PoolProcess
 
 __all__ = ["BrokenPool", "NoFreeWorkerError", "Pool", "WorkerCrashedError"]
 
-START_METHODS = ("forkserver", "spawn", "fork")
 #: Messages of executor tasks in flight per worker (one running, one waiting in its socket).
 WINDOW = 2
 #: The most tasks one message carries.
@@ -307,25 +305,24 @@ class _Core:
         return {"preload": self.preload, "initializer": self.initializer, "initargs": self.initargs}
 
     def _start_worker(self, slot: int) -> _Worker:
-        """Starts the worker of ``slot``: the one place that knows the start methods."""
-        if self.start_method == "fork":
-            return self._start_fork(slot)
-        return self._start_fresh(slot)
-
-    def _start_fresh(self, slot: int) -> _Worker:
-        """A worker that is a fresh process: a fork of the zygote, or a new interpreter."""
+        """Starts the worker of ``slot``, linked to the pool by a control socket and a
+        progress page."""
         ours, theirs = _native.Endpoint.pair()
         progress = _worker.Progress.create()
         try:
             child_fd = theirs.fileno()
             assert progress.fd is not None
-            args = (child_fd, progress.fd, self._config())
-            keep = [child_fd, progress.fd]
-            if self.start_method == "forkserver":
-                preload = self.preload or None
-                group = launch_forkserver(_worker.serve, args, [slot], preload, keep)
-            else:
-                group = launch_spawn(_worker.serve, args, [slot], keep)
+            # A fork child closes what it inherits of the pool: every worker's socket.
+            inherited = [w.ctl.fileno() for w in self.workers if w is not None and not w.ctl.closed]
+            group = _launch.start(
+                _worker.serve,
+                (child_fd, progress.fd, self._config()),
+                [slot],
+                self.start_method,
+                preload=self.preload or None,
+                keep_fds=[child_fd, progress.fd],
+                close_in_child=[*inherited, ours.fileno()],
+            )
         except BaseException:
             ours.close()
             progress.close()
@@ -334,37 +331,6 @@ class _Core:
             theirs.close()
             progress.close_fd()
         return _Worker(slot, group.pid(0), group, ours, next(self.tokens), progress)
-
-    def _start_fork(self, slot: int) -> _Worker:
-        ours, theirs = _native.Endpoint.pair()
-        progress = _worker.Progress.create()
-        read_fd, write_fd = os.pipe()
-        # The fork child closes what it inherits of the pool: the other workers' sockets.
-        inherited = [w.ctl.fileno() for w in self.workers if w is not None and not w.ctl.closed]
-        inherited += [ours.fileno(), read_fd]
-        config = dict(self._config(), close_fds=inherited)
-        parent = os.getpid()
-        from_main = threading.current_thread() is threading.main_thread()
-        child_fd = theirs.fileno()
-        assert progress.fd is not None
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            _child.run_forked(
-                _worker.serve, slot, (child_fd, progress.fd, config), write_fd, parent, from_main
-            )
-        os.close(write_fd)
-        theirs.close()
-        progress.close_fd()
-        try:
-            os.setpgid(pid, pid)
-        except OSError:
-            pass  # the child got there first, or has already exited
-        group = _native.Group()
-        try:
-            group.adopt(pid, read_fd)
-        finally:
-            os.close(read_fd)
-        return _Worker(slot, pid, group, ours, next(self.tokens), progress)
 
     def _add_worker(self, worker: _Worker) -> None:
         self.workers[worker.slot] = worker
@@ -946,12 +912,8 @@ class Pool(concurrent.futures.Executor):
             processes = os.cpu_count() or 1
         if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
             raise ValueError(f"processes must be a positive int, got {processes!r}")
-        method = "forkserver" if start_method is None else start_method
-        if method not in START_METHODS:
-            raise ValueError(
-                f"unknown start method {start_method!r}: tether.Pool supports "
-                + ", ".join(repr(m) for m in START_METHODS)
-            )
+        method = _launch.DEFAULT_START_METHOD if start_method is None else start_method
+        _launch.check_start_method(method, "tether.Pool")
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be callable")
         self._core = _Core(processes, method, list(preload or ()), initializer, initargs)

@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing.process
-import multiprocessing.spawn
-import os
 import signal
-import subprocess
 import sys
 import threading
 import warnings
 import weakref
-from multiprocessing.context import set_spawning_popen
-from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
-from . import _child, _native, _report
+from . import _launch, _native, _report
+from ._launch import DEFAULT_START_METHOD
 from .errors import ProcessException, ProcessExitedException, ProcessRaisedException
 
 __all__ = [
@@ -35,79 +31,8 @@ __all__ = [
     "start_processes",
 ]
 
-START_METHODS = ("forkserver", "spawn", "fork")
-DEFAULT_START_METHOD = "forkserver"
-
 #: How long ``join`` waits after SIGTERM before SIGKILL, when no grace period is given.
 DEFAULT_GRACE = 30.0
-
-
-class _DupFd:
-    """An fd passed to a spawn child under the same number (multiprocessing's protocol)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def detach(self) -> int:
-        return self.fd
-
-
-class _SpawningPopen:
-    """Stands in for the "spawning popen" while the arguments are pickled, so that
-    multiprocessing primitives and shared tensors can name the fds the child must inherit."""
-
-    DupFd = _DupFd
-
-    def __init__(self) -> None:
-        self.fds: List[int] = []
-
-    def duplicate_for_child(self, fd: int) -> int:
-        self.fds.append(fd)
-        return fd
-
-
-def _dumps(obj: Any, popen: _SpawningPopen) -> bytes:
-    set_spawning_popen(popen)
-    try:
-        return bytes(ForkingPickler.dumps(obj))
-    finally:
-        set_spawning_popen(None)
-
-
-def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
-    """What a spawn child needs to look like this process: paths, argv, working directory,
-    authkey, and how to rebuild ``__main__`` (by module name or by path)."""
-    process = multiprocessing.process.current_process()
-    data: Dict[str, Any] = {
-        "log_to_stderr": False,
-        "authkey": bytes(process.authkey),
-        "sys_path": list(sys.path),
-        "sys_argv": list(sys.argv),
-        "dir": os.getcwd(),
-        "orig_dir": multiprocessing.process.ORIGINAL_DIR,
-    }
-    main = sys.modules.get("__main__")
-    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
-    main_path = getattr(main, "__file__", None)
-    if spec_name is not None:
-        data["init_main_from_name"] = spec_name
-    elif main_path is not None:
-        if not os.path.isabs(main_path) and multiprocessing.process.ORIGINAL_DIR is not None:
-            main_path = os.path.join(multiprocessing.process.ORIGINAL_DIR, main_path)
-        data["init_main_from_path"] = os.path.normpath(main_path)
-    from multiprocessing import resource_tracker
-
-    tracker_fd = getattr(resource_tracker._resource_tracker, "_fd", None)
-    if tracker_fd is not None:
-        data["tether_tracker_fd"] = popen.duplicate_for_child(tracker_fd)
-    return data
-
-
-def _child_argv() -> List[bytes]:
-    argv = [multiprocessing.spawn.get_executable()]
-    argv += subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
-    argv += ["-c", "from tether._child import main; main()"]
-    return [os.fsencode(a) for a in argv]
 
 
 def _signal_name(signum: int) -> str:
@@ -277,100 +202,6 @@ def _finish_at_exit() -> None:
         ctx._at_exit(interrupted)
 
 
-def launch_spawn(
-    fn: Callable[..., Any], args: Sequence[Any], ranks: Sequence[int], keep_fds: Sequence[int] = ()
-) -> _native.Group:
-    """Starts ``fn(rank, *args)`` for each rank in a fresh interpreter; the children inherit
-    the standard streams, the fds the arguments pass and ``keep_fds``, under the same
-    numbers. Also the pool's way of starting its workers."""
-    popen = _SpawningPopen()
-    prep = _dumps(_preparation_data(popen), popen)
-    work = _dumps((fn, tuple(args)), popen)
-    argv = _child_argv()
-    passed = [*popen.fds, *keep_fds]
-    group = _native.Group()
-    group.launch([(argv, [], passed, _child.make_payload(i, prep, work)) for i in ranks])
-    return group
-
-
-def launch_forkserver(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    ranks: Sequence[int],
-    preload: Optional[Sequence[str]],
-    keep_fds: Sequence[int] = (),
-) -> _native.Group:
-    """Starts ``fn(rank, *args)`` for each rank as a fork of the zygote for ``preload``; the
-    children inherit the standard streams, the fds the arguments pass and ``keep_fds``,
-    under the same numbers. Also the pool's way of starting its workers."""
-    from . import _zygote
-
-    popen = _SpawningPopen()
-    prep = _dumps(_preparation_data(popen), popen)
-    work = _dumps((fn, tuple(args)), popen)
-    passed = [0, 1, 2, *popen.fds, *keep_fds]
-    pipes = [os.pipe() for _ in ranks]
-    group = _native.Group()
-    try:
-        _zygote.get(preload).fork(
-            ranks=ranks,
-            fds=passed,
-            targets=passed,
-            report_fds=[w for _, w in pipes],
-            prep=prep,
-            work=work,
-            on_pid=lambda n, pid: group.adopt(pid, pipes[n][0]),
-        )
-    except _zygote.ZygoteError as e:
-        for pid in e.pids[len(group) :]:
-            _kill_stray(pid)
-        group.signal_all(signal.SIGKILL)
-        group.wait(None, "all", 5.0)
-        raise
-    finally:
-        for read_fd, write_fd in pipes:
-            os.close(read_fd)
-            os.close(write_fd)
-    return group
-
-
-def _kill_stray(pid: int) -> None:
-    """Stops and reaps a child the zygote started for a request that then failed."""
-    group = _native.Group()
-    try:
-        group.adopt(pid)
-    except OSError:
-        return
-    group.signal_all(signal.SIGKILL)
-    group.wait(None, "all", 5.0)
-
-
-def _launch_fork(fn: Callable[..., Any], args: Sequence[Any], nprocs: int) -> _native.Group:
-    group = _native.Group()
-    parent = os.getpid()
-    from_main = threading.current_thread() is threading.main_thread()
-    try:
-        for i in range(nprocs):
-            read_fd, write_fd = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(read_fd)
-                _child.run_forked(fn, i, args, write_fd, parent, from_main)
-            os.close(write_fd)
-            try:
-                os.setpgid(pid, pid)
-            except OSError:
-                pass  # the child got there first, or has already exited
-            try:
-                group.adopt(pid, read_fd)
-            finally:
-                os.close(read_fd)
-    except BaseException:
-        group.signal_all(signal.SIGKILL)
-        raise
-    return group
-
-
 def start_processes(
     fn: Callable[..., Any],
     args: Sequence[Any] = (),
@@ -387,11 +218,7 @@ def start_processes(
     zygote imports, see ``tether.set_preload``), "spawn" (a fresh interpreter) or "fork" (a
     copy of this process). With ``join`` (the default) waits for all of them and raises on
     the first failure; otherwise returns the ``ProcessContext``."""
-    if start_method not in START_METHODS:
-        raise ValueError(
-            f"unknown start method {start_method!r}: tether supports "
-            + ", ".join(repr(m) for m in START_METHODS)
-        )
+    _launch.check_start_method(start_method, "tether")
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 0:
         raise ValueError(f"nprocs must be a non-negative int, got {nprocs!r}")
     if getattr(multiprocessing.process.current_process(), "_inheriting", False):
@@ -400,12 +227,7 @@ def start_processes(
             "of its parent. Start processes only under the usual guard in the main script:\n\n"
             "    if __name__ == '__main__':\n        ...\n"
         )
-    if start_method == "forkserver":
-        group = launch_forkserver(fn, args, range(nprocs), preload)
-    elif start_method == "spawn":
-        group = launch_spawn(fn, args, range(nprocs))
-    else:
-        group = _launch_fork(fn, args, nprocs)
+    group = _launch.start(fn, args, range(nprocs), start_method, preload=preload)
     context = ProcessContext(group, daemon)
     if not join:
         return context

@@ -1,0 +1,222 @@
+"""The one way tether starts Python children running ``fn(rank, *args)``, for every start
+method, used by ``tether.spawn`` and by ``tether.Pool``:
+
+- ``"forkserver"``: forks of the warm zygote (``_zygote``);
+- ``"spawn"``: fresh interpreters started by the supervisor (``python -m tether._child``);
+- ``"fork"``: copies of the calling process.
+
+The arguments are pickled while an object stands in for multiprocessing's "spawning popen",
+so that multiprocessing primitives and shared tensors name the fds the children inherit."""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import multiprocessing.spawn
+import os
+import signal
+import subprocess
+import sys
+import threading
+from multiprocessing.context import set_spawning_popen
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from . import _child, _native
+
+START_METHODS = ("forkserver", "spawn", "fork")
+DEFAULT_START_METHOD = "forkserver"
+
+
+def check_start_method(method: str, who: str) -> None:
+    """Raises ValueError naming ``who`` (e.g. "tether.Pool") for an unknown start method."""
+    if method not in START_METHODS:
+        raise ValueError(
+            f"unknown start method {method!r}: {who} supports "
+            + ", ".join(repr(m) for m in START_METHODS)
+        )
+
+
+class _DupFd:
+    """An fd passed to a child under the same number (multiprocessing's protocol)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def detach(self) -> int:
+        return self.fd
+
+
+class _SpawningPopen:
+    """Stands in for the "spawning popen" while the arguments are pickled, so that
+    multiprocessing primitives and shared tensors can name the fds the child must inherit."""
+
+    DupFd = _DupFd
+
+    def __init__(self) -> None:
+        self.fds: List[int] = []
+
+    def duplicate_for_child(self, fd: int) -> int:
+        self.fds.append(fd)
+        return fd
+
+
+def _dumps(obj: Any, popen: _SpawningPopen) -> bytes:
+    set_spawning_popen(popen)
+    try:
+        return bytes(ForkingPickler.dumps(obj))
+    finally:
+        set_spawning_popen(None)
+
+
+def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
+    """What a spawn child needs to look like this process: paths, argv, working directory,
+    authkey, and how to rebuild ``__main__`` (by module name or by path)."""
+    process = multiprocessing.process.current_process()
+    data: Dict[str, Any] = {
+        "log_to_stderr": False,
+        "authkey": bytes(process.authkey),
+        "sys_path": list(sys.path),
+        "sys_argv": list(sys.argv),
+        "dir": os.getcwd(),
+        "orig_dir": multiprocessing.process.ORIGINAL_DIR,
+    }
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    main_path = getattr(main, "__file__", None)
+    if spec_name is not None:
+        data["init_main_from_name"] = spec_name
+    elif main_path is not None:
+        if not os.path.isabs(main_path) and multiprocessing.process.ORIGINAL_DIR is not None:
+            main_path = os.path.join(multiprocessing.process.ORIGINAL_DIR, main_path)
+        data["init_main_from_path"] = os.path.normpath(main_path)
+    from multiprocessing import resource_tracker
+
+    tracker_fd = getattr(resource_tracker._resource_tracker, "_fd", None)
+    if tracker_fd is not None:
+        data["tether_tracker_fd"] = popen.duplicate_for_child(tracker_fd)
+    return data
+
+
+def python_argv(code: str) -> List[bytes]:
+    """``python [the interpreter's flags] -c code`` for this interpreter, as bytes."""
+    argv = [multiprocessing.spawn.get_executable()]
+    argv += subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+    argv += ["-c", code]
+    return [os.fsencode(a) for a in argv]
+
+
+def start(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    ranks: Sequence[int],
+    method: str,
+    *,
+    preload: Optional[Sequence[str]] = None,
+    keep_fds: Sequence[int] = (),
+    close_in_child: Sequence[int] = (),
+) -> _native.Group:
+    """Starts ``fn(rank, *args)`` for each rank with ``method`` and returns the group that
+    supervises them (member n runs ``ranks[n]``). The children inherit the standard
+    streams, the fds the arguments pass and ``keep_fds``, under the same numbers.
+    ``preload`` chooses the zygote (forkserver); ``close_in_child`` are fds a fork child
+    closes at once (a fork copies every fd of this process). On an error, no child of the
+    call is left running."""
+    check_start_method(method, "tether")
+    if method == "fork":
+        return _start_fork(fn, args, ranks, close_in_child)
+    popen = _SpawningPopen()
+    prep = _dumps(_preparation_data(popen), popen)
+    work = _dumps((fn, tuple(args)), popen)
+    if method == "spawn":
+        return _start_spawn(prep, work, ranks, [*popen.fds, *keep_fds])
+    return _start_forkserver(prep, work, ranks, preload, [0, 1, 2, *popen.fds, *keep_fds])
+
+
+def _start_spawn(
+    prep: bytes, work: bytes, ranks: Sequence[int], passed: Sequence[int]
+) -> _native.Group:
+    argv = python_argv("from tether._child import main; main()")
+    group = _native.Group()
+    group.launch([(argv, [], passed, _child.make_payload(i, prep, work)) for i in ranks])
+    return group
+
+
+def _start_forkserver(
+    prep: bytes,
+    work: bytes,
+    ranks: Sequence[int],
+    preload: Optional[Sequence[str]],
+    passed: Sequence[int],
+) -> _native.Group:
+    from . import _zygote
+
+    pipes = [os.pipe() for _ in ranks]
+    group = _native.Group()
+    try:
+        _zygote.get(preload).fork(
+            ranks=ranks,
+            fds=passed,
+            targets=passed,
+            report_fds=[w for _, w in pipes],
+            prep=prep,
+            work=work,
+            on_pid=lambda n, pid: group.adopt(pid, pipes[n][0]),
+        )
+    except _zygote.ZygoteError as e:
+        for pid in e.pids[len(group) :]:
+            _kill_stray(pid)
+        group.signal_all(signal.SIGKILL)
+        group.wait(None, "all", 5.0)
+        raise
+    finally:
+        for read_fd, write_fd in pipes:
+            os.close(read_fd)
+            os.close(write_fd)
+    return group
+
+
+def _kill_stray(pid: int) -> None:
+    """Stops and reaps a child the zygote started for a request that then failed."""
+    group = _native.Group()
+    try:
+        group.adopt(pid)
+    except OSError:
+        return
+    group.signal_all(signal.SIGKILL)
+    group.wait(None, "all", 5.0)
+
+
+def _start_fork(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    ranks: Sequence[int],
+    close_in_child: Sequence[int],
+) -> _native.Group:
+    group = _native.Group()
+    parent = os.getpid()
+    from_main = threading.current_thread() is threading.main_thread()
+    try:
+        for rank in ranks:
+            read_fd, write_fd = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - runs in the child
+                os.close(read_fd)
+                for fd in close_in_child:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+                _child.run_forked(fn, rank, args, write_fd, parent, from_main)
+            os.close(write_fd)
+            try:
+                os.setpgid(pid, pid)
+            except OSError:
+                pass  # the child got there first, or has already exited
+            try:
+                group.adopt(pid, read_fd)
+            finally:
+                os.close(read_fd)
+    except BaseException:
+        group.signal_all(signal.SIGKILL)
+        raise
+    return group
