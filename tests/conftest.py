@@ -187,12 +187,29 @@ def shm_entries(pids: Set[int]) -> Set[str]:
     return owned
 
 
+def _own_fds(helpers: Set[int]) -> Set[str]:
+    """This process's fds, less the pidfds by which tether watches the session's helpers
+    (the zygote's ready children come and go)."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                info = f.read()
+        except OSError:
+            continue
+        pid = next((line.split()[1] for line in info.splitlines() if line.startswith("Pid:")), "")
+        if not (pid.isdigit() and int(pid) in helpers):
+            fds.add(fd)
+    return fds
+
+
 def _snapshot() -> Dict[str, Set[str]]:
     gc.collect()
-    pids = session_pids() - _helpers()
+    helpers = _helpers()
+    pids = session_pids() - helpers
     return {
         "processes": {str(p) for p in pids},
-        "fds": set(os.listdir("/proc/self/fd")),
+        "fds": _own_fds(helpers),
         "tmp": set(os.listdir(tempfile.gettempdir())),
         "shm": shm_entries(pids),
     }

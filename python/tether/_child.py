@@ -18,7 +18,7 @@ import signal
 import struct
 import sys
 import threading
-from typing import Any, Callable, Dict, NoReturn, Sequence, Tuple
+from typing import Any, Callable, Dict, NoReturn, Optional, Sequence, Tuple
 
 from . import _native, _report
 
@@ -84,11 +84,20 @@ def _prepare(data: Dict[str, Any]) -> None:
         process._inheriting = False  # type: ignore[attr-defined]
 
 
-def run_payload(prep: bytes, work: bytes, rank: int, report_fd: int) -> int:
+def run_payload(
+    prep: bytes,
+    work: bytes,
+    rank: int,
+    report_fd: int,
+    setup_error: Optional[Tuple[int, str]] = None,
+) -> int:
     """Rebuilds the parent's ``__main__`` from ``prep``, unpickles ``(fn, args)`` from ``work``
-    and runs ``fn(rank, *args)``; returns the exit status (see ``run_rank``)."""
+    and runs ``fn(rank, *args)``; returns the exit status (see ``run_rank``). A
+    ``setup_error`` (errno, message) from setting the child up is reported instead."""
 
     def call() -> None:
+        if setup_error is not None:
+            raise OSError(*setup_error)
         _prepare(pickle.loads(prep))
         fn, args = pickle.loads(work)
         fn(rank, *args)

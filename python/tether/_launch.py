@@ -19,7 +19,7 @@ import sys
 import threading
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import _child, _native
 
@@ -114,22 +114,40 @@ def start(
     preload: Optional[Sequence[str]] = None,
     keep_fds: Sequence[int] = (),
     close_in_child: Sequence[int] = (),
+    label: Optional[str] = None,
 ) -> _native.Group:
     """Starts ``fn(rank, *args)`` for each rank with ``method`` and returns the group that
     supervises them (member n runs ``ranks[n]``). The children inherit the standard
     streams, the fds the arguments pass and ``keep_fds``, under the same numbers.
     ``preload`` chooses the zygote (forkserver); ``close_in_child`` are fds a fork child
-    closes at once (a fork copies every fd of this process). On an error, no child of the
-    call is left running."""
+    closes at once (a fork copies every fd of this process); ``label`` says what the
+    children run (the function's name by default). On an error, no child of the call is
+    left running and no fd made for it is left open."""
     check_start_method(method, "tether")
     if method == "fork":
         return _start_fork(fn, args, ranks, close_in_child)
     popen = _SpawningPopen()
     prep = _dumps(_preparation_data(popen), popen)
     work = _dumps((fn, tuple(args)), popen)
+    passed = list(dict.fromkeys([*popen.fds, *keep_fds]))
     if method == "spawn":
-        return _start_spawn(prep, work, ranks, [*popen.fds, *keep_fds])
-    return _start_forkserver(prep, work, ranks, preload, [0, 1, 2, *popen.fds, *keep_fds])
+        return _start_spawn(prep, work, ranks, passed)
+    from . import _zygote
+
+    group = _native.Group()
+    shared = [(fd, fd) for fd in dict.fromkeys([0, 1, 2, *passed]) if _is_open(fd)]
+    payload = _child.make_payload(0, prep, work)
+    name = label or getattr(fn, "__qualname__", None) or repr(fn)
+    _zygote.get(preload).fork(group, ranks, shared, payload, name)
+    return group
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def _start_spawn(
@@ -141,82 +159,64 @@ def _start_spawn(
     return group
 
 
-def _start_forkserver(
-    prep: bytes,
-    work: bytes,
-    ranks: Sequence[int],
-    preload: Optional[Sequence[str]],
-    passed: Sequence[int],
-) -> _native.Group:
-    from . import _zygote
-
-    pipes = [os.pipe() for _ in ranks]
-    group = _native.Group()
-    try:
-        _zygote.get(preload).fork(
-            ranks=ranks,
-            fds=passed,
-            targets=passed,
-            report_fds=[w for _, w in pipes],
-            prep=prep,
-            work=work,
-            on_pid=lambda n, pid: group.adopt(pid, pipes[n][0]),
-        )
-    except _zygote.ZygoteError as e:
-        for pid in e.pids[len(group) :]:
-            _kill_stray(pid)
-        group.signal_all(signal.SIGKILL)
-        group.wait(None, "all", 5.0)
-        raise
-    finally:
-        for read_fd, write_fd in pipes:
-            os.close(read_fd)
-            os.close(write_fd)
-    return group
-
-
-def _kill_stray(pid: int) -> None:
-    """Stops and reaps a child the zygote started for a request that then failed."""
-    group = _native.Group()
-    try:
-        group.adopt(pid)
-    except OSError:
-        return
-    group.signal_all(signal.SIGKILL)
-    group.wait(None, "all", 5.0)
-
-
 def _start_fork(
     fn: Callable[..., Any],
     args: Sequence[Any],
     ranks: Sequence[int],
     close_in_child: Sequence[int],
 ) -> _native.Group:
-    group = _native.Group()
+    """Forks one child per rank, then hands them all to the supervisor in one call."""
     parent = os.getpid()
     from_main = threading.current_thread() is threading.main_thread()
+    children: List[Tuple[int, int]] = []  # (pid, read end of its report pipe)
     try:
         for rank in ranks:
-            read_fd, write_fd = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - runs in the child
-                os.close(read_fd)
-                for fd in close_in_child:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-                _child.run_forked(fn, rank, args, write_fd, parent, from_main)
-            os.close(write_fd)
-            try:
-                os.setpgid(pid, pid)
-            except OSError:
-                pass  # the child got there first, or has already exited
-            try:
-                group.adopt(pid, read_fd)
-            finally:
-                os.close(read_fd)
+            children.append(_fork_one(fn, rank, args, close_in_child, parent, from_main))
     except BaseException:
-        group.signal_all(signal.SIGKILL)
+        _stop_unsupervised(children)
         raise
+    group = _native.Group()
+    group.adopt_all(children)  # takes the report fds; on an error, stops every child
     return group
+
+
+def _fork_one(
+    fn: Callable[..., Any],
+    rank: int,
+    args: Sequence[Any],
+    close_in_child: Sequence[int],
+    parent: int,
+    from_main: bool,
+) -> Tuple[int, int]:
+    read_fd, write_fd = os.pipe()
+    try:
+        pid = os.fork()
+    except BaseException:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
+    if pid == 0:  # pragma: no cover - runs in the child
+        os.close(read_fd)
+        for fd in close_in_child:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        _child.run_forked(fn, rank, args, write_fd, parent, from_main)
+    os.close(write_fd)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass  # the child got there first, or has already exited
+    return pid, read_fd
+
+
+def _stop_unsupervised(children: Sequence[Tuple[int, int]]) -> None:
+    """Kills and reaps children forked before a start failed, and closes their pipes."""
+    for pid, read_fd in children:
+        os.close(read_fd)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass  # already reaped (SIGCHLD ignored)

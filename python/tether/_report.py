@@ -1,19 +1,20 @@
 """The failure report a child writes to its report pipe, and its reading in the parent.
 
-One frame: an 8-byte little-endian length, then a pickled ``(traceback_text, exception)``
-where ``exception`` is the pickled exception, or None when it does not pickle. The parent
-always gets the traceback text; it gets the exception object when it also unpickles."""
+The frame is tether-core's (``_native.encode_report``): the exception's type name, its
+traceback text, then the pickled exception. Type and text come first, so that a report cut
+at the size limit (``_native.REPORT_LIMIT``), or one whose writer died half-way, still says
+what was raised and where. The parent gets the exception object too when it pickled in the
+child and unpickles here."""
 
 from __future__ import annotations
 
 import os
 import pickle
-import struct
 import traceback
 from types import TracebackType
 from typing import Optional, Tuple
 
-_HEADER = struct.Struct("<Q")
+from . import _native
 
 
 def _user_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:
@@ -23,15 +24,23 @@ def _user_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:
     return tb
 
 
+def _pickled(exc: BaseException) -> bytes:
+    """The pickled exception, or nothing when it does not pickle (whatever its ``__reduce__``
+    raises: ``SystemExit`` and ``KeyboardInterrupt`` included)."""
+    try:
+        return pickle.dumps(exc)
+    except BaseException:  # noqa: BLE001 - the text must get through whatever happens here
+        return b""
+
+
 def encode(exc: BaseException) -> bytes:
     tb = _user_frames(exc.__traceback__)
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
     try:
-        pickled: Optional[bytes] = pickle.dumps(exc)
-    except Exception:
-        pickled = None
-    body = pickle.dumps((text, pickled))
-    return _HEADER.pack(len(body)) + body
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    except BaseException as error:  # noqa: BLE001 - a broken __str__ or __repr__
+        text = f"{type(exc).__qualname__}: <cannot format the exception: {error!r}>\n"
+    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    return bytes(_native.encode_report(type_name, text.encode(errors="replace"), _pickled(exc)))
 
 
 def write(fd: int, exc: BaseException) -> None:
@@ -43,19 +52,24 @@ def write(fd: int, exc: BaseException) -> None:
 
 def decode(data: bytes) -> Optional[Tuple[str, Optional[BaseException]]]:
     """The traceback text and the rebuilt exception (None when it cannot be rebuilt), or
-    None when no complete report arrived."""
-    if len(data) < _HEADER.size:
+    None when not even the exception's type arrived. A report cut short says so in its
+    text."""
+    decoded = _native.decode_report(data)
+    if decoded is None:
         return None
-    (size,) = _HEADER.unpack_from(data)
-    body = data[_HEADER.size : _HEADER.size + size]
-    if len(body) < size:
-        return None
-    text, pickled = pickle.loads(body)
+    type_name, raw_text, pickled, missing = decoded
+    text = raw_text.decode(errors="replace")
+    if missing:
+        text += (
+            f"\n[tether: this {type_name} report is incomplete: its last {missing} bytes "
+            f"were cut (reports are kept up to {_native.REPORT_LIMIT >> 20} MiB) or never "
+            "written]\n"
+        )
     exc: Optional[BaseException] = None
     if pickled is not None:
         try:
             loaded = pickle.loads(pickled)
-        except Exception:
+        except BaseException:  # noqa: BLE001 - an exception that cannot be rebuilt here
             loaded = None
         if isinstance(loaded, BaseException):
             exc = loaded

@@ -95,7 +95,7 @@ class PoolProcess:
         if worker is None:
             return None
         status = worker.exit()
-        return None if status is None else status[0]
+        return None if status is None else status.exitcode
 
     def is_alive(self) -> bool:
         return self._worker is not None and self.exitcode is None

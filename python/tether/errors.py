@@ -7,28 +7,25 @@ from typing import Optional
 
 
 class ProcessException(Exception):
-    """A child process failed. ``error_index`` is its rank; ``pid`` and ``error_pid`` are its
-    process id."""
+    """A child process failed. ``error_index`` is its rank; ``error_pid`` (and ``pid``, the
+    same) its process id. The constructor takes torch's arguments."""
 
     __slots__ = ("msg", "error_index", "pid", "error_pid")
 
-    def __init__(self, msg: str, error_index: int, pid: int) -> None:
+    def __init__(self, msg: str, error_index: int, error_pid: int) -> None:
         super().__init__(msg)
         self.msg = msg
         self.error_index = error_index
-        self.pid = pid
-        self.error_pid = pid
+        self.error_pid = error_pid
+        self.pid = error_pid
 
     def __reduce__(self):  # type: ignore[override]
-        return type(self), (self.msg, self.error_index, self.pid)
+        return type(self), (self.msg, self.error_index, self.error_pid)
 
 
 class ProcessRaisedException(ProcessException):
     """The child raised an exception; its traceback is in the message and, when the exception
     could be rebuilt in the parent, the original exception is ``__cause__``."""
-
-    def __init__(self, msg: str, error_index: int, error_pid: int) -> None:
-        super().__init__(msg, error_index, error_pid)
 
 
 class ProcessExitedException(ProcessException):
@@ -52,5 +49,5 @@ class ProcessExitedException(ProcessException):
     def __reduce__(self):  # type: ignore[override]
         return (
             type(self),
-            (self.msg, self.error_index, self.pid, self.exit_code, self.signal_name),
+            (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name),
         )

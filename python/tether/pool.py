@@ -219,9 +219,9 @@ class _Worker:
         self.reserved = False
         self.ready = False
         self.dead = False
-        self.final: Optional[Tuple[int, Optional[str], bool, float]] = None
+        self.final: Optional[_native.ExitStatus] = None
 
-    def exit(self) -> Optional[Tuple[int, Optional[str], bool, float]]:
+    def exit(self) -> Optional[_native.ExitStatus]:
         """None while the process runs, else its status (as ``_native.Group.exit``)."""
         group = self.group
         return self.final if group is None else group.exit(0)
@@ -662,7 +662,7 @@ class _Core:
         worker.ctl.close()
         worker.group.wait(None, "all", 10.0)
         status = worker.exit()
-        exitcode = status[0] if status is not None else 255
+        exitcode = 255 if status is None or status.exitcode is None else status.exitcode
         running = worker.progress.get()
         report = worker.group.report(0)
         failed: List[Tuple[Sink, int, bool, Any]] = []
@@ -812,8 +812,9 @@ class _Core:
                 w.group.signal(0, signal.SIGKILL)
                 w.group.wait(None, "all", 5.0)
             if w.lease is not None:
-                code = w.exit()
-                w.lease._finish(code[0] if code else -signal.SIGKILL, died=True)
+                status = w.exit()
+                code = None if status is None else status.exitcode
+                w.lease._finish(-signal.SIGKILL if code is None else code, died=True)
                 w.lease = None
             w.release()
         with self.lock:

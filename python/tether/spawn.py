@@ -10,7 +10,9 @@ runs, so a report of any size arrives whole and never blocks the child."""
 from __future__ import annotations
 
 import atexit
+import math
 import multiprocessing.process
+import numbers
 import signal
 import sys
 import threading
@@ -54,10 +56,16 @@ class Process:
         self.name = f"TetherProcess-{index}"
 
     @property
+    def status(self) -> Optional[_native.ExitStatus]:
+        """None while running; then how the process ended."""
+        return self._group.exit(self._index)
+
+    @property
     def exitcode(self) -> Optional[int]:
-        """None while running; the exit code, or minus the signal number."""
-        status = self._group.exit(self._index)
-        return None if status is None else status[0]
+        """None while running; the exit code, or minus the signal number. Also None once
+        exited when the status is unavailable (something else reaped the process)."""
+        status = self.status
+        return None if status is None else status.exitcode
 
     @property
     def sentinel(self) -> int:
@@ -65,10 +73,10 @@ class Process:
         return self._group.sentinel(self._index)
 
     def is_alive(self) -> bool:
-        return self._group.exit(self._index) is None
+        return self.status is None
 
     def join(self, timeout: Optional[float] = None) -> None:
-        self._group.wait([self._index], "all", timeout)
+        self._group.wait([self._index], "all", _seconds(timeout, "timeout"))
 
     def terminate(self) -> None:
         """SIGTERM to the process and its process group."""
@@ -79,9 +87,25 @@ class Process:
         self._group.signal(self._index, signal.SIGKILL)
 
     def __repr__(self) -> str:
-        code = self.exitcode
-        state = "alive" if code is None else f"exitcode={code}"
+        status = self.status
+        state = "alive" if status is None else str(status)
         return f"<{type(self).__name__} {self.name} pid={self.pid} {state}>"
+
+
+def _seconds(value: Any, name: str) -> Optional[float]:
+    """A timeout or grace period as ``join`` takes it: None, or a number of seconds (NaN and
+    non-numbers are errors; a negative one means "do not wait", a huge one "for ever")."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds or None, not {type(value).__name__}")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return math.inf
+    if math.isnan(seconds):
+        raise ValueError(f"{name} must be a number of seconds or None, not NaN")
+    return seconds
 
 
 _live: "weakref.WeakSet[ProcessContext]" = weakref.WeakSet()
@@ -105,54 +129,55 @@ class ProcessContext:
 
     def join(self, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> bool:
         """Waits for the children. Returns True once all of them have exited 0 (and on every
-        later call), False if ``timeout`` passes with some still running. On the first failure
-        (first in time): waits ``grace_period`` for the others if given, SIGTERMs the rest,
-        waits ``grace_period`` (30 s when None), SIGKILLs what is left, and raises
-        ``ProcessRaisedException`` or ``ProcessExitedException`` for that child."""
+        later call), False if ``timeout`` passes with some still running (a negative timeout
+        only looks; inf waits for ever). On the first failure (first in time): waits
+        ``grace_period`` for the others if given, SIGTERMs the rest, waits ``grace_period``
+        (30 s when None), SIGKILLs what is left, and raises ``ProcessRaisedException`` or
+        ``ProcessExitedException`` for that child. Bad arguments raise before anything
+        else happens, and never stop the children."""
+        wait = _seconds(timeout, "timeout")
+        grace = _seconds(grace_period, "grace_period")
         if self._done:
             return True
         try:
-            settled = self._group.wait(None, "all_or_failure", timeout)
+            settled = self._group.wait(None, "all_or_failure", wait)
         except BaseException:
             # Ctrl-C (or any interruption) while waiting: nothing may be left running.
-            self._stop(grace_period)
+            self._stop(grace)
             raise
-        failed = self._first_failure()
+        failed = self._group.first_failure()
         if failed is None:
-            self._done = settled
+            if settled:
+                self._done = True
+                self._warn_unavailable()
             return settled
-        if grace_period is not None:
-            self._group.wait(None, "all", grace_period)
-        self._stop(grace_period)
+        if grace is not None:
+            self._group.wait(None, "all", grace)
+        self._stop(grace)
         self._done = True
         # Those stopped now fail later in time: the first failure stays the root cause.
         raise self._error(failed)
 
-    def _first_failure(self) -> Optional[int]:
-        failures = []
-        for i in range(len(self.processes)):
-            at = self._group.failed_at(i)
-            if at is not None:
-                failures.append((at, i))
-        return min(failures)[1] if failures else None
+    def _stop(self, grace: Optional[float]) -> None:
+        """Stops every live child: SIGTERM to its process group (once any failure report in
+        progress is written), the grace period, then SIGKILL; a second interruption
+        meanwhile kills at once."""
+        self._group.terminate(DEFAULT_GRACE if grace is None else grace)
 
-    def _stop(self, grace_period: Optional[float]) -> None:
-        """SIGTERM to every live child's process group, the grace period, then SIGKILL; a
-        second interruption meanwhile kills at once."""
-        grace = DEFAULT_GRACE if grace_period is None else grace_period
-        try:
-            if self._group.signal_all(signal.SIGTERM):
-                self._group.wait(None, "all", grace)
-        finally:
-            self._group.signal_all(signal.SIGKILL)
-            while not self._group.wait(None, "all", 1.0):
-                self._group.signal_all(signal.SIGKILL)
+    def _warn_unavailable(self) -> None:
+        for index, process in enumerate(self.processes):
+            status = process.status
+            if status is not None and status.unavailable:
+                warnings.warn(
+                    f"process {index} (pid {process.pid}): {status}; it counts as neither a "
+                    "success nor a failure",
+                    RuntimeWarning,
+                    3,
+                )
 
     def _error(self, index: int) -> ProcessException:
         pid = self.processes[index].pid
         status = self._group.exit(index)
-        assert status is not None
-        exitcode, _, core_dumped, _ = status
         report = _report.decode(self._group.report(index))
         error: ProcessException
         if report is not None:
@@ -160,18 +185,20 @@ class ProcessContext:
             msg = f"\n\n-- Process {index} terminated with the following error:\n{text}"
             error = ProcessRaisedException(msg, index, pid)
             error.__cause__ = cause
-        elif exitcode < 0:
-            name = _signal_name(-exitcode)
+            return error
+        assert status is not None and status.exitcode is not None
+        if status.signal is not None:
+            name = _signal_name(status.signal)
             msg = f"process {index} terminated with signal {name}"
-            error = ProcessExitedException(msg, index, pid, exitcode, name)
+            error = ProcessExitedException(msg, index, pid, status.exitcode, name)
             note = f"process {index} had pid {pid}"
-            if core_dumped:
+            if status.core_dumped:
                 note += " and dumped core"
-            hint = _native.signal_hint(-exitcode)
+            hint = _native.signal_hint(status.signal)
             _add_note(error, f"{note}; {hint}" if hint else note)
         else:
-            msg = f"process {index} terminated with exit code {exitcode}"
-            error = ProcessExitedException(msg, index, pid, exitcode)
+            msg = f"process {index} terminated with exit code {status.exitcode}"
+            error = ProcessExitedException(msg, index, pid, status.exitcode)
             _add_note(error, f"process {index} had pid {pid}")
         return error
 

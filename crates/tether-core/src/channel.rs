@@ -232,7 +232,11 @@ impl Endpoint {
                     if bytes == 0 {
                         return Ok(Recv::Closed);
                     }
-                    if flags.contains(ReturnFlags::CTRUNC) || flags.contains(ReturnFlags::TRUNC) {
+                    if flags.contains(ReturnFlags::CTRUNC) {
+                        // The kernel could not give us every fd of the message: out of fds.
+                        return Err(io::Error::from_raw_os_error(libc::EMFILE));
+                    }
+                    if flags.contains(ReturnFlags::TRUNC) {
                         return Err(io::Error::new(
                             io::ErrorKind::InvalidData,
                             "a channel message was truncated",
@@ -304,7 +308,7 @@ fn bundle_fds(fds: &[BorrowedFd<'_>]) -> io::Result<OwnedFd> {
 }
 
 /// A sealed memfd holding `data`.
-fn payload_memfd(data: &[u8]) -> io::Result<OwnedFd> {
+pub(crate) fn payload_memfd(data: &[u8]) -> io::Result<OwnedFd> {
     let fd = memfd_create(
         "tether-message",
         MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
@@ -321,7 +325,7 @@ fn payload_memfd(data: &[u8]) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
-fn read_memfd(fd: &OwnedFd, len: usize) -> io::Result<Vec<u8>> {
+pub(crate) fn read_memfd(fd: &OwnedFd, len: usize) -> io::Result<Vec<u8>> {
     if (fstat(fd)?.st_size as u64) < len as u64 {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,

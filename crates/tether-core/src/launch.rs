@@ -15,6 +15,8 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::Command;
 
+use crate::attrs::ThreadAttributes;
+
 /// What to run in a new child.
 #[derive(Debug, Clone, Default)]
 pub struct LaunchSpec {
@@ -41,6 +43,9 @@ pub struct LaunchSpec {
     pub stderr: Option<RawFd>,
     /// Replaces stdin with /dev/null.
     pub null_stdin: bool,
+    /// The CPU affinity and nice value the child takes (those of the thread that asked for
+    /// it); the supervisor thread's when `None`.
+    pub thread: Option<ThreadAttributes>,
 }
 
 impl LaunchSpec {
@@ -91,11 +96,18 @@ pub(crate) fn command(spec: &LaunchSpec, extra_keep: &[RawFd]) -> io::Result<Com
     let mut keep: Vec<RawFd> = spec.keep_fds.clone();
     keep.extend_from_slice(extra_keep);
     let parent = std::process::id() as libc::pid_t;
+    let thread = spec.thread.clone();
     // SAFETY: the closure runs in the child between fork and exec and calls only
     // async-signal-safe system calls (see `setup_child`); it allocates nothing, since
-    // `keep` was built before the fork.
+    // `keep` and `thread` were built before the fork.
     unsafe {
-        cmd.pre_exec(move || setup_child(parent, &keep));
+        cmd.pre_exec(move || {
+            setup_child(parent, &keep)?;
+            match &thread {
+                Some(attrs) => attrs.apply(),
+                None => Ok(()),
+            }
+        });
     }
     Ok(cmd)
 }

@@ -10,7 +10,8 @@ pub enum ExitStatus {
     /// The process was killed by `signal`; `core_dumped` is set when it left a core dump.
     Signaled { signal: i32, core_dumped: bool },
     /// The status was lost: something else in the process reaped the child (a SIGCHLD
-    /// disposition of SIG_IGN does that).
+    /// disposition of SIG_IGN, or a `waitpid(-1)` of the program's own). Neither a success
+    /// nor a failure.
     Unknown,
 }
 
@@ -20,13 +21,42 @@ impl ExitStatus {
         self == ExitStatus::Exited(0)
     }
 
-    /// The exit code in the convention of Python's `multiprocessing`: the code itself, or the
-    /// negated signal number for a process killed by a signal.
-    pub fn as_exitcode(self) -> i32 {
+    /// True for a non-zero exit or a signal; an [`ExitStatus::Unknown`] is not a failure.
+    pub fn failure(self) -> bool {
         match self {
-            ExitStatus::Exited(code) => code,
-            ExitStatus::Signaled { signal, .. } => -signal,
-            ExitStatus::Unknown => 255,
+            ExitStatus::Exited(code) => code != 0,
+            ExitStatus::Signaled { .. } => true,
+            ExitStatus::Unknown => false,
+        }
+    }
+
+    /// The exit code in the convention of Python's `multiprocessing`: the code itself, or the
+    /// negated signal number for a process killed by a signal; `None` when unknown.
+    pub fn as_exitcode(self) -> Option<i32> {
+        match self {
+            ExitStatus::Exited(code) => Some(code),
+            ExitStatus::Signaled { signal, .. } => Some(-signal),
+            ExitStatus::Unknown => None,
+        }
+    }
+
+    /// Whether the process dumped core.
+    pub fn core_dumped(self) -> bool {
+        matches!(
+            self,
+            ExitStatus::Signaled {
+                core_dumped: true,
+                ..
+            }
+        )
+    }
+
+    /// The status in words, with a hint for the signals that have one: "exit code 3",
+    /// "signal SIGKILL; SIGKILL often means the kernel's OOM killer ended the process".
+    pub fn describe(self) -> String {
+        match self.signal().and_then(signal_hint) {
+            Some(hint) => format!("{self}; {hint}"),
+            None => self.to_string(),
         }
     }
 
@@ -78,7 +108,7 @@ impl fmt::Display for ExitStatus {
                 }
                 Ok(())
             }
-            ExitStatus::Unknown => write!(f, "an unknown status (reaped outside tether)"),
+            ExitStatus::Unknown => write!(f, "exit status unavailable (reaped outside tether)"),
         }
     }
 }
@@ -191,15 +221,38 @@ mod tests {
     fn classification() {
         let exited = ExitStatus::from_siginfo(libc::CLD_EXITED, 3).unwrap();
         assert_eq!(exited, ExitStatus::Exited(3));
-        assert_eq!(exited.as_exitcode(), 3);
+        assert_eq!(exited.as_exitcode(), Some(3));
         assert!(!exited.success());
         let killed = ExitStatus::from_siginfo(libc::CLD_KILLED, libc::SIGKILL).unwrap();
-        assert_eq!(killed.as_exitcode(), -9);
+        assert_eq!(killed.as_exitcode(), Some(-9));
         assert_eq!(killed.as_shell_code(), 137);
         assert_eq!(killed.to_string(), "signal SIGKILL");
         let dumped = ExitStatus::from_siginfo(libc::CLD_DUMPED, libc::SIGABRT).unwrap();
         assert_eq!(dumped.to_string(), "signal SIGABRT (core dumped)");
         assert_eq!(ExitStatus::from_siginfo(libc::CLD_STOPPED, 19), None);
         assert!(ExitStatus::Exited(0).success());
+    }
+
+    #[test]
+    fn unknown_is_neither_success_nor_failure() {
+        let unknown = ExitStatus::Unknown;
+        assert!(!unknown.success() && !unknown.failure());
+        assert_eq!(unknown.as_exitcode(), None);
+        assert_eq!(
+            unknown.to_string(),
+            "exit status unavailable (reaped outside tether)"
+        );
+        assert!(ExitStatus::Exited(1).failure());
+    }
+
+    #[test]
+    fn descriptions_carry_hints() {
+        let killed = ExitStatus::Signaled {
+            signal: libc::SIGKILL,
+            core_dumped: false,
+        };
+        assert!(killed.describe().starts_with("signal SIGKILL; "));
+        assert!(killed.describe().contains("OOM"));
+        assert_eq!(ExitStatus::Exited(2).describe(), "exit code 2");
     }
 }

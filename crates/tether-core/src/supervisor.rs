@@ -1,6 +1,6 @@
 //! The supervisor: one long-lived thread per process that launches children, waits for
 //! them with pidfds and epoll, drains their report pipes and feeds their payloads, records
-//! when each one exited, and reaps every one of them.
+//! when each one exited, and reaps every one of them, the zygote's blank children included.
 //!
 //! It installs no SIGCHLD handler and never calls `waitpid(-1)`: tether lives inside other
 //! people's processes and touches only the children it started.
@@ -13,252 +13,152 @@ use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use rustix::buffer::spare_capacity;
 use rustix::event::{epoll, eventfd, EventfdFlags};
 use rustix::io::Errno;
 
+use crate::channel::{Endpoint, Recv};
+use crate::group::{signal_tree, Exit, Group, GroupInner, Member, WaitFor};
 use crate::launch::{self, LaunchSpec, PAYLOAD_FD_ENV, REPORT_FD_ENV};
+use crate::report::Report;
 use crate::status::ExitStatus;
+use crate::zygote::Notice;
 use crate::Error;
 
-/// Reports larger than this are cut (the child is still drained, so it never blocks).
-const REPORT_LIMIT: usize = 64 << 20;
-
-/// A child's failure report is one frame: a little-endian u64 length, then that many bytes.
-/// The moment a whole frame has arrived the child counts as failed, even while it is still
-/// shutting down (an interpreter with torch loaded takes most of a second to exit).
-fn complete_frame(report: &[u8]) -> bool {
-    let Some(header) = report.get(..8) else {
-        return false;
-    };
-    let mut len = [0u8; 8];
-    len.copy_from_slice(header);
-    let len = u64::from_le_bytes(len);
-    (report.len() as u64 - 8) >= len || report.len() >= REPORT_LIMIT
-}
-
-/// When and how a child ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Exit {
-    pub status: ExitStatus,
-    /// `CLOCK_MONOTONIC` time at which the supervisor saw the exit (comparable with
-    /// Python's `time.monotonic()` and across processes).
-    pub at: Duration,
-}
-
-/// One child of a [`Group`].
+/// A child of this process started some other way than [`Group::launch`], for
+/// [`Group::adopt_all`].
 #[derive(Debug)]
-pub struct Member {
+pub struct Adoption {
     pub pid: i32,
-    pidfd: OwnedFd,
-    exit: Option<Exit>,
-    report: Vec<u8>,
-    reported_at: Option<Duration>,
+    /// The read end of its report pipe (the group takes it over).
+    pub report: Option<OwnedFd>,
+    /// The reserve that has watched it until now (a zygote's blank child).
+    pub reserve: Option<Reserve>,
 }
 
-impl Member {
-    pub fn exit(&self) -> Option<Exit> {
-        self.exit
-    }
-    /// When a whole failure report had arrived (`CLOCK_MONOTONIC`).
-    pub fn reported_at(&self) -> Option<Duration> {
-        self.reported_at
-    }
-    /// When the member failed: its report's arrival, or its non-zero exit.
-    pub fn failed_at(&self) -> Option<Duration> {
-        let failed_exit = self.exit.filter(|e| !e.status.success()).map(|e| e.at);
-        match (self.reported_at, failed_exit) {
-            (Some(r), Some(e)) => Some(r.min(e)),
-            (r, e) => r.or(e),
-        }
-    }
-    pub fn report(&self) -> &[u8] {
-        &self.report
-    }
-    /// The pidfd: readable once the child has exited; open as long as the group lives.
-    pub fn sentinel(&self) -> RawFd {
-        self.pidfd.as_raw_fd()
-    }
-}
-
-#[derive(Debug, Default)]
-struct GroupState {
-    members: Vec<Member>,
-}
-
-#[derive(Debug, Default)]
-struct GroupInner {
-    state: Mutex<GroupState>,
-    changed: Condvar,
-}
-
-impl GroupInner {
-    fn lock(&self) -> MutexGuard<'_, GroupState> {
-        // A panic while holding the lock leaves consistent data behind: keep going.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// A set of children started together and watched together: the Rust face of a
-/// `ProcessContext`, a pool's workers, or a launcher's ranks.
-#[derive(Debug, Clone, Default)]
-pub struct Group {
-    inner: Arc<GroupInner>,
-}
-
-/// What [`Group::wait`] waits for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WaitFor {
-    /// Every chosen member has exited.
-    AllExited,
-    /// Every chosen member has exited, or one of them failed (exited non-zero, or sent a
-    /// whole failure report).
-    AllExitedOrFailure,
-    /// Any chosen member has exited.
-    AnyExited,
-}
-
-impl Group {
-    pub fn new() -> Group {
-        Group::default()
-    }
-
-    /// Starts one child per spec, all from the supervisor thread, and returns their indices
-    /// in this group. On an error, the children of this call that did start are killed.
-    pub fn launch(&self, specs: Vec<LaunchSpec>) -> Result<Vec<usize>, Error> {
-        let (reply, rx) = mpsc::sync_channel(1);
-        supervisor()?.send(Request::Launch {
-            group: self.inner.clone(),
-            specs,
-            reply,
-        })?;
-        rx.recv().map_err(|_| Error::SupervisorGone)?
-    }
-
-    /// Takes on a child this process forked itself (`pid`), and optionally the read end of
-    /// its report pipe. Returns its index in this group.
-    pub fn adopt(&self, pid: i32, report: Option<OwnedFd>) -> Result<usize, Error> {
-        let (reply, rx) = mpsc::sync_channel(1);
-        supervisor()?.send(Request::Adopt {
-            group: self.inner.clone(),
+impl Adoption {
+    /// A child forked by this process (or for it), unknown to the supervisor so far.
+    pub fn forked(pid: i32, report: Option<OwnedFd>) -> Adoption {
+        Adoption {
             pid,
             report,
-            reply,
-        })?;
-        rx.recv().map_err(|_| Error::SupervisorGone)?
-    }
-
-    pub fn len(&self) -> usize {
-        self.inner.lock().members.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Calls `f` with member `index`.
-    pub fn with_member<R>(&self, index: usize, f: impl FnOnce(&Member) -> R) -> Option<R> {
-        self.inner.lock().members.get(index).map(f)
-    }
-
-    pub fn pid(&self, index: usize) -> Option<i32> {
-        self.with_member(index, |m| m.pid)
-    }
-
-    pub fn exit(&self, index: usize) -> Option<Exit> {
-        self.with_member(index, |m| m.exit).flatten()
-    }
-
-    /// Sends `signal` to the process group of member `index` (and to the member itself,
-    /// should it have left its group). Returns false when the member had already exited.
-    ///
-    /// A member's exit is observed without reaping it, its group is emptied, and only then is
-    /// it reaped, all under the group's lock: so a group id signalled here can never belong to
-    /// an unrelated, newer process group.
-    pub fn signal(&self, index: usize, signal: i32) -> io::Result<bool> {
-        let state = self.inner.lock();
-        let Some(member) = state.members.get(index) else {
-            return Err(io::Error::new(io::ErrorKind::NotFound, "no such member"));
-        };
-        if member.exit.is_some() {
-            return Ok(false);
+            reserve: None,
         }
-        Ok(signal_tree(member.pid, signal))
+    }
+}
+
+/// Children forked ahead of time (a zygote's blanks), announced on a notice channel: the
+/// supervisor watches each one from its announcement, reaps it at once if it dies, and
+/// hands it to a group when a request takes it ([`Adoption::reserve`]).
+#[derive(Debug, Clone, Default)]
+pub struct Reserve {
+    inner: Arc<ReserveInner>,
+}
+
+#[derive(Debug, Default)]
+struct ReserveInner {
+    blanks: Mutex<HashMap<i32, Blank>>,
+    /// The supervisor token of the notice channel, while it is watched.
+    notices: Mutex<Option<u64>>,
+}
+
+#[derive(Debug)]
+enum Blank {
+    /// `retired`: the zygote found it dead and will never hand it out.
+    Waiting {
+        pidfd: OwnedFd,
+        token: u64,
+        retired: bool,
+    },
+    /// Dead before a request took it; kept in case a request did take it at the last moment.
+    Exited { exit: Exit, pidfd: OwnedFd },
+}
+
+impl Reserve {
+    pub fn new() -> Reserve {
+        Reserve::default()
     }
 
-    /// Sends `signal` to every member still running; returns how many were signalled.
-    pub fn signal_all(&self, signal: i32) -> usize {
-        let state = self.inner.lock();
-        state
-            .members
+    fn blanks(&self) -> MutexGuard<'_, HashMap<i32, Blank>> {
+        self.inner.blanks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The pids of the blank children alive and waiting.
+    pub fn pids(&self) -> Vec<i32> {
+        let mut pids: Vec<i32> = self
+            .blanks()
             .iter()
-            .filter(|m| m.exit.is_none())
-            .filter(|m| signal_tree(m.pid, signal))
-            .count()
+            .filter(|(_, b)| matches!(b, Blank::Waiting { .. }))
+            .map(|(&pid, _)| pid)
+            .collect();
+        pids.sort_unstable();
+        pids
     }
 
-    /// Waits until the condition holds for the members in `which` (all members when `None`)
-    /// or until `timeout` passes. Returns whether the condition holds.
-    pub fn wait(&self, which: Option<&[usize]>, until: WaitFor, timeout: Option<Duration>) -> bool {
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let mut state = self.inner.lock();
-        loop {
-            if holds(&state.members, which, until) {
-                return true;
-            }
-            let wait = match deadline {
-                None => Duration::from_secs(3600),
-                Some(d) => match d.checked_duration_since(Instant::now()) {
-                    Some(left) if !left.is_zero() => left,
-                    _ => return false,
-                },
-            };
-            state = self
-                .inner
-                .changed
-                .wait_timeout(state, wait)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-    }
-
-    /// Stops every running member: `signal` (SIGTERM) to its process group, up to `grace`
-    /// for it to exit, then SIGKILL; returns once every member has been reaped.
-    pub fn terminate(&self, signal: i32, grace: Duration) {
-        if self.signal_all(signal) > 0 && !self.wait(None, WaitFor::AllExited, Some(grace)) {
-            self.signal_all(libc::SIGKILL);
-        }
-        self.wait(None, WaitFor::AllExited, None);
+    /// Has the supervisor read `notices` (the zygote's announcements of blank children) as
+    /// they arrive.
+    pub fn watch(&self, notices: Endpoint) -> Result<(), Error> {
+        let reserve = self.clone();
+        call(|reply| Request::Watch {
+            reserve,
+            notices,
+            reply,
+        })
     }
 }
 
-fn holds(members: &[Member], which: Option<&[usize]>, until: WaitFor) -> bool {
-    let chosen: Box<dyn Iterator<Item = &Member>> = match which {
-        None => Box::new(members.iter()),
-        Some(indices) => Box::new(indices.iter().filter_map(|&i| members.get(i))),
-    };
-    let mut all = true;
-    for m in chosen {
-        if until == WaitFor::AllExitedOrFailure && m.reported_at.is_some() {
-            return true;
-        }
-        match m.exit {
-            None => all = false,
-            Some(e) if until == WaitFor::AllExitedOrFailure && !e.status.success() => return true,
-            Some(_) if until == WaitFor::AnyExited => return true,
-            Some(_) => {}
-        }
-    }
-    all && until != WaitFor::AnyExited
+/// Starts `specs` in `group` (see [`Group::launch`]).
+pub(crate) fn launch(group: &Group, specs: Vec<LaunchSpec>) -> Result<Vec<usize>, Error> {
+    let inner = group.inner.clone();
+    let result = call(|reply| Request::Launch {
+        group: inner,
+        specs,
+        reply,
+    });
+    settle(group, result)
 }
 
-/// Signals the process group led by `pid`, or `pid` alone if it left that group.
-fn signal_tree(pid: i32, signal: i32) -> bool {
-    // SAFETY: plain system calls on ids this process owns (see `Group::signal`).
-    unsafe { libc::killpg(pid, signal) == 0 || libc::kill(pid, signal) == 0 }
+/// Adopts `children` into `group` (see [`Group::adopt_all`]).
+pub(crate) fn adopt(group: &Group, children: Vec<Adoption>) -> Result<Vec<usize>, Error> {
+    let inner = group.inner.clone();
+    let result = call(|reply| Request::Adopt {
+        group: inner,
+        children,
+        reply,
+    });
+    settle(group, result)
+}
+
+/// On a failed launch or adoption, waits until the children of the call that did start
+/// (already sent SIGKILL by the supervisor) are reaped.
+fn settle(group: &Group, result: Result<Added, Error>) -> Result<Vec<usize>, Error> {
+    let added = result?;
+    match added.error {
+        None => Ok(added.indices),
+        Some(err) => {
+            group.wait(Some(&added.indices), WaitFor::AllExited, None);
+            Err(err)
+        }
+    }
+}
+
+/// Sends a request to the supervisor thread and waits for its reply.
+fn call<T>(
+    request: impl FnOnce(mpsc::SyncSender<Result<T, Error>>) -> Request,
+) -> Result<T, Error> {
+    let (reply, rx) = mpsc::sync_channel(1);
+    supervisor()?.send(request(reply))?;
+    rx.recv().map_err(|_| Error::SupervisorGone)?
+}
+
+/// The members a request added, and the error that stopped it (those members are then
+/// being killed).
+struct Added {
+    indices: Vec<usize>,
+    error: Option<Error>,
 }
 
 fn now_monotonic() -> Duration {
@@ -270,13 +170,17 @@ enum Request {
     Launch {
         group: Arc<GroupInner>,
         specs: Vec<LaunchSpec>,
-        reply: mpsc::SyncSender<Result<Vec<usize>, Error>>,
+        reply: mpsc::SyncSender<Result<Added, Error>>,
     },
     Adopt {
         group: Arc<GroupInner>,
-        pid: i32,
-        report: Option<OwnedFd>,
-        reply: mpsc::SyncSender<Result<usize, Error>>,
+        children: Vec<Adoption>,
+        reply: mpsc::SyncSender<Result<Added, Error>>,
+    },
+    Watch {
+        reserve: Reserve,
+        notices: Endpoint,
+        reply: mpsc::SyncSender<Result<(), Error>>,
     },
 }
 
@@ -385,6 +289,10 @@ enum Watch {
         data: Vec<u8>,
         written: usize,
     },
+    /// The pidfd of a blank child (held by the reserve).
+    Blank { reserve: Reserve, pid: i32 },
+    /// A zygote's notice channel.
+    Notices { reserve: Reserve, notices: Endpoint },
 }
 
 struct Loop {
@@ -434,39 +342,40 @@ impl Loop {
                     specs,
                     reply,
                 } => {
-                    let _ = reply.send(self.launch_all(&group, specs));
+                    let _ = reply.send(Ok(self.launch_all(&group, specs)));
                 }
                 Request::Adopt {
                     group,
-                    pid,
-                    report,
+                    children,
                     reply,
                 } => {
-                    let _ = reply.send(self.adopt(&group, pid, report));
+                    let _ = reply.send(Ok(self.adopt_all(&group, children)));
+                }
+                Request::Watch {
+                    reserve,
+                    notices,
+                    reply,
+                } => {
+                    let _ = reply.send(self.watch_notices(reserve, notices));
                 }
             }
         }
     }
 
-    fn launch_all(
-        &mut self,
-        group: &Arc<GroupInner>,
-        specs: Vec<LaunchSpec>,
-    ) -> Result<Vec<usize>, Error> {
-        let mut started = Vec::with_capacity(specs.len());
+    /// Starts each spec; at the first error, kills those started (the caller waits for
+    /// their exits) and stops.
+    fn launch_all(&mut self, group: &Arc<GroupInner>, specs: Vec<LaunchSpec>) -> Added {
+        let mut indices = Vec::with_capacity(specs.len());
         for spec in specs {
             match self.launch(group, spec) {
-                Ok(index) => started.push(index),
-                Err(err) => {
-                    let state = group.lock();
-                    for &i in &started {
-                        signal_tree(state.members[i].pid, libc::SIGKILL);
-                    }
-                    return Err(err);
-                }
+                Ok(index) => indices.push(index),
+                Err(err) => return kill_added(group, indices, err),
             }
         }
-        Ok(started)
+        Added {
+            indices,
+            error: None,
+        }
     }
 
     fn launch(&mut self, group: &Arc<GroupInner>, mut spec: LaunchSpec) -> Result<usize, Error> {
@@ -509,63 +418,121 @@ impl Loop {
         drop(child);
         let report = report.map(|(read, _write)| read);
         let payload = payload.map(|(ours, _theirs, data)| (ours, data));
-        self.register(group, pid, report, payload)
+        let found = self.find(pid, None)?;
+        self.take(group, pid, found, report, payload)
     }
 
-    fn adopt(
+    /// Takes each child into the group; at the first error, kills the rest of the call's
+    /// children (reaping those it never registered) and stops.
+    fn adopt_all(&mut self, group: &Arc<GroupInner>, children: Vec<Adoption>) -> Added {
+        let mut indices = Vec::with_capacity(children.len());
+        for reserve in children.iter().filter_map(|c| c.reserve.as_ref()) {
+            // The zygote announced each blank before it handed it out: take in those notices.
+            self.drain_notices(reserve);
+        }
+        let mut children = children.into_iter();
+        while let Some(child) = children.next() {
+            match self.adopt(group, child) {
+                Ok(index) => indices.push(index),
+                Err(err) => {
+                    for rest in children {
+                        match rest.reserve {
+                            // Still the reserve's: its watch reaps it.
+                            Some(_) => drop(signal_tree(rest.pid, libc::SIGKILL)),
+                            None => kill_and_reap(rest.pid),
+                        }
+                    }
+                    return kill_added(group, indices, err);
+                }
+            }
+        }
+        Added {
+            indices,
+            error: None,
+        }
+    }
+
+    fn adopt(&mut self, group: &Arc<GroupInner>, child: Adoption) -> Result<usize, Error> {
+        let found = self.find(child.pid, child.reserve.as_ref())?;
+        self.take(group, child.pid, found, child.report, None)
+    }
+
+    /// The pidfd of our child `pid` (from the reserve that watched it, or a new one) and its
+    /// exit if it has already been reaped; a child that cannot be watched is killed and
+    /// reaped.
+    fn find(
+        &mut self,
+        pid: i32,
+        reserve: Option<&Reserve>,
+    ) -> Result<(OwnedFd, Option<Exit>), Error> {
+        match reserve.and_then(|r| r.blanks().remove(&pid)) {
+            Some(Blank::Waiting { pidfd, token, .. }) => {
+                self.watches.remove(&token);
+                // SAFETY: `pidfd` is open.
+                let _ = epoll::delete(&self.epoll, unsafe {
+                    BorrowedFd::borrow_raw(pidfd.as_raw_fd())
+                });
+                Ok((pidfd, None))
+            }
+            Some(Blank::Exited { exit, pidfd }) => Ok((pidfd, Some(exit))),
+            None => match open_pidfd(pid) {
+                Ok(Some(fd)) => Ok((fd, None)),
+                // Gone already: something else reaped it (SIGCHLD ignored).
+                Ok(None) => Ok((ended_sentinel()?, Some(unknown_exit()))),
+                Err(err) => Err(unwatched(pid, err)),
+            },
+        }
+    }
+
+    /// Makes our child a member of the group: watched from now on, or, when it has already
+    /// been reaped, with its exit and what its report pipe holds.
+    fn take(
         &mut self,
         group: &Arc<GroupInner>,
         pid: i32,
-        report: Option<OwnedFd>,
-    ) -> Result<usize, Error> {
-        self.register(group, pid, report, None)
-    }
-
-    fn register(
-        &mut self,
-        group: &Arc<GroupInner>,
-        pid: i32,
+        (pidfd, exit): (OwnedFd, Option<Exit>),
         report: Option<OwnedFd>,
         payload: Option<(OwnedFd, Vec<u8>)>,
     ) -> Result<usize, Error> {
-        let raw = rustix::process::Pid::from_raw(pid)
-            .ok_or(Error::Io(io::Error::from_raw_os_error(libc::ESRCH)))?;
-        let pidfd = rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty())?;
-        let pidfd_raw = pidfd.as_raw_fd();
-        let index = {
-            let mut state = group.lock();
-            state.members.push(Member {
-                pid,
-                pidfd,
-                exit: None,
-                report: Vec::new(),
-                reported_at: None,
-            });
-            state.members.len() - 1
+        let mut member = Member::new(pid, pidfd, report_state(&report));
+        let Some(exit) = exit else {
+            return self.register(group, member, report, payload);
         };
-        match self.watch_member(group, index, pidfd_raw, report, payload) {
+        if let Some(fd) = &report {
+            drain_into(fd.as_fd(), &mut member.report);
+        }
+        member.report.close();
+        member.exit = Some(exit);
+        Ok(push_member(group, member))
+    }
+
+    /// Adds the member to the group and watches its pidfd and pipes. A member that cannot be
+    /// watched is killed and reaped here: unwatched, nobody would reap it.
+    fn register(
+        &mut self,
+        group: &Arc<GroupInner>,
+        member: Member,
+        report: Option<OwnedFd>,
+        payload: Option<(OwnedFd, Vec<u8>)>,
+    ) -> Result<usize, Error> {
+        let (pid, pidfd) = (member.pid, member.sentinel.as_raw_fd());
+        let index = push_member(group, member);
+        match self.watch_member(group, index, pidfd, report, payload) {
             Ok(()) => Ok(index),
             Err(err) => {
-                // Unwatched, nobody would reap it: stop it and reap it now. Watches already
-                // added for its pipes end by themselves once it is gone.
                 let mut state = group.lock();
                 let member = &mut state.members[index];
-                signal_tree(member.pid, libc::SIGKILL);
-                let mut ready = [rustix::event::PollFd::new(
-                    &member.pidfd,
-                    rustix::event::PollFlags::IN,
-                )];
-                let _ = rustix::event::poll(&mut ready, None);
-                let status = waitid(&member.pidfd, 0)
-                    .ok()
-                    .flatten()
-                    .unwrap_or(ExitStatus::Unknown);
+                // SAFETY: the member's pidfd stays open while the group lives.
+                let pidfd = unsafe { BorrowedFd::borrow_raw(pidfd) };
+                signal_tree(pid, libc::SIGKILL);
+                let status = reap_now(pidfd, pid);
                 member.exit = Some(Exit {
                     status,
                     at: now_monotonic(),
                 });
+                member.report.close();
                 drop(state);
-                group.changed.notify_all();
+                group.notify();
                 Err(err)
             }
         }
@@ -614,8 +581,23 @@ impl Loop {
         Ok(())
     }
 
+    fn watch_notices(&mut self, reserve: Reserve, notices: Endpoint) -> Result<(), Error> {
+        let raw = notices.as_fd().as_raw_fd();
+        let watch = Watch::Notices {
+            reserve: reserve.clone(),
+            notices,
+        };
+        let token = self.add_watch(raw, epoll::EventFlags::IN, watch)?;
+        *reserve
+            .inner
+            .notices
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(token);
+        Ok(())
+    }
+
     /// Adds `fd` (non-blocking) to the epoll set under a new token for `watch`, which owns
-    /// the fd or keeps alive the group whose member owns it.
+    /// the fd or keeps alive what owns it.
     fn add_watch(
         &mut self,
         fd: RawFd,
@@ -625,15 +607,11 @@ impl Loop {
         // SAFETY: `watch` keeps `fd` open (see above) for as long as it is in the set.
         let fd = unsafe { BorrowedFd::borrow_raw(fd) };
         rustix::io::ioctl_fionbio(fd, true)?;
-        let token = self.token();
+        self.next_token += 1;
+        let token = self.next_token;
         epoll::add(&self.epoll, fd, epoll::EventData::new_u64(token), flags)?;
         self.watches.insert(token, watch);
         Ok(token)
-    }
-
-    fn token(&mut self) -> u64 {
-        self.next_token += 1;
-        self.next_token
     }
 
     fn on_ready(&mut self, token: u64) {
@@ -641,92 +619,285 @@ impl Loop {
             Some(Watch::Report { group, index, fd }) => drain(fd.as_fd(), group, *index),
             Some(Watch::Payload { fd, data, written }) => feed(fd.as_fd(), data, written),
             Some(Watch::Exit { .. }) => return self.on_exit(token),
+            Some(Watch::Blank { reserve, pid }) => {
+                let (reserve, pid) = (reserve.clone(), *pid);
+                return self.on_blank_exit(token, &reserve, pid);
+            }
+            Some(Watch::Notices { reserve, .. }) => {
+                let reserve = reserve.clone();
+                return self.drain_notices(&reserve);
+            }
             None => return,
         };
         if !open {
-            self.remove(token);
+            self.unwatch(token);
         }
     }
 
-    fn remove(&mut self, token: u64) -> Option<Watch> {
+    /// Removes a watch and its fd from the epoll set.
+    fn unwatch(&mut self, token: u64) -> Option<Watch> {
         let watch = self.watches.remove(&token)?;
-        match &watch {
-            Watch::Report { fd, .. } | Watch::Payload { fd, .. } => {
-                let _ = epoll::delete(&self.epoll, fd);
-            }
-            Watch::Exit { group, index, .. } => {
-                let state = group.lock();
-                // SAFETY: the member's pidfd is open (the group is alive through `watch`).
-                let fd = unsafe { BorrowedFd::borrow_raw(state.members[*index].pidfd.as_raw_fd()) };
-                let _ = epoll::delete(&self.epoll, fd);
-            }
+        let fd: RawFd = match &watch {
+            Watch::Report { fd, .. } | Watch::Payload { fd, .. } => fd.as_raw_fd(),
+            Watch::Notices { notices, .. } => notices.as_fd().as_raw_fd(),
+            Watch::Exit { group, index, .. } => group.lock().members[*index].sentinel(),
+            Watch::Blank { reserve, pid } => match reserve.blanks().get(pid) {
+                Some(Blank::Waiting { pidfd, .. }) => pidfd.as_raw_fd(),
+                _ => -1,
+            },
+        };
+        if fd < 0 {
+            return Some(watch);
         }
+        // SAFETY: the fd is open: its owner is `watch` or is kept alive by it.
+        let _ = epoll::delete(&self.epoll, unsafe { BorrowedFd::borrow_raw(fd) });
         Some(watch)
     }
 
-    /// The child behind `token` is ready to be waited for: observe its status without reaping
-    /// it, drain its report, kill what it left in its process group, then reap it.
+    /// The child behind `token` is ready to be waited for: drain its report, kill what it
+    /// left in its process group, reap it, and record its exit.
     fn on_exit(&mut self, token: u64) {
         let Some(Watch::Exit {
             group,
             index,
             report,
             payload,
-        }) = self.watches.get(&token)
+        }) = self.unwatch(token)
         else {
             return;
         };
-        let (group, index, report, payload) = (group.clone(), *index, *report, *payload);
-        let status = {
-            let state = group.lock();
-            match waitid(&state.members[index].pidfd, libc::WNOWAIT) {
-                Ok(Some(status)) => status,
-                Ok(None) => return,
-                // Somebody else reaped it (SIGCHLD set to SIG_IGN reaps automatically).
-                Err(_) => ExitStatus::Unknown,
-            }
-        };
-        let at = now_monotonic();
-        if let Some(Watch::Report { fd, .. }) = report.and_then(|t| self.remove(t)) {
+        if let Some(Watch::Report { fd, .. }) = report.and_then(|t| self.unwatch(t)) {
             drain(fd.as_fd(), &group, index);
         }
         if let Some(t) = payload {
-            self.remove(t);
+            self.unwatch(t);
         }
-        self.remove(token);
         let mut state = group.lock();
         let member = &mut state.members[index];
-        // The leader is a zombie until reaped below, so its group id is still reserved.
-        // SAFETY: killpg on a group id owned by our unreaped child.
-        unsafe { libc::killpg(member.pid, libc::SIGKILL) };
-        let _ = waitid(&member.pidfd, 0);
-        member.exit = Some(Exit { status, at });
+        let status = reap_now(member.sentinel.as_fd(), member.pid);
+        member.exit = Some(Exit {
+            status,
+            at: now_monotonic(),
+        });
+        member.report.close();
         drop(state);
-        group.changed.notify_all();
+        group.notify();
+    }
+
+    fn on_blank_exit(&mut self, token: u64, reserve: &Reserve, pid: i32) {
+        let mut blanks = reserve.blanks();
+        let Some(Blank::Waiting { pidfd, retired, .. }) = blanks.remove(&pid) else {
+            return;
+        };
+        drop(blanks);
+        // SAFETY: `pidfd` is open until dropped below.
+        let _ = epoll::delete(&self.epoll, unsafe {
+            BorrowedFd::borrow_raw(pidfd.as_raw_fd())
+        });
+        self.watches.remove(&token);
+        let exit = Exit {
+            status: reap_now(pidfd.as_fd(), pid),
+            at: now_monotonic(),
+        };
+        if !retired {
+            reserve.blanks().insert(pid, Blank::Exited { exit, pidfd });
+        }
+    }
+
+    /// Takes in every notice waiting on the reserve's channel.
+    fn drain_notices(&mut self, reserve: &Reserve) {
+        let Some(token) = *reserve
+            .inner
+            .notices
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+        else {
+            return;
+        };
+        loop {
+            let got = match self.watches.get(&token) {
+                Some(Watch::Notices { notices, .. }) => notices.recv(Some(Duration::ZERO)),
+                _ => return,
+            };
+            match got {
+                Ok(Recv::Message(message)) => match Notice::decode(&message.data) {
+                    Some(Notice::Blank(pid)) => self.watch_blank(reserve, pid),
+                    Some(Notice::Retired(pid)) => retire(reserve, pid),
+                    None => {}
+                },
+                Ok(Recv::Timeout) => return,
+                Ok(Recv::Closed) | Err(_) => {
+                    self.unwatch(token);
+                    *reserve
+                        .inner
+                        .notices
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = None;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Watches a blank child from its announcement; one that cannot be watched is killed.
+    fn watch_blank(&mut self, reserve: &Reserve, pid: i32) {
+        let pidfd = match open_pidfd(pid) {
+            Ok(Some(fd)) => fd,
+            Ok(None) => return,
+            Err(_) => return kill_and_reap(pid),
+        };
+        let raw = pidfd.as_raw_fd();
+        let watch = Watch::Blank {
+            reserve: reserve.clone(),
+            pid,
+        };
+        match self.add_watch(raw, epoll::EventFlags::IN, watch) {
+            Ok(token) => {
+                let blank = Blank::Waiting {
+                    pidfd,
+                    token,
+                    retired: false,
+                };
+                reserve.blanks().insert(pid, blank);
+            }
+            Err(_) => {
+                signal_tree(pid, libc::SIGKILL);
+                reap_now(pidfd.as_fd(), pid);
+            }
+        }
     }
 }
 
-/// Reads whatever the report pipe holds; returns false at end of file or on error.
+/// The zygote has given up on a dead blank: its status will never be asked for.
+fn retire(reserve: &Reserve, pid: i32) {
+    let mut blanks = reserve.blanks();
+    match blanks.get_mut(&pid) {
+        Some(Blank::Waiting { retired, .. }) => *retired = true,
+        Some(Blank::Exited { .. }) => drop(blanks.remove(&pid)),
+        None => {}
+    }
+}
+
+fn push_member(group: &Arc<GroupInner>, member: Member) -> usize {
+    let mut state = group.lock();
+    state.members.push(member);
+    state.members.len() - 1
+}
+
+fn report_state(report: &Option<OwnedFd>) -> Report {
+    match report {
+        Some(_) => Report::default(),
+        None => Report::none(),
+    }
+}
+
+/// Kills the members a failed request had added (the caller waits for their exits).
+fn kill_added(group: &Arc<GroupInner>, indices: Vec<usize>, error: Error) -> Added {
+    let state = group.lock();
+    for &i in &indices {
+        if state.members[i].exit.is_none() {
+            signal_tree(state.members[i].pid, libc::SIGKILL);
+        }
+    }
+    Added {
+        indices,
+        error: Some(error),
+    }
+}
+
+/// The error for a child that could not be watched (it has been killed and reaped).
+fn unwatched(pid: i32, err: Errno) -> Error {
+    kill_and_reap(pid);
+    Error::Resource {
+        what: format!("cannot watch child process {pid}"),
+        source: io::Error::from(err),
+    }
+}
+
+/// Kills a child of ours that no watch holds, and reaps it.
+fn kill_and_reap(pid: i32) {
+    // SAFETY: plain system calls on our own child's pid, which stays reserved until reaped
+    // here.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+        while libc::waitpid(pid, std::ptr::null_mut(), libc::__WALL) < 0
+            && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
+        {}
+    }
+}
+
+/// A pidfd for `pid`, or `None` when no such process exists any more.
+fn open_pidfd(pid: i32) -> Result<Option<OwnedFd>, Errno> {
+    let Some(raw) = rustix::process::Pid::from_raw(pid) else {
+        return Ok(None);
+    };
+    match rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty()) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(Errno::SRCH) => Ok(None),
+        Err(err) => Err(err),
+    }
+}
+
+/// A sentinel that is readable at once: the read end of a pipe whose write end is closed.
+fn ended_sentinel() -> Result<OwnedFd, Error> {
+    let (read, _write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    Ok(read)
+}
+
+fn unknown_exit() -> Exit {
+    Exit {
+        status: ExitStatus::Unknown,
+        at: now_monotonic(),
+    }
+}
+
+/// Observes the exit of our child `pid` without reaping it, kills what it left in its
+/// process group (the unreaped leader keeps that group id reserved), then reaps it. An
+/// exit status that something else took is [`ExitStatus::Unknown`].
+fn reap_now(pidfd: BorrowedFd<'_>, pid: i32) -> ExitStatus {
+    let mut ready = [rustix::event::PollFd::new(
+        &pidfd,
+        rustix::event::PollFlags::IN,
+    )];
+    let _ = rustix::event::poll(&mut ready, None);
+    let status = match waitid(pidfd, libc::WNOWAIT) {
+        Ok(Some(status)) => status,
+        Ok(None) | Err(_) => ExitStatus::Unknown,
+    };
+    // SAFETY: killpg on a group id owned by our unreaped child (or nobody's).
+    unsafe { libc::killpg(pid, libc::SIGKILL) };
+    let _ = waitid(pidfd, 0);
+    status
+}
+
+/// Reads whatever the report pipe holds into member `index`'s report; returns false at end
+/// of file or on error.
 fn drain(fd: BorrowedFd<'_>, group: &GroupInner, index: usize) -> bool {
-    let mut buf = vec![0u8; 1 << 16];
+    let mut buf = vec![0u8; 1 << 20];
     loop {
         match rustix::io::read(fd, &mut buf) {
             Ok(0) => return false,
             Ok(n) => {
-                let mut state = group.lock();
-                let member = &mut state.members[index];
-                let room = REPORT_LIMIT.saturating_sub(member.report.len());
-                member.report.extend_from_slice(&buf[..n.min(room)]);
-                if member.reported_at.is_none() && complete_frame(&member.report) {
-                    member.reported_at = Some(now_monotonic());
-                    drop(state);
-                    group.changed.notify_all();
+                let complete = group.lock().members[index]
+                    .report
+                    .push(&buf[..n], now_monotonic());
+                if complete {
+                    group.notify();
                 }
             }
             Err(Errno::AGAIN) => return true,
             Err(Errno::INTR) => {}
             Err(_) => return false,
         }
+    }
+}
+
+/// Reads a pipe whose writer is gone to its end into `report`.
+fn drain_into(fd: BorrowedFd<'_>, report: &mut Report) {
+    let _ = rustix::io::ioctl_fionbio(fd, true);
+    let mut buf = vec![0u8; 1 << 16];
+    while let Ok(n @ 1..) = rustix::io::read(fd, &mut buf) {
+        report.push(&buf[..n], now_monotonic());
     }
 }
 
@@ -744,7 +915,7 @@ fn feed(fd: BorrowedFd<'_>, data: &[u8], written: &mut usize) -> bool {
 }
 
 /// The status of an exited child (`None` while it runs); with `WNOWAIT` it stays unreaped.
-fn waitid(pidfd: &OwnedFd, options: libc::c_int) -> Result<Option<ExitStatus>, Errno> {
+fn waitid(pidfd: BorrowedFd<'_>, options: libc::c_int) -> Result<Option<ExitStatus>, Errno> {
     loop {
         // SAFETY: siginfo_t is plain data; zeroed is a valid value for waitid to fill.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };

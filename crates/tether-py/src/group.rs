@@ -1,0 +1,296 @@
+//! `Group` and `ExitStatus`: a set of supervised children, and how each one ended.
+
+use std::ffi::OsString;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStringExt;
+use std::time::Duration;
+
+use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tether_core::attrs::ThreadAttributes;
+use tether_core::{Adoption, LaunchSpec, WaitFor};
+
+use crate::{core_error, os_error, timeout_of};
+
+/// A launch as Python gives it: `(argv, env, keep_fds, payload)`, strings as bytes.
+type PySpec = (
+    Vec<Vec<u8>>,
+    Vec<(Vec<u8>, Vec<u8>)>,
+    Vec<i32>,
+    Option<Vec<u8>>,
+);
+
+/// How a child ended: the one typed exit status, from the supervisor.
+#[pyclass(module = "tether._native", frozen, eq)]
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExitStatus {
+    status: tether_core::ExitStatus,
+    /// When the supervisor saw the exit, on the `time.monotonic()` clock.
+    #[pyo3(get)]
+    at: f64,
+}
+
+impl ExitStatus {
+    pub fn new(exit: tether_core::Exit) -> ExitStatus {
+        ExitStatus {
+            status: exit.status,
+            at: exit.at.as_secs_f64(),
+        }
+    }
+}
+
+#[pymethods]
+impl ExitStatus {
+    /// The exit code the process passed to `exit`, or None (killed, or unavailable).
+    #[getter]
+    fn code(&self) -> Option<i32> {
+        match self.status {
+            tether_core::ExitStatus::Exited(code) => Some(code),
+            _ => None,
+        }
+    }
+
+    /// The number of the signal that killed it, or None.
+    #[getter]
+    fn signal(&self) -> Option<i32> {
+        self.status.signal()
+    }
+
+    /// The name of the signal that killed it (`"SIGKILL"`), or None.
+    #[getter]
+    fn signal_name(&self) -> Option<String> {
+        self.status.signal().map(tether_core::signal_name)
+    }
+
+    #[getter]
+    fn core_dumped(&self) -> bool {
+        self.status.core_dumped()
+    }
+
+    /// In `multiprocessing`'s convention: the code, or minus the signal number; None when
+    /// the status is unavailable.
+    #[getter]
+    fn exitcode(&self) -> Option<i32> {
+        self.status.as_exitcode()
+    }
+
+    /// Exited with code 0.
+    #[getter]
+    fn success(&self) -> bool {
+        self.status.success()
+    }
+
+    /// Exited non-zero or was killed by a signal.
+    #[getter]
+    fn failure(&self) -> bool {
+        self.status.failure()
+    }
+
+    /// Something else reaped the process (SIGCHLD ignored, a `waitpid(-1)`): the status is
+    /// lost; neither a success nor a failure.
+    #[getter]
+    fn unavailable(&self) -> bool {
+        self.status == tether_core::ExitStatus::Unknown
+    }
+
+    /// "exit code 3", "signal SIGKILL; SIGKILL often means ...", "exit status unavailable
+    /// (reaped outside tether)".
+    fn describe(&self) -> String {
+        self.status.describe()
+    }
+
+    fn __str__(&self) -> String {
+        self.status.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<ExitStatus {}>", self.status)
+    }
+}
+
+/// A set of children started and watched together.
+#[pyclass(module = "tether._native", frozen)]
+pub struct Group {
+    pub inner: tether_core::Group,
+}
+
+fn wait_for(until: &str) -> PyResult<WaitFor> {
+    match until {
+        "all" => Ok(WaitFor::AllExited),
+        "all_or_failure" => Ok(WaitFor::AllExitedOrFailure),
+        "any" => Ok(WaitFor::AnyExited),
+        other => Err(PyValueError::new_err(format!(
+            "unknown wait condition {other:?}"
+        ))),
+    }
+}
+
+#[pymethods]
+impl Group {
+    #[new]
+    fn new() -> Group {
+        Group {
+            inner: tether_core::Group::new(),
+        }
+    }
+
+    /// Starts one child per `(argv, env, keep_fds, payload)`; returns their indices. `argv`
+    /// and `env` items are bytes (`os.fsencode`); each child gets a report pipe, and the
+    /// CPU affinity and nice value of the calling thread.
+    fn launch(&self, py: Python<'_>, specs: Vec<PySpec>) -> PyResult<Vec<usize>> {
+        let thread = ThreadAttributes::of_calling_thread().map_err(os_error)?;
+        let specs: Vec<LaunchSpec> = specs
+            .into_iter()
+            .map(|(argv, env, keep_fds, payload)| LaunchSpec {
+                argv: argv.into_iter().map(OsString::from_vec).collect(),
+                env: env
+                    .into_iter()
+                    .map(|(k, v)| (OsString::from_vec(k), OsString::from_vec(v)))
+                    .collect(),
+                keep_fds,
+                payload,
+                report: true,
+                thread: Some(thread.clone()),
+                ..LaunchSpec::default()
+            })
+            .collect();
+        py.allow_threads(|| self.inner.launch(specs))
+            .map_err(core_error)
+    }
+
+    /// Takes on children this process forked, each `(pid, report_fd)`, in one call; the
+    /// group takes ownership of each report fd (the read end of the child's report pipe).
+    /// On an error every one of them is killed and reaped.
+    fn adopt_all(
+        &self,
+        py: Python<'_>,
+        children: Vec<(i32, Option<RawFd>)>,
+    ) -> PyResult<Vec<usize>> {
+        let children = children
+            .into_iter()
+            .map(|(pid, fd)| {
+                // SAFETY: the caller hands over each report fd, open and no longer used.
+                let report = fd.map(|fd| unsafe { OwnedFd::from_raw_fd(fd) });
+                Adoption::forked(pid, report)
+            })
+            .collect();
+        py.allow_threads(|| self.inner.adopt_all(children))
+            .map_err(core_error)
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn pid(&self, index: usize) -> PyResult<i32> {
+        self.inner.pid(index).ok_or_else(|| no_member(index))
+    }
+
+    fn pids(&self) -> Vec<i32> {
+        (0..self.inner.len())
+            .filter_map(|i| self.inner.pid(i))
+            .collect()
+    }
+
+    /// The pidfd of a member: readable once it has exited, open while the group lives.
+    fn sentinel(&self, index: usize) -> PyResult<i32> {
+        self.inner
+            .with_member(index, |m| m.sentinel())
+            .ok_or_else(|| no_member(index))
+    }
+
+    /// None while the member runs; then how it ended.
+    fn exit(&self, index: usize) -> PyResult<Option<ExitStatus>> {
+        if index >= self.inner.len() {
+            return Err(no_member(index));
+        }
+        Ok(self.inner.exit(index).map(ExitStatus::new))
+    }
+
+    /// When the member failed (`time.monotonic()` clock): the arrival of its whole failure
+    /// report, or its failing exit; None while it has not failed.
+    fn failed_at(&self, index: usize) -> PyResult<Option<f64>> {
+        self.inner
+            .with_member(index, |m| m.failed_at().map(|t| t.as_secs_f64()))
+            .ok_or_else(|| no_member(index))
+    }
+
+    /// The member that failed first in time, if any.
+    fn first_failure(&self) -> Option<usize> {
+        self.inner.first_failure()
+    }
+
+    /// Everything the member wrote to its report pipe so far (up to the report limit).
+    fn report<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyBytes>> {
+        self.inner
+            .with_member(index, |m| PyBytes::new(py, m.report()))
+            .ok_or_else(|| no_member(index))
+    }
+
+    /// Sends `signal` to the member's process group; false if it had already exited.
+    fn signal(&self, index: usize, signal: i32) -> PyResult<bool> {
+        self.inner.signal(index, signal).map_err(os_error)
+    }
+
+    /// Sends `signal` to every running member's process group; returns how many.
+    fn signal_all(&self, signal: i32) -> usize {
+        self.inner.signal_all(signal)
+    }
+
+    /// Waits (without the GIL) until `until` holds for the members in `which` (all when
+    /// None): "all", "all_or_failure" or "any". A negative `timeout` polls once; None, inf
+    /// or a huge one waits for ever; NaN is a ValueError. Returns False on timeout. Python
+    /// signal handlers run meanwhile, so Ctrl-C raises KeyboardInterrupt here.
+    #[pyo3(signature = (which=None, until="all", timeout=None))]
+    fn wait(
+        &self,
+        py: Python<'_>,
+        which: Option<Vec<usize>>,
+        until: &str,
+        timeout: Option<f64>,
+    ) -> PyResult<bool> {
+        let until = wait_for(until)?;
+        let timeout = timeout_of(timeout)?;
+        let mut error = None;
+        let held = py.allow_threads(|| {
+            let mut check = || interrupted(&mut error);
+            self.inner
+                .wait_interruptibly(which.as_deref(), until, timeout, &mut check)
+        });
+        match (held, error) {
+            (_, Some(err)) => Err(err),
+            (held, None) => Ok(held.unwrap_or(false)),
+        }
+    }
+
+    /// Stops every running member: `signal` (SIGTERM) to its process group after any report
+    /// in progress is written, `grace` seconds, then SIGKILL; returns once all are reaped.
+    /// Ctrl-C meanwhile sends SIGKILL at once, then raises KeyboardInterrupt.
+    #[pyo3(signature = (grace, signal=libc::SIGTERM))]
+    fn terminate(&self, py: Python<'_>, grace: f64, signal: i32) -> PyResult<()> {
+        let grace = timeout_of(Some(grace))?.unwrap_or(Duration::MAX);
+        let mut error = None;
+        py.allow_threads(|| {
+            let mut check = || interrupted(&mut error);
+            self.inner.terminate_with(signal, grace, &mut check)
+        });
+        error.map_or(Ok(()), Err)
+    }
+}
+
+/// Runs Python's signal handlers (in the main thread); true, with the error kept, when one
+/// raised (Ctrl-C).
+fn interrupted(error: &mut Option<PyErr>) -> bool {
+    Python::with_gil(|py| match py.check_signals() {
+        Ok(()) => false,
+        Err(err) => {
+            *error = Some(err);
+            true
+        }
+    })
+}
+
+fn no_member(index: usize) -> PyErr {
+    PyIndexError::new_err(format!("no process with index {index}"))
+}

@@ -1,0 +1,247 @@
+//! The zygote's glue: `Zygote` (the parent's handle), `zygote_serve` (the zygote's loop, which
+//! returns only in the children it makes) and `Job` (what such a child runs).
+
+use std::ffi::OsString;
+use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStringExt;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tether_core::attrs::Attributes;
+use tether_core::zygote::{self, ForkRequest, Served};
+use tether_core::LaunchSpec;
+
+use crate::group::{ExitStatus, Group};
+use crate::{core_error, os_error};
+
+/// The parent's handle on a zygote process (see `tether._zygote`).
+#[pyclass(module = "tether._native", frozen)]
+pub struct Zygote {
+    inner: Mutex<zygote::Zygote>,
+    pid: i32,
+}
+
+impl Zygote {
+    fn lock(&self) -> MutexGuard<'_, zygote::Zygote> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[pymethods]
+impl Zygote {
+    /// Starts the zygote: `argv` with `env` added, reading `config` from its payload fd.
+    /// Returns at once; the zygote gets ready in the background.
+    #[new]
+    fn start(
+        py: Python<'_>,
+        argv: Vec<Vec<u8>>,
+        env: Vec<(Vec<u8>, Vec<u8>)>,
+        config: Vec<u8>,
+    ) -> PyResult<Zygote> {
+        let spec = LaunchSpec {
+            argv: argv.into_iter().map(OsString::from_vec).collect(),
+            env: env
+                .into_iter()
+                .map(|(k, v)| (OsString::from_vec(k), OsString::from_vec(v)))
+                .collect(),
+            payload: Some(config),
+            ..LaunchSpec::default()
+        };
+        let inner = py
+            .allow_threads(|| zygote::Zygote::start(spec))
+            .map_err(core_error)?;
+        let pid = inner.pid();
+        Ok(Zygote {
+            inner: Mutex::new(inner),
+            pid,
+        })
+    }
+
+    #[getter]
+    fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// The pids of the blank children waiting for work.
+    fn blanks(&self) -> Vec<i32> {
+        self.lock().blanks()
+    }
+
+    /// None while the zygote runs; then how it ended.
+    fn exit(&self) -> Option<ExitStatus> {
+        self.lock().exit().map(ExitStatus::new)
+    }
+
+    /// Whether it can serve a request made now: running, answering, and started with
+    /// resource limits no lower than this process's.
+    fn usable(&self) -> PyResult<bool> {
+        let attrs = Attributes::of_caller().map_err(os_error)?;
+        Ok(self.lock().usable(&attrs))
+    }
+
+    /// Why it stopped serving (it died, stopped answering, was closed), or None.
+    fn broken(&self) -> Option<String> {
+        self.lock().broken().map(str::to_string)
+    }
+
+    /// Waits until its imports are done; returns what it said then.
+    fn wait_ready<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let ready = py
+            .allow_threads(|| self.lock().wait_ready().map(<[u8]>::to_vec))
+            .map_err(core_error)?;
+        Ok(PyBytes::new(py, &ready))
+    }
+
+    /// Starts one child per rank in `group`, each running `payload`; `shared` are
+    /// `(fd, target)`: an fd of this process every child gets under the number `target`.
+    /// The caller's attributes (umask, limits, affinity, nice, working directory,
+    /// environment) are read now. Returns the children's indices in `group`.
+    fn fork(
+        &self,
+        py: Python<'_>,
+        group: &Group,
+        ranks: Vec<u32>,
+        shared: Vec<(RawFd, i32)>,
+        payload: &[u8],
+        label: &str,
+    ) -> PyResult<Vec<usize>> {
+        let attrs = Attributes::of_caller().map_err(os_error)?;
+        // SAFETY: the caller keeps these fds open for the duration of the call.
+        let shared: Vec<(BorrowedFd<'_>, i32)> = shared
+            .iter()
+            .map(|&(fd, target)| (unsafe { BorrowedFd::borrow_raw(fd) }, target))
+            .collect();
+        let request = ForkRequest {
+            ranks: &ranks,
+            shared: &shared,
+            payload,
+            attrs,
+            label: label.as_bytes().to_vec(),
+        };
+        py.allow_threads(|| self.lock().fork(&request, &group.inner))
+            .map_err(core_error)
+    }
+
+    /// Stops it (its blank children with it), waiting up to `grace` seconds before SIGKILL.
+    #[pyo3(signature = (grace=1.0))]
+    fn close(&self, py: Python<'_>, grace: f64) {
+        let grace = Duration::try_from_secs_f64(grace).unwrap_or(Duration::ZERO);
+        py.allow_threads(|| self.lock().close(grace));
+    }
+}
+
+/// What a child of the zygote runs, handed over by `zygote_serve` in that child.
+#[pyclass(module = "tether._native")]
+pub struct Job {
+    #[pyo3(get)]
+    rank: u32,
+    #[pyo3(get)]
+    env: Vec<(Vec<u8>, Vec<u8>)>,
+    #[pyo3(get)]
+    label: String,
+    payload: Option<OwnedFd>,
+    report: Option<OwnedFd>,
+    error: Option<(i32, String)>,
+}
+
+#[pymethods]
+impl Job {
+    /// The request's payload (read once; its fd is closed).
+    fn take_payload<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let fd = self
+            .payload
+            .take()
+            .ok_or_else(|| PyValueError::new_err("the payload was already taken"))?;
+        let job = tether_core::zygote::read_payload(&fd).map_err(os_error)?;
+        Ok(PyBytes::new(py, &job))
+    }
+
+    /// The fd of this child's report pipe, now owned by the caller.
+    fn take_report_fd(&mut self) -> PyResult<RawFd> {
+        self.report
+            .take()
+            .map(IntoRawFd::into_raw_fd)
+            .ok_or_else(|| PyValueError::new_err("the report fd was already taken"))
+    }
+
+    /// `(errno, message)` when the caller's attributes could not all be applied, else None.
+    #[getter]
+    fn error(&self) -> Option<(i32, String)> {
+        self.error.clone()
+    }
+}
+
+/// The zygote's loop (see `tether._zygote.main`): tells the parent `ready`, then serves
+/// requests, keeping `blanks` children forked ahead. Returns a `Job` in each child it makes,
+/// and an exit code when the zygote (or a blank whose zygote went away) should exit.
+#[pyfunction]
+pub fn zygote_serve(
+    py: Python<'_>,
+    request_fd: RawFd,
+    notices_fd: RawFd,
+    parent: i32,
+    ready: &[u8],
+    blanks: usize,
+) -> PyResult<PyObject> {
+    // SAFETY: the zygote hands over the two fds its parent gave it.
+    let (request, notices) = unsafe {
+        (
+            OwnedFd::from_raw_fd(request_fd),
+            OwnedFd::from_raw_fd(notices_fd),
+        )
+    };
+    let mut fork = || python_fork(py);
+    let served =
+        zygote::serve(request, notices, parent, ready, blanks, &mut fork).map_err(os_error)?;
+    Ok(match served {
+        Served::Exit(code) => code.into_pyobject(py)?.into_any().unbind(),
+        Served::Child(job) => {
+            let job = Job {
+                rank: job.rank,
+                env: job.env,
+                label: String::from_utf8_lossy(&job.label).into_owned(),
+                error: job
+                    .error
+                    .map(|e| (e.raw_os_error().unwrap_or(0), e.to_string())),
+                payload: Some(job.payload),
+                report: Some(job.report),
+            };
+            Py::new(py, job)?.into_any()
+        }
+    })
+}
+
+/// Forks the calling (single-threaded) zygote with `clone(CLONE_PARENT)`, so that the new
+/// process is a child of the zygote's parent: the process that started the zygote waits for
+/// it with a pidfd, sees its real exit status, and its parent-death signal follows that
+/// process's supervisor thread. Wrapped in `PyOS_BeforeFork` / `PyOS_AfterFork_*` like
+/// `os.fork()`. Returns 0 in the child and the child's pid in the zygote.
+fn python_fork(_py: Python<'_>) -> std::io::Result<i32> {
+    // SAFETY: called with the GIL held, as these C-API calls require. The raw clone with a
+    // null stack pointer behaves like fork (the child continues on a copy of this stack);
+    // the zygote has no other threads whose locks the child could inherit.
+    let pid = unsafe {
+        pyo3::ffi::PyOS_BeforeFork();
+        let pid = libc::syscall(
+            libc::SYS_clone,
+            (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+        );
+        if pid == 0 {
+            pyo3::ffi::PyOS_AfterFork_Child();
+        } else {
+            pyo3::ffi::PyOS_AfterFork_Parent();
+        }
+        pid
+    };
+    if pid < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(pid as i32)
+}
