@@ -187,10 +187,11 @@ def shm_entries(pids: Set[int]) -> Set[str]:
     return owned
 
 
-def _own_fds(helpers: Set[int]) -> Set[str]:
+def _own_fds() -> Set[str]:
     """This process's fds, less the pidfds by which tether watches the session's helpers
-    (the zygote's ready children come and go)."""
-    fds = set()
+    (the zygote's ready children come and go). The helpers are read after the fds, so that
+    a child registered meanwhile is among them."""
+    pids = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
             with open(f"/proc/self/fdinfo/{fd}") as f:
@@ -198,9 +199,9 @@ def _own_fds(helpers: Set[int]) -> Set[str]:
         except OSError:
             continue
         pid = next((line.split()[1] for line in info.splitlines() if line.startswith("Pid:")), "")
-        if not (pid.isdigit() and int(pid) in helpers):
-            fds.add(fd)
-    return fds
+        pids[fd] = int(pid) if pid.lstrip("-").isdigit() else None
+    helpers = _helpers()
+    return {fd for fd, pid in pids.items() if pid not in helpers}
 
 
 def _snapshot() -> Dict[str, Set[str]]:
@@ -209,7 +210,7 @@ def _snapshot() -> Dict[str, Set[str]]:
     pids = session_pids() - helpers
     return {
         "processes": {str(p) for p in pids},
-        "fds": _own_fds(helpers),
+        "fds": _own_fds(),
         "tmp": set(os.listdir(tempfile.gettempdir())),
         "shm": shm_entries(pids),
     }

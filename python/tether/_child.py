@@ -51,6 +51,10 @@ def run_rank(call: Callable[[], Any], report_fd: int) -> int:
     except SystemExit as exc:
         return exit_code(exc)
     except BaseException as exc:
+        # From here the process only reports and exits: a SIGTERM that tether sends to stop
+        # the other ranks (another one failed first) must not cut the report short. It
+        # stays pending and is dropped at the exit.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         # The parent stops this process as soon as the report is whole: flush first.
         _flush_stdio()
         _report.write(report_fd, exc)

@@ -188,12 +188,17 @@ def _fork_one(
     parent: int,
     from_main: bool,
 ) -> Tuple[int, int]:
-    read_fd, write_fd = os.pipe()
+    try:
+        read_fd, write_fd = os.pipe()
+    except OSError as exc:
+        raise _start_error(exc, f"cannot make the report pipe of rank {rank}") from None
     try:
         pid = os.fork()
-    except BaseException:
+    except BaseException as exc:
         os.close(read_fd)
         os.close(write_fd)
+        if isinstance(exc, OSError):
+            raise _start_error(exc, f"cannot fork rank {rank}") from None
         raise
     if pid == 0:  # pragma: no cover - runs in the child
         os.close(read_fd)
@@ -209,6 +214,14 @@ def _fork_one(
     except OSError:
         pass  # the child got there first, or has already exited
     return pid, read_fd
+
+
+def _start_error(exc: OSError, what: str) -> OSError:
+    """``exc`` (of the same OSError subclass) saying what failed and which limit it hit."""
+    if exc.errno is None:
+        return exc
+    hint = _native.limit_hint(exc.errno)
+    return OSError(exc.errno, f"{what}: {exc.strerror}{hint}")
 
 
 def _stop_unsupervised(children: Sequence[Tuple[int, int]]) -> None:

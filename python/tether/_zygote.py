@@ -262,7 +262,9 @@ class Zygote:
                     process.fork(group, list(ranks), list(shared), payload, label)
                     return
                 except ZygoteError:
-                    if attempt == 2 or len(group) != before or process.exit() is None:
+                    # Once more only for a zygote that had died before it started anything;
+                    # one stopped for not answering fails this start.
+                    if attempt == 2 or len(group) != before or not process.vanished():
                         raise
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ use std::io;
 /// Errors of tether-core.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot start {program:?}: {source}{}", limit_hint(source))]
+    #[error("cannot start {program:?}: {}{}", strerror(source), limit_hint(source))]
     Launch {
         program: String,
         #[source]
@@ -41,7 +41,7 @@ pub enum Error {
     },
     /// A system resource ran out (fds, processes, memory) or a system call failed while
     /// starting processes.
-    #[error("{what}: {source}{}", limit_hint(source))]
+    #[error("{what}: {}{}", strerror(source), limit_hint(source))]
     Resource {
         what: String,
         #[source]
@@ -52,7 +52,7 @@ pub enum Error {
     Zygote(String),
     #[error("the tether supervisor thread is gone")]
     SupervisorGone,
-    #[error("{source}{}", limit_hint(source))]
+    #[error("{}{}", strerror(source), limit_hint(source))]
     Io {
         #[from]
         source: io::Error,
@@ -85,6 +85,15 @@ impl From<rustix::io::Errno> for Error {
     }
 }
 
+/// The error's text without Rust's " (os error N)" suffix (Python shows the errno itself).
+pub fn strerror(err: &io::Error) -> String {
+    let text = err.to_string();
+    match text.rfind(" (os error ") {
+        Some(at) if text.ends_with(')') => text[..at].to_string(),
+        _ => text,
+    }
+}
+
 /// Which system limit an error most likely hit, as "; <sentence>" (empty when none).
 pub fn limit_hint(err: &io::Error) -> String {
     let soft = |resource: libc::__rlimit_resource_t| {
@@ -105,8 +114,8 @@ pub fn limit_hint(err: &io::Error) -> String {
         ),
         Some(libc::ENFILE) => "; the system-wide open-file limit is reached (fs.file-max)".into(),
         Some(libc::EAGAIN) => format!(
-            "; the process limit is reached (RLIMIT_NPROC = {}, `ulimit -u`, or the system's \
-             pid limit)",
+            "; the process limit is reached (RLIMIT_NPROC = {}, `ulimit -u`), or the system's \
+             pid limit, or a cgroup's pids.max",
             soft(libc::RLIMIT_NPROC)
         ),
         Some(libc::ENOMEM) => format!(

@@ -336,20 +336,26 @@ impl Loop {
         let _ = rustix::io::read(&self.sup.wake, &mut buf);
         let requests = std::mem::take(&mut *self.sup.queue());
         for request in requests {
+            // Each reply goes out only once the request's hold on its group is dropped: the
+            // caller may drop the group (and expect its fds closed) as soon as it has it.
             match request {
                 Request::Launch {
                     group,
                     specs,
                     reply,
                 } => {
-                    let _ = reply.send(Ok(self.launch_all(&group, specs)));
+                    let added = self.launch_all(&group, specs);
+                    drop(group);
+                    let _ = reply.send(Ok(added));
                 }
                 Request::Adopt {
                     group,
                     children,
                     reply,
                 } => {
-                    let _ = reply.send(Ok(self.adopt_all(&group, children)));
+                    let added = self.adopt_all(&group, children);
+                    drop(group);
+                    let _ = reply.send(Ok(added));
                 }
                 Request::Watch {
                     reserve,

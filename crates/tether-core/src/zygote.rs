@@ -799,11 +799,15 @@ impl Server<'_> {
         Ok(None)
     }
 
-    /// Forks blanks up to the target, stopping when a request is waiting.
+    /// Forks blanks up to the target, stopping when a request is waiting. Running out of
+    /// processes or fds here only stops the replenishing: the target drops to what exists.
     fn replenish(&mut self) -> io::Result<Option<Step>> {
         while self.blanks.len() < self.target && !readable(&self.request, Duration::ZERO)? {
-            let (ours, theirs) = Endpoint::pair()?;
-            let pid = (self.fork)()?;
+            let made = Endpoint::pair().and_then(|pair| Ok(((self.fork)()?, pair)));
+            let Ok((pid, (ours, theirs))) = made else {
+                self.target = self.blanks.len();
+                return Ok(None);
+            };
             if pid == 0 {
                 drop(ours);
                 return Ok(Some(Step::Blank(theirs)));
@@ -819,10 +823,16 @@ impl Server<'_> {
         self.notices.send(&notice.encode(), &[], None).map(drop)
     }
 
+    /// Replies that the request failed: `what` failed with `err` (an errno, or a message
+    /// when there is none).
     fn fail(&self, err: &io::Error, what: &str, made: Vec<Made>) -> io::Result<()> {
+        let (errno, message) = match err.raw_os_error() {
+            Some(errno) => (errno, what.to_string()),
+            None => (0, format!("{what}: {err}")),
+        };
         self.reply(&Reply::Failed {
-            errno: err.raw_os_error().unwrap_or(0),
-            message: format!("{what}: {err}"),
+            errno,
+            message,
             made,
         })
     }
@@ -868,6 +878,7 @@ pub struct Zygote {
     started_with: Attributes,
     ready: Option<Vec<u8>>,
     broken: Option<String>,
+    vanished: bool,
 }
 
 impl Zygote {
@@ -898,6 +909,7 @@ impl Zygote {
             started_with,
             ready: None,
             broken: None,
+            vanished: false,
         };
         zygote.reserve.watch(notices)?;
         Ok(zygote)
@@ -1094,18 +1106,31 @@ impl Zygote {
     }
 
     /// Marks the zygote broken and stops it (its blanks exit with it); the error says why.
+    /// `why` is "went away" when its end of the channel closed: it died on its own, and the
+    /// error shows what it reported.
     fn fail(&mut self, why: &str) -> Error {
         let pid = self.pid();
-        self.process.signal_all(libc::SIGKILL);
-        self.process
-            .wait(None, WaitFor::AllExited, Some(Duration::from_secs(5)));
-        let how = match self.exit() {
-            Some(exit) if why == "went away" => format!("died with {}", exit.status),
-            _ => why.to_string(),
-        };
-        let message = format!("the tether zygote (pid {pid}) {how}");
+        let one_second = Some(Duration::from_secs(1));
+        self.vanished =
+            why == "went away" && self.process.wait(None, WaitFor::AllExited, one_second);
+        self.process.terminate(libc::SIGKILL, Duration::ZERO);
+        let mut message = format!("the tether zygote (pid {pid}) {why}");
+        if let (true, Some(exit)) = (self.vanished, self.exit()) {
+            message = format!("the tether zygote (pid {pid}) died with {}", exit.status);
+            let report = self
+                .process
+                .with_member(0, |m| crate::report::decode(m.report()));
+            if let Some(Some(report)) = report {
+                message += &format!(":\n{}", String::from_utf8_lossy(&report.text));
+            }
+        }
         self.broken = Some(message.clone());
         Error::Zygote(message)
+    }
+
+    /// Whether it died on its own (rather than being stopped for not answering).
+    pub fn vanished(&self) -> bool {
+        self.vanished
     }
 
     /// Stops the zygote: it exits at the end of its request channel, and its blanks at the

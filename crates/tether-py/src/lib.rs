@@ -22,10 +22,7 @@ create_exception!(
 /// An `OSError` (of the subclass its errno selects, e.g. `FileNotFoundError`) for a system
 /// error, with the errno kept.
 fn os_error(err: std::io::Error) -> PyErr {
-    match err.raw_os_error() {
-        Some(errno) => PyOSError::new_err((errno, err.to_string())),
-        None => PyOSError::new_err(err.to_string()),
-    }
+    core_error(tether_core::Error::from(err))
 }
 
 /// The Python exception for an error of tether-core: an `OSError` subclass with its errno
@@ -72,6 +69,13 @@ fn signal_hint(signal: i32) -> Option<&'static str> {
     tether_core::status::signal_hint(signal)
 }
 
+/// "; the open-file limit of this process is reached (...)": which system limit an error
+/// number most likely means, or "".
+#[pyfunction]
+fn limit_hint(errno: i32) -> String {
+    tether_core::limit_hint(&std::io::Error::from_raw_os_error(errno))
+}
+
 /// A failure report frame: the exception's type name, its traceback text, the pickled
 /// exception (possibly empty).
 #[pyfunction]
@@ -112,6 +116,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(signal_name, m)?)?;
     m.add_function(wrap_pyfunction!(signal_hint, m)?)?;
     m.add_function(wrap_pyfunction!(encode_report, m)?)?;
+    m.add_function(wrap_pyfunction!(limit_hint, m)?)?;
     m.add_function(wrap_pyfunction!(decode_report, m)?)?;
     m.add_function(wrap_pyfunction!(zygote::zygote_serve, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -87,6 +87,11 @@ impl Zygote {
         self.lock().broken().map(str::to_string)
     }
 
+    /// Whether it died on its own (not stopped by tether for not answering).
+    fn vanished(&self) -> bool {
+        self.lock().vanished()
+    }
+
     /// Waits until its imports are done; returns what it said then.
     fn wait_ready<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let ready = py
