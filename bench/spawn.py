@@ -4,11 +4,12 @@ torch too, as a training script's children do): tether against torch, in the sam
     python bench/spawn.py [--reps 3] [--nprocs 2 4 8]
 
 For each nprocs, the median wall time from the call to a successful join of a trivial
-function: torch.multiprocessing.spawn; torch's start_processes with Python's forkserver and
-torch preloaded (cold: server started by the call; warm: already up); tether "spawn"; and
-tether "forkserver", the zygote (cold: zygote started by the call; warm: already up). Then
-the latency from a child's exception to the parent's raise, and the summed PSS of 8 idle
-children, spawn against zygote."""
+function: torch.multiprocessing.spawn; torch's start_processes with "fork", and with
+Python's forkserver and torch preloaded (cold: server started by the call; warm: already
+up); tether "spawn"; and tether "forkserver", the zygote (cold: zygote started by the call;
+warm: already up). Then warm zygote starts of many ranks (--many, default 8 64 1000) with
+the cost per rank; the latency from a child's exception to the parent's raise; and the
+summed PSS of 8 idle children, spawn against zygote."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _table import fmt_seconds, median, print_table, ratio  # noqa: E402
 
 import tether  # noqa: E402
-from tether import _zygote  # noqa: E402
+from tether import _native, _zygote  # noqa: E402
 
 
 def trivial(i: int) -> None:
@@ -69,14 +70,18 @@ def tether_forkserver(n: int, cold: bool) -> float:
     if cold:
         _zygote.shutdown()
     else:
-        # Warm: the zygote is up, and has forked ahead the children of a start this size.
-        tether.start_processes(trivial, nprocs=n)
+        # Warm: the zygote is up, and has forked ahead the children of a start this size
+        # (as many as it keeps).
+        tether.start_processes(trivial, nprocs=min(n, _native.MAX_BLANKS))
         time.sleep(0.5)
     return timed(lambda: tether.start_processes(trivial, nprocs=n, start_method="forkserver"))
 
 
 CONTENDERS: Dict[str, Callable[[int], float]] = {
     "torch spawn": lambda n: timed(lambda: tmp.spawn(trivial, nprocs=n)),
+    "torch fork": lambda n: timed(
+        lambda: tmp.start_processes(trivial, nprocs=n, start_method="fork")
+    ),
     "torch forkserver cold": lambda n: torch_forkserver(n, cold=True),
     "torch forkserver warm": lambda n: torch_forkserver(n, cold=False),
     "tether spawn": lambda n: timed(
@@ -125,6 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--many", type=int, nargs="+", default=[8, 64, 1000])
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, {args.reps} repetitions")
 
@@ -153,6 +159,28 @@ def main() -> None:
         [
             (name, [ratio(results[n][base], results[n][name]) for n in args.nprocs])
             for name in names[1:]
+        ],
+    )
+
+    if 8 in args.nprocs:
+        fork8, warm8 = results[8]["torch fork"], results[8]["tether zygote warm"]
+        print(f"\nwarm zygote, 8 ranks: {warm8 / fork8:.2f} of torch fork's time (target <= 0.5)")
+        cold8, torch_cold8 = results[8]["tether zygote cold"], results[8]["torch forkserver cold"]
+        print(f"cold zygote, 8 ranks: {cold8 / torch_cold8:.2f} of torch forkserver's (<= 1)")
+
+    many = {
+        n: median([tether_forkserver(n, cold=False) for _ in range(args.reps)]) for n in args.many
+    }
+    print_table(
+        "warm zygote start (median)",
+        [f"nprocs={n}" for n in args.many],
+        [
+            ("start to join", [fmt_seconds(many[n]) for n in args.many]),
+            ("per rank", [fmt_seconds(many[n] / n) for n in args.many]),
+            (
+                "per rank / at 8",
+                [f"{many[n] / n / (many[8] / 8):.2f}" if 8 in many else "-" for n in args.many],
+            ),
         ],
     )
 
