@@ -12,7 +12,13 @@ from .errors import ProcessException, ProcessExitedException, ProcessRaisedExcep
 from .spawn import ProcessContext, spawn, start_processes
 
 #: Imported on first use, so that a child's start-up does not pay for them.
-_LAZY = {"Pool": ".pool", "set_preload": "._zygote", "warm_up": "._zygote"}
+_LAZY = {
+    "Pool": ".pool",
+    "set_preload": "._zygote",
+    "warm_up": "._zygote",
+    "status": "._status",
+    "ZygoteError": "._zygote",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -33,7 +39,9 @@ __all__ = [
     "ProcessRaisedException",
     "__version__",
     "set_preload",
+    "ZygoteError",
     "spawn",
     "start_processes",
+    "status",
     "warm_up",
 ]

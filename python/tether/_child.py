@@ -88,6 +88,21 @@ def _prepare(data: Dict[str, Any]) -> None:
         process._inheriting = False  # type: ignore[attr-defined]
 
 
+#: What a child says it is in ``ps`` and ``/proc/PID/comm``: two templates with ``{rank}``.
+Title = Tuple[str, str]
+
+
+def set_title(title: Optional[Title], rank: int) -> None:
+    """Names this process after its role, e.g. ``tether rank 3: train [forkserver, parent
+    123]`` in ``ps -o args`` and ``tether:r3:train`` in ``/proc/PID/comm``."""
+    if title is None:
+        return
+    try:
+        _native.set_title(title[0].format(rank=rank), title[1].format(rank=rank))
+    except (OSError, ValueError):
+        pass  # a name is a courtesy: never a reason to fail
+
+
 def run_payload(
     prep: bytes,
     work: bytes,
@@ -102,7 +117,9 @@ def run_payload(
     def call() -> None:
         if setup_error is not None:
             raise OSError(*setup_error)
-        _prepare(pickle.loads(prep))
+        data = pickle.loads(prep)
+        set_title(data.pop("tether_title", None), rank)
+        _prepare(data)
         fn, args = pickle.loads(work)
         fn(rank, *args)
 
@@ -163,11 +180,13 @@ def run_forked(
     report_fd: int,
     parent_pid: int,
     from_main_thread: bool,
+    title: Optional[Title] = None,
 ) -> NoReturn:
     """Entry point of a fork child, right after ``os.fork()``; never returns."""
     code = 1
     try:
         _native.setup_forked_child(parent_pid, from_main_thread)
+        set_title(title, rank)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         reset_after_fork()

@@ -114,20 +114,24 @@ def start(
     preload: Optional[Sequence[str]] = None,
     keep_fds: Sequence[int] = (),
     close_in_child: Sequence[int] = (),
-    label: Optional[str] = None,
+    title: Optional[_child.Title] = None,
 ) -> _native.Group:
     """Starts ``fn(rank, *args)`` for each rank with ``method`` and returns the group that
     supervises them (member n runs ``ranks[n]``). The children inherit the standard
     streams, the fds the arguments pass and ``keep_fds``, under the same numbers.
     ``preload`` chooses the zygote (forkserver); ``close_in_child`` are fds a fork child
-    closes at once (a fork copies every fd of this process); ``label`` says what the
-    children run (the function's name by default). On an error, no child of the call is
-    left running and no fd made for it is left open."""
+    closes at once (a fork copies every fd of this process); ``title`` is what each child
+    says it is in ``ps`` and ``/proc/PID/comm`` (two templates with ``{rank}``; by default
+    a rank running the function). On an error, no child of the call is left running and
+    no fd made for it is left open."""
     check_start_method(method, "tether")
+    title = title or rank_title(fn, method)
     if method == "fork":
-        return _start_fork(fn, args, ranks, close_in_child)
+        return _start_fork(fn, args, ranks, close_in_child, title)
     popen = _SpawningPopen()
-    prep = _dumps(_preparation_data(popen), popen)
+    data = _preparation_data(popen)
+    data["tether_title"] = title
+    prep = _dumps(data, popen)
     work = _dumps((fn, tuple(args)), popen)
     passed = list(dict.fromkeys([*popen.fds, *keep_fds]))
     if method == "spawn":
@@ -137,9 +141,17 @@ def start(
     group = _native.Group()
     shared = [(fd, fd) for fd in dict.fromkeys([0, 1, 2, *passed]) if _is_open(fd)]
     payload = _child.make_payload(0, prep, work)
-    name = label or getattr(fn, "__qualname__", None) or repr(fn)
-    _zygote.get(preload).fork(group, ranks, shared, payload, name)
+    _zygote.get(preload).fork(group, ranks, shared, payload, title[0])
     return group
+
+
+def rank_title(fn: Callable[..., Any], method: str) -> _child.Title:
+    """``ps`` names of a rank running ``fn``."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return (
+        f"tether rank {{rank}}: {name} [{method}, parent {os.getpid()}]",
+        f"tether:r{{rank}}:{name}",
+    )
 
 
 def _is_open(fd: int) -> bool:
@@ -164,6 +176,7 @@ def _start_fork(
     args: Sequence[Any],
     ranks: Sequence[int],
     close_in_child: Sequence[int],
+    title: _child.Title,
 ) -> _native.Group:
     """Forks one child per rank, then hands them all to the supervisor in one call."""
     parent = os.getpid()
@@ -171,7 +184,7 @@ def _start_fork(
     children: List[Tuple[int, int]] = []  # (pid, read end of its report pipe)
     try:
         for rank in ranks:
-            children.append(_fork_one(fn, rank, args, close_in_child, parent, from_main))
+            children.append(_fork_one(fn, rank, args, close_in_child, parent, from_main, title))
     except BaseException:
         _stop_unsupervised(children)
         raise
@@ -187,6 +200,7 @@ def _fork_one(
     close_in_child: Sequence[int],
     parent: int,
     from_main: bool,
+    title: _child.Title,
 ) -> Tuple[int, int]:
     try:
         read_fd, write_fd = os.pipe()
@@ -207,7 +221,7 @@ def _fork_one(
                 os.close(fd)
             except OSError:
                 pass
-        _child.run_forked(fn, rank, args, write_fd, parent, from_main)
+        _child.run_forked(fn, rank, args, write_fd, parent, from_main, title)
     os.close(write_fd)
     try:
         os.setpgid(pid, pid)

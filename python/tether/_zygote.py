@@ -23,6 +23,7 @@ import warnings
 from typing import Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple
 
 from . import _child, _launch, _native
+from ._log import logger
 
 ZygoteError = _native.ZygoteError
 
@@ -60,6 +61,7 @@ def main() -> None:
         config = pickle.loads(_child._read_all(payload_fd))
         os.close(payload_fd)
         sys.path[:] = config["sys_path"]
+        _name_zygote(config["preload"])
         failures = _preload(config["preload"])
         _quiesce()
         # What the zygote holds now is shared by every child, page for page, until written
@@ -76,6 +78,23 @@ def main() -> None:
     if isinstance(served, int):
         os._exit(served)
     _run_job(served)
+
+
+def preload_summary(preload: Sequence[str], shown: int = 6) -> str:
+    """The preload list in a few words, installed packages (torch, numpy) first."""
+    stdlib = getattr(sys, "stdlib_module_names", frozenset())
+    names = sorted((m for m in preload if not m.startswith("_")), key=lambda m: (m in stdlib, m))
+    hidden = len(preload) - min(shown, len(names))
+    text = ", ".join(names[:shown])
+    return (text + (f", +{hidden} more" if hidden else "")) or "nothing"
+
+
+def _name_zygote(preload: Sequence[str]) -> None:
+    title = f"tether zygote of pid {os.getppid()} (preload: {preload_summary(preload)})"
+    try:
+        _native.set_title(title, "tether-zygote")
+    except OSError:
+        pass
 
 
 def _report_and_exit(report_fd: int, exc: BaseException) -> NoReturn:
@@ -217,6 +236,9 @@ class Zygote:
         argv = _launch.python_argv("from tether._zygote import main; main()")
         self._process = _native.Zygote(argv, [], pickle.dumps(config))
         self._ready = False
+        logger.info(
+            "started the zygote (pid %d), preloading %s", self._process.pid, list(self.preload)
+        )
         return self._process
 
     def _await_ready(self, process: _native.Zygote) -> None:
@@ -300,11 +322,15 @@ def warm_up(preload: Optional[Iterable[str]] = None, processes: int = 0) -> None
     get(preload).start(processes)
 
 
+def running() -> List[Zygote]:
+    """This process's zygotes."""
+    with _zygotes_lock:
+        return [z for (pid, _, _), z in _zygotes.items() if pid == os.getpid()]
+
+
 def pids() -> List[int]:
     """The pids of this process's running zygotes and of the children they keep ready."""
-    with _zygotes_lock:
-        zygotes = [z for (pid, _, _), z in _zygotes.items() if pid == os.getpid()]
-    return [pid for z in zygotes for pid in z.pids()]
+    return [pid for z in running() for pid in z.pids()]
 
 
 @atexit.register

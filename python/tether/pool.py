@@ -47,6 +47,7 @@ from typing import (
 from . import _channel, _launch, _native, _report, _worker
 
 if TYPE_CHECKING:
+    from . import _status
     from .context import PoolContext, PoolProcess
 
 __all__ = ["BrokenPool", "NoFreeWorkerError", "Pool", "WorkerCrashedError"]
@@ -1029,3 +1030,25 @@ class Pool(concurrent.futures.Executor):
             f"<tether.Pool processes={core.size} start_method={core.start_method!r} "
             f"state={core.state}>"
         )
+
+
+def status() -> List["_status.Pool"]:
+    """The pools of this process and their workers (see ``tether.status()``)."""
+    from . import _status
+
+    found = []
+    for number, core in enumerate(sorted(_live, key=id), start=1):
+        with core.lock:
+            workers = [
+                _status.Child(w.pid, f"worker {w.slot}", _worker_state(w))
+                for w in core.workers
+                if w is not None and not w.dead
+            ]
+        found.append(_status.Pool(number, core.start_method, workers))
+    return found
+
+
+def _worker_state(worker: _Worker) -> str:
+    if worker.lease is not None:
+        return f"leased to {worker.lease._describe or 'a process'}"
+    return "busy" if worker.inflight else "idle"

@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from . import _launch, _native, _report
 from ._launch import DEFAULT_START_METHOD
+from ._log import logger
 from .errors import ProcessException, ProcessExitedException, ProcessRaisedException
 
 __all__ = [
@@ -116,9 +117,14 @@ class ProcessContext:
     """The children of one ``start_processes`` call. ``join`` waits for them, and on the first
     failure stops the others and raises with the failed child's error."""
 
-    def __init__(self, group: _native.Group, daemon: bool) -> None:
+    def __init__(
+        self, group: _native.Group, daemon: bool, start_method: str = "", what: str = ""
+    ) -> None:
         self._group = group
         self._daemon = daemon
+        #: How the children were started and what they run (for ``tether.status()``).
+        self.start_method = start_method
+        self.what = what
         self.processes: List[Process] = [Process(group, i, daemon) for i in range(len(group))]
         self._done = False
         with _live_lock:
@@ -217,6 +223,13 @@ def _add_note(error: BaseException, note: str) -> None:
         error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
+def live_contexts() -> List[ProcessContext]:
+    """The contexts of this process whose children run or have not been joined."""
+    with _live_lock:
+        contexts = list(_live)
+    return [c for c in contexts if not c._done]
+
+
 @atexit.register
 def _finish_at_exit() -> None:
     """As multiprocessing does at exit: stop daemonic children, wait for the others. When
@@ -255,7 +268,11 @@ def start_processes(
             "    if __name__ == '__main__':\n        ...\n"
         )
     group = _launch.start(fn, args, range(nprocs), start_method, preload=preload)
-    context = ProcessContext(group, daemon)
+    what = getattr(fn, "__qualname__", None) or repr(fn)
+    context = ProcessContext(group, daemon, start_method, what)
+    logger.debug(
+        "started %d process(es) of %s with %s: %s", nprocs, what, start_method, group.pids()
+    )
     if not join:
         return context
     while not context.join():

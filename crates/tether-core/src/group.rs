@@ -198,18 +198,24 @@ impl Group {
         if member.exit.is_some() {
             return Ok(false);
         }
+        let name = crate::signal_name(signal);
+        log::info!(target: "tether::supervisor", "sent {name} to pid {}", member.pid);
         Ok(signal_tree(member.pid, signal))
     }
 
     /// Sends `signal` to every member still running; returns how many were signalled.
     pub fn signal_all(&self, signal: i32) -> usize {
         let state = self.inner.lock();
-        state
-            .members
-            .iter()
-            .filter(|m| m.exit.is_none())
+        let live = state.members.iter().filter(|m| m.exit.is_none());
+        let sent: Vec<i32> = live
             .filter(|m| signal_tree(m.pid, signal))
-            .count()
+            .map(|m| m.pid)
+            .collect();
+        if !sent.is_empty() {
+            let name = crate::signal_name(signal);
+            log::info!(target: "tether::supervisor", "sent {name} to pids {sent:?}");
+        }
+        sent.len()
     }
 
     /// Waits until the condition holds for the members in `which` (all members when `None`)
@@ -278,8 +284,8 @@ impl Group {
             && self
                 .wait_interruptibly(None, WaitFor::AllExited, Some(grace), interrupted)
                 .is_some_and(|done| done);
-        if !graceful {
-            self.signal_all(libc::SIGKILL);
+        if !graceful && self.signal_all(libc::SIGKILL) > 0 {
+            log::warn!(target: "tether::supervisor", "escalated to SIGKILL after {grace:?}");
         }
         while !self.wait(None, WaitFor::AllExited, Some(Duration::from_secs(1))) {
             self.signal_all(libc::SIGKILL);

@@ -13,14 +13,18 @@
 //! - [`report`]: a child's failure report as it arrives.
 //! - [`status`]: exit statuses and signal names.
 //! - [`channel`]: message channels with fds between running processes.
+//! - [`title`]: a process's title in `ps` and its name in `/proc/PID/comm`.
+//! - [`logging`]: `TETHER_LOG=info|debug` sends the runtime's events to stderr.
 
 pub mod attrs;
 pub mod channel;
 pub mod group;
 pub mod launch;
+pub mod logging;
 pub mod report;
 pub mod status;
 pub mod supervisor;
+pub mod title;
 pub mod zygote;
 
 pub use group::{Exit, Group, Member, WaitFor};

@@ -422,6 +422,7 @@ impl Loop {
             })?;
         let pid = child.id() as i32;
         drop(child);
+        log::info!(target: "tether::supervisor", "started pid {pid}: {:?}", spec.argv);
         let report = report.map(|(read, _write)| read);
         let payload = payload.map(|(ours, _theirs, data)| (ours, data));
         let found = self.find(pid, None)?;
@@ -460,6 +461,12 @@ impl Loop {
 
     fn adopt(&mut self, group: &Arc<GroupInner>, child: Adoption) -> Result<usize, Error> {
         let found = self.find(child.pid, child.reserve.as_ref())?;
+        let how = if child.reserve.is_some() {
+            "a blank"
+        } else {
+            "a fork"
+        };
+        log::info!(target: "tether::supervisor", "adopted pid {} ({how})", child.pid);
         self.take(group, child.pid, found, child.report, None)
     }
 
@@ -686,6 +693,7 @@ impl Loop {
             at: now_monotonic(),
         });
         member.report.close();
+        log::info!(target: "tether::supervisor", "pid {} exited: {status}", member.pid);
         drop(state);
         group.notify();
     }
@@ -705,6 +713,7 @@ impl Loop {
             status: reap_now(pidfd.as_fd(), pid),
             at: now_monotonic(),
         };
+        log::info!(target: "tether::supervisor", "blank pid {pid} exited: {}", exit.status);
         if !retired {
             reserve.blanks().insert(pid, Blank::Exited { exit, pidfd });
         }
@@ -765,6 +774,7 @@ impl Loop {
                     retired: false,
                 };
                 reserve.blanks().insert(pid, blank);
+                log::debug!(target: "tether::supervisor", "watching blank pid {pid}");
             }
             Err(_) => {
                 signal_tree(pid, libc::SIGKILL);

@@ -493,7 +493,7 @@ fn close_all_but(keep: &[RawFd]) -> io::Result<()> {
 
 /// A blank child: watched until a request takes it, it waits for its job on `channel`, and
 /// exits quietly when the zygote goes away first.
-fn blank_main(channel: Endpoint, parent: i32) -> Served {
+fn blank_main(channel: Endpoint, parent: i32, zygote: u32) -> Served {
     if launch::setup_forked_child(parent, true).is_err() {
         return Served::Exit(SETUP_FAILED);
     }
@@ -501,6 +501,8 @@ fn blank_main(channel: Endpoint, parent: i32) -> Served {
     if close_all_but(&[raw]).is_err() {
         return Served::Exit(SETUP_FAILED);
     }
+    let title = format!("tether blank of zygote {zygote} (ready to run a rank of pid {parent})");
+    let _ = crate::title::set(&title, "tether-blank");
     let message = match channel.recv(None) {
         Ok(Recv::Message(m)) => m,
         _ => return Served::Exit(0),
@@ -587,6 +589,7 @@ pub fn serve(
     blanks: usize,
     fork: Fork<'_>,
 ) -> io::Result<Served> {
+    let zygote = std::process::id();
     let mut server = Server {
         request: Endpoint::from_fd(request),
         notices: Endpoint::from_fd(notices),
@@ -603,7 +606,7 @@ pub fn serve(
             Step::Blank(channel) => {
                 // In the new blank: the zygote's fds are closed by number, never dropped.
                 std::mem::forget(server);
-                return Ok(blank_main(channel, parent));
+                return Ok(blank_main(channel, parent, zygote));
             }
             Step::Rank(parts) => {
                 std::mem::forget(server);
@@ -813,6 +816,7 @@ impl Server<'_> {
                 return Ok(Some(Step::Blank(theirs)));
             }
             drop(theirs);
+            log::debug!(target: "tether::zygote", "forked blank pid {pid}");
             self.notify(Notice::Blank(pid))?;
             self.blanks.push_back((pid, ours));
         }
@@ -902,6 +906,7 @@ impl Zygote {
         process.launch(vec![spec])?;
         drop((theirs, their_notices));
         let reserve = Reserve::new();
+        log::info!(target: "tether::zygote", "started the zygote: pid {}", process.pid(0).unwrap_or(0));
         let zygote = Zygote {
             process,
             request,
@@ -944,7 +949,10 @@ impl Zygote {
     pub fn wait_ready(&mut self) -> Result<&[u8], Error> {
         if self.ready.is_none() {
             match self.reply(None)? {
-                Reply::Ready(body) => self.ready = Some(body),
+                Reply::Ready(body) => {
+                    log::info!(target: "tether::zygote", "zygote pid {} is ready", self.pid());
+                    self.ready = Some(body)
+                }
                 _ => return Err(self.fail("sent an unexpected message")),
             }
         }
@@ -1136,6 +1144,7 @@ impl Zygote {
     /// Stops the zygote: it exits at the end of its request channel, and its blanks at the
     /// end of theirs; after `grace`, SIGKILL.
     pub fn close(&mut self, grace: Duration) {
+        log::info!(target: "tether::zygote", "closing zygote pid {}", self.pid());
         let _ = rustix::net::shutdown(&self.request, rustix::net::Shutdown::Write);
         if !self.process.wait(None, WaitFor::AllExited, Some(grace)) {
             self.process.terminate(libc::SIGKILL, Duration::ZERO);

@@ -69,6 +69,19 @@ fn signal_hint(signal: i32) -> Option<&'static str> {
     tether_core::status::signal_hint(signal)
 }
 
+/// Sets this process's title in `ps -o args` and its name in `/proc/self/comm` (15
+/// bytes). Call it while the process has a single thread.
+#[pyfunction]
+fn set_title(title: &str, comm: &str) -> PyResult<()> {
+    tether_core::title::set(title, comm).map_err(os_error)
+}
+
+/// The level `TETHER_LOG` turned on for the native side ("off" by default).
+#[pyfunction]
+fn log_level() -> String {
+    log::max_level().to_string().to_lowercase()
+}
+
 /// "; the open-file limit of this process is reached (...)": which system limit an error
 /// number most likely means, or "".
 #[pyfunction]
@@ -99,6 +112,7 @@ fn decode_report(data: &[u8]) -> Option<PyReport> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    tether_core::logging::init_from_env();
     m.add_class::<group::Group>()?;
     m.add_class::<group::ExitStatus>()?;
     m.add_class::<zygote::Zygote>()?;
@@ -117,6 +131,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(signal_hint, m)?)?;
     m.add_function(wrap_pyfunction!(encode_report, m)?)?;
     m.add_function(wrap_pyfunction!(limit_hint, m)?)?;
+    m.add_function(wrap_pyfunction!(set_title, m)?)?;
+    m.add_function(wrap_pyfunction!(log_level, m)?)?;
     m.add_function(wrap_pyfunction!(decode_report, m)?)?;
     m.add_function(wrap_pyfunction!(zygote::zygote_serve, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

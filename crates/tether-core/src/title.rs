@@ -1,0 +1,120 @@
+//! What a process tether started says it is: its title in `ps -o args`
+//! (`/proc/PID/cmdline`) and its name in `/proc/PID/comm`.
+//!
+//! The title is written over the process's own argument strings, as `setproctitle` does.
+//! When it is longer than they are, the environment strings that follow them are taken
+//! too, after the `environ` entries that pointed into them have been moved to the heap.
+//! Call it while the process has a single thread (a child, before it runs user code).
+
+use std::ffi::{c_char, CString};
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+extern "C" {
+    static mut environ: *mut *mut c_char;
+}
+
+/// Whether this process's environment strings were moved to the heap already.
+static ENVIRON_MOVED: AtomicBool = AtomicBool::new(false);
+
+/// Sets `/proc/self/comm` (cut at 15 bytes) and the title shown by `ps -o args` (cut to the
+/// room the argument and environment strings leave).
+pub fn set(title: &str, comm: &str) -> io::Result<()> {
+    set_comm(comm)?;
+    let area = Area::of_self()?;
+    let mut end = area.arg_end;
+    if title.len() >= area.arg_end - area.arg_start && area.env_start == area.arg_end {
+        move_environ(&area);
+        end = area.env_end;
+    }
+    let room = end - area.arg_start;
+    let text = &title.as_bytes()[..title.len().min(room.saturating_sub(1))];
+    // SAFETY: [arg_start, end) is this process's argument (and, once moved away, environment)
+    // string area: writable memory that nothing else refers to any more (Python and libc
+    // keep copies of the arguments; `environ` no longer points into the environment part).
+    unsafe {
+        let base = area.arg_start as *mut u8;
+        std::ptr::copy_nonoverlapping(text.as_ptr(), base, text.len());
+        std::ptr::write_bytes(base.add(text.len()), 0, room - text.len());
+    }
+    Ok(())
+}
+
+/// Sets `/proc/self/comm` (the kernel keeps 15 bytes).
+pub fn set_comm(comm: &str) -> io::Result<()> {
+    let cut: String = comm.chars().filter(|&c| c != '\0').take(15).collect();
+    let name = CString::new(cut).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    if unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr() as libc::c_ulong, 0, 0, 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Where the argument and environment strings of this process lie.
+struct Area {
+    arg_start: usize,
+    arg_end: usize,
+    env_start: usize,
+    env_end: usize,
+}
+
+impl Area {
+    fn of_self() -> io::Result<Area> {
+        let stat = std::fs::read_to_string("/proc/self/stat")?;
+        let bad = || io::Error::new(io::ErrorKind::InvalidData, "unexpected /proc/self/stat");
+        let after = stat.rfind(')').map(|i| &stat[i + 2..]).ok_or_else(bad)?;
+        // Fields 48 to 51 of proc(5); `after` starts at field 3.
+        let fields: Vec<usize> = after
+            .split_whitespace()
+            .skip(45)
+            .take(4)
+            .map(|f| f.parse().map_err(|_| bad()))
+            .collect::<io::Result<_>>()?;
+        match fields[..] {
+            [arg_start, arg_end, env_start, env_end] if arg_start < arg_end => Ok(Area {
+                arg_start,
+                arg_end,
+                env_start,
+                env_end,
+            }),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// Points every `environ` entry that lies in the environment string area at a heap copy
+/// (kept for the life of the process), so that the area can hold a long title.
+fn move_environ(area: &Area) {
+    if ENVIRON_MOVED.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    // SAFETY: single-threaded use (see the module's documentation); `environ` is a
+    // NULL-terminated array of C strings, and each entry replaced points at a copy that is
+    // never freed.
+    unsafe {
+        let mut entry = environ;
+        while !entry.is_null() && !(*entry).is_null() {
+            let at = *entry as usize;
+            if at >= area.env_start && at < area.env_end {
+                let copy = libc::strdup(*entry);
+                if !copy.is_null() {
+                    *entry = copy;
+                }
+            }
+            entry = entry.add(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_area_is_found() {
+        let area = Area::of_self().unwrap();
+        assert!(area.arg_start < area.arg_end);
+        assert!(area.env_start <= area.env_end);
+    }
+}

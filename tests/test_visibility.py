@@ -1,0 +1,162 @@
+"""Seeing into the runtime: every process tether starts says what it is in ``ps`` and
+``/proc/PID/comm``; ``tether.status()`` and ``python -m tether ps`` list what runs;
+``TETHER_LOG`` turns on one line per event, and nothing is printed without it."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import tether
+from tether import _status, _zygote
+
+pytestmark = pytest.mark.timeout(120)
+
+METHODS = ["forkserver", "spawn", "fork"]
+
+
+def cmdline(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode().strip()
+
+
+def comm(pid):
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
+def wait_for_release(i, ready, release):
+    ready.put(os.getpid())
+    release.wait(30)
+
+
+@pytest.fixture
+def running():
+    """Starts two ranks that wait; yields their context; lets them finish."""
+    mp = multiprocessing.get_context("spawn")
+    made = []
+
+    def start(method):
+        ready, release = mp.SimpleQueue(), mp.Event()
+        ctx = tether.start_processes(
+            wait_for_release, args=(ready, release), nprocs=2, join=False, start_method=method
+        )
+        made.append((ctx, release))
+        [ready.get() for _ in range(2)]
+        return ctx
+
+    yield start
+    for ctx, release in made:
+        release.set()
+        ctx.join(30)
+    made.clear()  # pytest keeps `start` (and so this list) until the test is over
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ranks_say_their_rank_and_function(running, method):
+    ctx = running(method)
+    for rank, pid in enumerate(ctx.pids()):
+        assert cmdline(pid) == (
+            f"tether rank {rank}: wait_for_release [{method}, parent {os.getpid()}]"
+        )
+        assert comm(pid) == f"tether:r{rank}:wait_for_release"[:15]
+
+
+def test_the_zygote_and_its_blanks_say_what_they_are(running):
+    running("forkserver")
+    zygote = _zygote.get()
+    pids = zygote.pids()
+    assert len(pids) >= 2, "the zygote keeps children ready"
+    assert cmdline(pids[0]).startswith(f"tether zygote of pid {os.getpid()} (preload: ")
+    assert comm(pids[0]) == "tether-zygote"
+    for blank in pids[1:]:
+        assert cmdline(blank).startswith(f"tether blank of zygote {pids[0]} ")
+        assert comm(blank) == "tether-blank"
+
+
+def test_status_lists_zygotes_and_groups(running):
+    ctx = running("forkserver")
+    found = tether.status()
+    assert found.pid == os.getpid()
+    zygote = _zygote.get()
+    assert any(z.pid == zygote.pid and z.blanks == zygote.pids()[1:] for z in found.zygotes)
+    group = next(g for g in found.groups if [r.pid for r in g.ranks] == ctx.pids())
+    assert group.what == "wait_for_release" and group.start_method == "forkserver"
+    assert [r.state for r in group.ranks] == ["running", "running"]
+    text = str(found)
+    assert f"zygote {zygote.pid}" in text and "wait_for_release [forkserver]" in text
+
+
+def test_ps_shows_the_tree_from_the_names(running):
+    ctx = running("forkserver")
+    lines = _status.tree()
+    me = next(n for n, line in enumerate(lines) if line.split()[0] == str(os.getpid()))
+    below = "\n".join(lines[me + 1 :])
+    for pid in ctx.pids():
+        assert f"{pid}  ├─ tether rank" in below or f"{pid}  └─ tether rank" in below
+    assert "tether zygote of pid" in below
+
+
+LOGGED = textwrap.dedent(
+    """
+    import signal, time, tether
+
+    def stubborn(i):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if i == 0:
+            raise SystemExit(3)
+        time.sleep(30)
+
+    if __name__ == "__main__":
+        try:
+            ctx = tether.start_processes(stubborn, nprocs=2, join=False)
+            time.sleep(0.5)
+            ctx.join(grace_period=0.2)
+        except tether.ProcessExitedException:
+            pass
+    """
+)
+
+
+def run_logged(tmp_path, level):
+    script = tmp_path / "logged.py"
+    script.write_text(LOGGED)
+    env = dict(os.environ)
+    env.pop("TETHER_LOG", None)
+    if level:
+        env["TETHER_LOG"] = level
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return [line for line in done.stderr.splitlines() if line.startswith("tether[")]
+
+
+def test_tether_log_shows_one_line_per_event(tmp_path):
+    lines = "\n".join(run_logged(tmp_path, "debug"))
+    for event in (
+        "INFO tether: started the zygote",
+        "INFO tether::zygote: zygote pid",
+        "INFO tether::supervisor: adopted pid",
+        "INFO tether::supervisor: pid",  # an exit, with its status
+        "exit code 3",
+        "sent SIGTERM to pids",
+        "WARN tether::supervisor: escalated to SIGKILL",
+        "DEBUG tether: started 2 process(es) of stubborn",
+    ):
+        assert event in lines, f"{event!r} not in:\n{lines}"
+
+
+def test_nothing_is_logged_by_default(tmp_path):
+    assert run_logged(tmp_path, None) == []
+    assert run_logged(tmp_path, "off") == []
+
+
+def test_info_leaves_out_debug_events(tmp_path):
+    lines = run_logged(tmp_path, "info")
+    assert lines and not any(" DEBUG " in line for line in lines)
