@@ -3,9 +3,12 @@
 
 use std::fmt::Write as _;
 use std::path::Path;
+use std::time::SystemTime;
 
 use tether_core::status::signal_hint;
 use tether_core::{signal_name, ExitStatus};
+
+use crate::clock;
 
 /// The error that `torch.distributed.elastic.multiprocessing.errors.record` wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,8 +109,12 @@ pub struct Failure {
     pub root: RankEnd,
     pub node_rank: usize,
     pub attempt: u32,
+    /// When the root cause's exit was seen.
+    pub ended_at: SystemTime,
     pub error: Option<ErrorFile>,
-    pub stderr_tail: Vec<String>,
+    /// The last lines of its stderr (of its output, when both streams shared one pipe).
+    pub tail: Vec<String>,
+    pub tail_is_merged: bool,
     /// OOM-kill counter at launch and at the failure.
     pub oom: Option<(u64, u64)>,
     pub others: Vec<RankEnd>,
@@ -146,6 +153,7 @@ impl Failure {
         let _ = writeln!(s, "  pid        : {}", r.pid);
         let _ = writeln!(s, "  exit       : {}", describe(r.status));
         let _ = writeln!(s, "  attempt    : {}", self.attempt);
+        let _ = writeln!(s, "  time       : {}", clock::local_iso(self.ended_at));
         if let Some(signal) = r.status.signal() {
             if signal == libc::SIGKILL {
                 match self.oom {
@@ -171,20 +179,25 @@ impl Failure {
         if let Some(err) = &self.error {
             let _ = writeln!(s, "  error      : {}", err.message);
             if let Some(ts) = &err.timestamp {
-                let _ = writeln!(s, "  timestamp  : {ts}");
+                let _ = writeln!(s, "  timestamp  : {}", clock::local_iso_from_unix(ts));
             }
             if let Some(tb) = &err.traceback {
                 let _ = writeln!(s, "--- traceback (from TORCHELASTIC_ERROR_FILE) ---");
                 let _ = writeln!(s, "{}", tb.trim_end());
             }
-        } else if !self.stderr_tail.is_empty() {
+        } else if !self.tail.is_empty() {
             let _ = writeln!(
                 s,
-                "--- last {} lines of rank {}'s stderr ---",
-                self.stderr_tail.len(),
-                r.rank
+                "--- last {} lines of rank {}'s {} ---",
+                self.tail.len(),
+                r.rank,
+                if self.tail_is_merged {
+                    "output"
+                } else {
+                    "stderr"
+                },
             );
-            for line in &self.stderr_tail {
+            for line in &self.tail {
                 let _ = writeln!(s, "{line}");
             }
         } else {
@@ -246,8 +259,10 @@ mod tests {
             },
             node_rank: 0,
             attempt: 0,
+            ended_at: SystemTime::now(),
             error: None,
-            stderr_tail: vec!["last words".into()],
+            tail: vec!["last words".into()],
+            tail_is_merged: false,
             oom: Some((1, 2)),
             others: vec![],
             log_dir: None,
