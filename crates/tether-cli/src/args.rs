@@ -448,6 +448,24 @@ fn looks_like_streams(token: &str) -> bool {
             .all(|b| b.is_ascii_digit() || b == b':' || b == b',')
 }
 
+/// Whether `token` names an option of `run` that takes a value (`--nnodes`, `-n`).
+fn takes_value(run: &clap::Command, token: &str) -> bool {
+    let (long, short) = match token.strip_prefix("--") {
+        Some(long) => (Some(long), None),
+        None => (None, token.strip_prefix('-').and_then(|s| s.chars().next())),
+    };
+    run.get_arguments().any(|a| {
+        let named = match (long, short) {
+            (Some(l), _) => {
+                a.get_long() == Some(l) || a.get_all_aliases().is_some_and(|al| al.contains(&l))
+            }
+            (None, Some(s)) => token.len() == 2 && a.get_short() == Some(s),
+            _ => false,
+        };
+        named && a.get_action().takes_values()
+    })
+}
+
 /// `--tee` takes an optional value: `--tee train.py` means `--tee=3 train.py`, while
 /// `--tee 9` is a (bad) value. Only the launcher's own options are looked at (up to the
 /// script or `--`).
@@ -455,22 +473,6 @@ fn normalize_tee(argv: Vec<OsString>) -> Vec<OsString> {
     let cmd = Cli::command();
     let Some(run) = cmd.find_subcommand("run") else {
         return argv;
-    };
-    let takes_value = |token: &str| -> bool {
-        let (long, short) = match token.strip_prefix("--") {
-            Some(long) => (Some(long), None),
-            None => (None, token.strip_prefix('-').and_then(|s| s.chars().next())),
-        };
-        run.get_arguments().any(|a| {
-            let named = match (long, short) {
-                (Some(l), _) => {
-                    a.get_long() == Some(l) || a.get_all_aliases().is_some_and(|al| al.contains(&l))
-                }
-                (None, Some(s)) => token.len() == 2 && a.get_short() == Some(s),
-                _ => false,
-            };
-            named && a.get_action().takes_values()
-        })
     };
     let mut out = Vec::with_capacity(argv.len());
     let mut iter = argv.into_iter().peekable();
@@ -496,7 +498,7 @@ fn normalize_tee(argv: Vec<OsString>) -> Vec<OsString> {
             } else if let Some(last) = out.last_mut() {
                 *last = "--tee=3".into();
             }
-        } else if !text.contains('=') && takes_value(&text) {
+        } else if !text.contains('=') && takes_value(run, &text) {
             out.extend(iter.next());
         }
     }

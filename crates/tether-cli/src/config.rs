@@ -517,20 +517,22 @@ fn free_port() -> std::io::Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
-fn output(args: &OutputArgs, ctx: &Context) -> Result<Output, clap::Error> {
-    let streams = |name: &str, spec: &Option<String>| -> Result<StreamSpec, clap::Error> {
-        let Some(spec) = spec else {
-            return Ok(StreamSpec::default());
-        };
-        StreamSpec::parse(spec).ok_or_else(|| {
-            invalid(format!(
-                "invalid {name} {spec:?}: expected 0 (no stream), 1 (stdout), 2 (stderr), \
-                 3 (both), or local_rank:code pairs such as \"0:3,1:2\""
-            ))
-        })
+/// `--redirects` or `--tee` (`name`).
+fn stream_spec(name: &str, spec: &Option<String>) -> Result<StreamSpec, clap::Error> {
+    let Some(spec) = spec else {
+        return Ok(StreamSpec::default());
     };
-    let redirects = streams("--redirects", &args.redirects)?;
-    let tee = streams("--tee", &args.tee)?;
+    StreamSpec::parse(spec).ok_or_else(|| {
+        invalid(format!(
+            "invalid {name} {spec:?}: expected 0 (no stream), 1 (stdout), 2 (stderr), \
+             3 (both), or local_rank:code pairs such as \"0:3,1:2\""
+        ))
+    })
+}
+
+fn output(args: &OutputArgs, ctx: &Context) -> Result<Output, clap::Error> {
+    let redirects = stream_spec("--redirects", &args.redirects)?;
+    let tee = stream_spec("--tee", &args.tee)?;
     let ranks_filter = match args.ranks_filter.as_deref().map(str::trim) {
         None | Some("") => None,
         Some(spec) => Some(parse_rank_list(spec).ok_or_else(|| {

@@ -3,7 +3,17 @@
 use std::ffi::OsString;
 use std::path::Path;
 
-use crate::config::Config;
+use crate::config::{Config, VirtualDevices};
+
+/// `--virtual-local-rank`: the rank's own GPU, as the only one it sees.
+fn virtual_devices(virt: &VirtualDevices, local_rank: usize) -> Vec<(&'static str, String)> {
+    let device = virt.devices.get(local_rank).cloned().unwrap_or_default();
+    let mut vars = vec![("CUDA_VISIBLE_DEVICES", device.clone())];
+    if virt.hip {
+        vars.push(("HIP_VISIBLE_DEVICES", device));
+    }
+    vars
+}
 
 /// The variables set for `local_rank` in restart `restart`. `omp_unset` says whether the
 /// launcher's own environment lacks OMP_NUM_THREADS.
@@ -39,11 +49,7 @@ pub fn rank_env(
     }
     if let Some(virt) = &cfg.virtual_devices {
         vars[1].1 = "0".to_string();
-        let device = virt.devices.get(local_rank).cloned().unwrap_or_default();
-        vars.push(("CUDA_VISIBLE_DEVICES", device.clone()));
-        if virt.hip {
-            vars.push(("HIP_VISIBLE_DEVICES", device));
-        }
+        vars.extend(virtual_devices(virt, local_rank));
     }
     if omp_unset && cfg.nproc > 1 {
         vars.push(("OMP_NUM_THREADS", "1".to_string()));

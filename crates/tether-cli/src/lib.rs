@@ -37,6 +37,22 @@ pub struct Host {
     pub commands: Vec<(String, String)>,
 }
 
+/// The environment of this process, as the resolution of options reads it.
+fn context(host_python: Option<OsString>) -> Context {
+    let var = |key: &str| std::env::var(key).ok();
+    let python = var("PYTHON_EXEC")
+        .filter(|p| !p.is_empty())
+        .map(OsString::from)
+        .or(host_python)
+        .unwrap_or_else(|| "python3".into());
+    Context {
+        slurm: SlurmJob::from_env(var),
+        python,
+        var: Box::new(var),
+        dev: PathBuf::from("/dev"),
+    }
+}
+
 /// Runs the command line `argv` (program name first) and returns the exit status. The
 /// calling process must have a single thread: `tether run` forks its supervisor from it.
 pub fn main(argv: Vec<OsString>, host: Host) -> i32 {
@@ -63,19 +79,7 @@ pub fn main(argv: Vec<OsString>, host: Host) -> i32 {
         return 1;
     }
     clock::init();
-    let var = |key: &str| std::env::var(key).ok();
-    let python = var("PYTHON_EXEC")
-        .filter(|p| !p.is_empty())
-        .map(OsString::from)
-        .or(host.python)
-        .unwrap_or_else(|| "python3".into());
-    let ctx = Context {
-        slurm: SlurmJob::from_env(var),
-        python,
-        var: Box::new(var),
-        dev: PathBuf::from("/dev"),
-    };
-    match config::resolve(*run_args, &ctx) {
+    match config::resolve(*run_args, &context(host.python)) {
         Ok(cfg) => keeper::run(cfg),
         Err(err) => {
             let _ = err.print();

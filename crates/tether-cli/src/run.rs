@@ -140,8 +140,13 @@ pub fn supervisor_main(cfg: Config, tmp: PathBuf, keeper: i32) -> ! {
 }
 
 fn supervisor(cfg: Config, tmp: PathBuf, keeper: i32) -> i32 {
-    // SAFETY: setpgid on this process: a signal to the keeper's group must not reach it.
-    unsafe { libc::setpgid(0, 0) };
+    // SAFETY: setpgid on this process (a signal to the keeper's group must not reach it),
+    // and SIGTTOU ignored: out of the terminal's foreground group, it still writes to the
+    // terminal when `stty tostop` is set, instead of being stopped.
+    unsafe {
+        libc::setpgid(0, 0);
+        libc::signal(libc::SIGTTOU, libc::SIG_IGN);
+    }
     if let Err(err) = reaper::become_subreaper() {
         output::message(&format!(
             "tether: warning: cannot become a child subreaper ({err}); processes that ranks \
@@ -330,8 +335,7 @@ impl Launcher {
         wired.iter_mut().for_each(|w| w.write_ends.clear());
         drop(launching);
         if let Err(err) = launched {
-            group.signal_all(libc::SIGKILL);
-            group.wait(None, WaitFor::AllExited, Some(DRAIN_LIMIT));
+            kill_all(&group);
             self.cleanup(&group, &done_rx, pumps);
             return Err(match err {
                 tether_core::Error::Launch { program, source } => {
@@ -342,8 +346,7 @@ impl Launcher {
         }
         let supervised = self.supervise(&group);
         if supervised.is_err() {
-            group.signal_all(libc::SIGKILL);
-            group.wait(None, WaitFor::AllExited, Some(DRAIN_LIMIT));
+            kill_all(&group);
         }
         let oom = oom_before.zip(oom_kills());
         self.cleanup(&group, &done_rx, pumps);
@@ -391,10 +394,7 @@ impl Launcher {
     ) -> Result<Wired, RunError> {
         let cfg = &self.cfg;
         let rank = cfg.global_rank(local);
-        let err_dir = self.tmp.join(format!("attempt_{attempt}/rank_{rank}"));
-        std::fs::create_dir_all(&err_dir)
-            .map_err(io_err(format!("cannot create {}", err_dir.display())))?;
-        let error_file = err_dir.join("error.json");
+        let error_file = self.error_file(attempt, rank)?;
         let mut spec = LaunchSpec::new(cfg.command.clone());
         spec.env = rank_env(cfg, local, attempt, &error_file, self.omp_unset);
         let console = cfg.output.console(local);
@@ -407,15 +407,7 @@ impl Launcher {
             merged,
             error_file,
         };
-        let prefix = cfg.output.prefix.as_ref().map(|template| {
-            let names = RankNames {
-                rank,
-                local_rank: local,
-                role: &cfg.role,
-                hostname: &self.hostname,
-            };
-            Prefix::render(template, &names)
-        });
+        let prefix = self.prefix(local);
         if merged {
             let pump = Pump {
                 console: Some(Stream::Stdout),
@@ -431,23 +423,53 @@ impl Launcher {
             Some(root) => open_logs(&root.join(format!("rank_{rank}")))?,
             None => (None, None),
         };
-        let pump = Pump {
-            console: console.stdout.then_some(Stream::Stdout),
-            prefix: prefix.clone(),
-            file: out_file,
-            tail: None,
-            filter: sinks.stdout.clone(),
-        };
-        plumb(&mut wired, pump, &[Stream::Stdout], done)?;
-        let pump = Pump {
-            console: console.stderr.then_some(Stream::Stderr),
-            prefix,
-            file: err_file,
-            tail: Some(wired.tail.clone()),
-            filter: sinks.stderr.clone(),
-        };
-        plumb(&mut wired, pump, &[Stream::Stderr], done)?;
+        let streams = [
+            (
+                Stream::Stdout,
+                console.stdout,
+                out_file,
+                None,
+                &sinks.stdout,
+            ),
+            (
+                Stream::Stderr,
+                console.stderr,
+                err_file,
+                Some(wired.tail.clone()),
+                &sinks.stderr,
+            ),
+        ];
+        for (stream, shown, file, tail, filter) in streams {
+            let pump = Pump {
+                console: shown.then_some(stream),
+                prefix: prefix.clone(),
+                file,
+                tail,
+                filter: filter.clone(),
+            };
+            plumb(&mut wired, pump, &[stream], done)?;
+        }
         Ok(wired)
+    }
+
+    /// Rank `rank`'s TORCHELASTIC_ERROR_FILE in attempt `attempt`, its directory created.
+    fn error_file(&self, attempt: u32, rank: usize) -> Result<PathBuf, RunError> {
+        let dir = self.tmp.join(format!("attempt_{attempt}/rank_{rank}"));
+        std::fs::create_dir_all(&dir)
+            .map_err(io_err(format!("cannot create {}", dir.display())))?;
+        Ok(dir.join("error.json"))
+    }
+
+    /// Local rank `local`'s console prefix (`None` for `--no-prefix`).
+    fn prefix(&self, local: usize) -> Option<Prefix> {
+        let template = self.cfg.output.prefix.as_ref()?;
+        let names = RankNames {
+            rank: self.cfg.global_rank(local),
+            local_rank: local,
+            role: &self.cfg.role,
+            hostname: &self.hostname,
+        };
+        Some(Prefix::render(template, &names))
     }
 
     /// Waits until every rank has exited. On the first failure, or on a stop signal to the
@@ -543,17 +565,10 @@ impl Launcher {
         reaper::reap_orphans(&live);
     }
 
-    /// The attempt's outcome: success, or the failure that came first in time.
-    fn conclude(
-        &self,
-        group: &Group,
-        attempt: u32,
-        stop_mono: Option<Duration>,
-        wired: &[Wired],
-        oom: Option<(u64, u64)>,
-        logs: Option<PathBuf>,
-    ) -> AttemptEnd {
-        let ends: Vec<(RankEnd, Duration)> = (0..group.len())
+    /// How each rank ended, and when (monotonic clock); `stop_mono` is when the stopping
+    /// began.
+    fn rank_ends(&self, group: &Group, stop_mono: Option<Duration>) -> Vec<(RankEnd, Duration)> {
+        (0..group.len())
             .filter_map(|i| {
                 let exit = group.exit(i)?;
                 let end = RankEnd {
@@ -565,7 +580,20 @@ impl Launcher {
                 };
                 Some((end, exit.at))
             })
-            .collect();
+            .collect()
+    }
+
+    /// The attempt's outcome: success, or the failure that came first in time.
+    fn conclude(
+        &self,
+        group: &Group,
+        attempt: u32,
+        stop_mono: Option<Duration>,
+        wired: &[Wired],
+        oom: Option<(u64, u64)>,
+        logs: Option<PathBuf>,
+    ) -> AttemptEnd {
+        let ends = self.rank_ends(group, stop_mono);
         let Some((root, at)) = ends
             .iter()
             .filter(|(e, _)| !e.status.success())
@@ -574,8 +602,7 @@ impl Launcher {
         else {
             return AttemptEnd::Success;
         };
-        let local = root.local_rank;
-        let rank_io = wired.get(local);
+        let rank_io = wired.get(root.local_rank);
         AttemptEnd::Failed(Box::new(Failure {
             node_rank: self.cfg.node_rank,
             attempt,
@@ -589,12 +616,18 @@ impl Launcher {
             others: ends
                 .into_iter()
                 .map(|(e, _)| e)
-                .filter(|e| e.local_rank != local)
+                .filter(|e| e.local_rank != root.local_rank)
                 .collect(),
             log_dir: logs.map(|p| p.display().to_string()),
             root,
         }))
     }
+}
+
+/// SIGKILL to every rank, and a bounded wait for their exits.
+fn kill_all(group: &Group) {
+    group.signal_all(libc::SIGKILL);
+    group.wait(None, WaitFor::AllExited, Some(DRAIN_LIMIT));
 }
 
 /// Makes the pipe that carries a rank's `streams` to `pump`, and starts the pump.
