@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import List
 
@@ -140,3 +141,48 @@ def test_a_script_that_is_missing_is_a_usage_error_not_a_rank_failure(tmp_path: 
     )
     assert proc.returncode == 2, proc
     assert "--no-python" in proc.stderr and sys.executable in proc.stderr, proc.stderr
+
+
+def _marked(mark: str) -> List[int]:
+    """Live processes whose environment carries ``TETHER_TEST_MARK=mark``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"TETHER_TEST_MARK={mark}".encode() in env and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def test_sigkill_of_the_console_script_leaves_no_descendant(tmp_path: Path) -> None:
+    mark = f"console-{os.getpid()}"
+    leaver = (
+        'setsid sleep 600 & sh -c "(setsid sleep 601 &); exit 0" & sleep 602 & '
+        'sleep 0.1; echo > "$DIR/ready.$RANK"; wait'
+    )
+    launcher = subprocess.Popen(
+        tether("run", "-n", "2", "--no-python", "sh", "-c", leaver),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, TETHER_TEST_MARK=mark, DIR=str(tmp_path)),
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"ready.{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.02)
+        assert len(_marked(mark)) >= 10, _marked(mark)
+    finally:
+        launcher.kill()
+        _, err = launcher.communicate(timeout=30)
+    deadline = time.monotonic() + 1
+    while _marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _marked(mark) == [], err
