@@ -186,3 +186,23 @@ def test_sigkill_of_the_console_script_leaves_no_descendant(tmp_path: Path) -> N
     while _marked(mark) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _marked(mark) == [], err
+
+
+def test_the_launcher_leaves_the_host_processs_own_children_alone() -> None:
+    code = textwrap.dedent(
+        """
+        import subprocess
+        from tether import _cli
+        own = subprocess.Popen(["sleep", "30"])
+        status = _cli.run_native(["run", "-n", "2", "--no-python", "sh", "-c", "sleep 0.1 &"])
+        assert status == 0, status
+        assert own.poll() is None, "the host's own child was killed or reaped"
+        own.kill()
+        assert own.wait() == -9
+        print("ok")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert (proc.returncode, proc.stdout) == (0, "ok\n"), proc.stderr

@@ -14,6 +14,7 @@
 //! - if the keeper dies, even by SIGKILL, a thread of the supervisor sees it through a pidfd
 //!   and kills every rank and everything re-parented to the supervisor, then exits.
 
+use std::collections::HashSet;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -72,6 +73,8 @@ fn keep(cfg: Config, handled: &[i32]) -> i32 {
     }
     let tmp = TempDir::name("tether-run-");
     let keeper = std::process::id() as i32;
+    // The children the host process had already are its own: never killed nor reaped.
+    let hosts: HashSet<i32> = reaper::children().into_iter().collect();
     // SAFETY: the process has a single thread (checked by `main`), so the child may run any
     // code; it never returns here (see `supervisor_main`).
     let pid = unsafe { libc::fork() };
@@ -89,7 +92,7 @@ fn keep(cfg: Config, handled: &[i32]) -> i32 {
         supervisor_main(cfg, path, keeper);
     }
     let status = wait_for(pid, &signals);
-    reaper::kill_and_reap_everything();
+    reaper::kill_and_reap_all_but(&hosts);
     drop(tmp);
     // SAFETY: prctl clears a flag of this process (the host process may live on).
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 0 as libc::c_ulong) };
@@ -97,8 +100,8 @@ fn keep(cfg: Config, handled: &[i32]) -> i32 {
 }
 
 /// Forwards stop signals to the supervisor `pid` until it exits; returns its wait status.
-/// Other children (only what a supervisor that could not be a subreaper lets through) are
-/// reaped as they exit.
+/// (Anything else re-parented here meanwhile, which only a supervisor that could not be a
+/// subreaper lets through, is killed and reaped once it has ended.)
 fn wait_for(pid: i32, signals: &SignalFd) -> i32 {
     loop {
         signals.wait(None);
@@ -108,14 +111,10 @@ fn wait_for(pid: i32, signals: &SignalFd) -> i32 {
                 unsafe { libc::kill(pid, sig) };
             }
         }
-        loop {
-            let mut status = 0;
-            // SAFETY: reaping any exited child of the keeper; all of them are the keeper's.
-            match unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) } {
-                p if p == pid => return status,
-                p if p > 0 => continue,
-                _ => break,
-            }
+        let mut status = 0;
+        // SAFETY: reaping the supervisor, our own child, once it has exited.
+        if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
+            return status;
         }
     }
 }

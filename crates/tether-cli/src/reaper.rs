@@ -188,23 +188,27 @@ pub fn kill_every_child(limit: Duration) {
     }
 }
 
-/// Kills and reaps every child, and every process re-parented here as they die, until
-/// this process has no child at all: then it has no descendant left either.
-pub fn kill_and_reap_everything() {
+/// Kills and reaps every child but those in `keep`, and every process re-parented here as
+/// they die, until no other child is left: then no descendant of theirs is left either.
+/// `keep` are the host process's own children, which are not tether's to touch.
+pub fn kill_and_reap_all_but(keep: &HashSet<i32>) {
     loop {
-        children().into_iter().for_each(kill_child);
-        loop {
-            let mut status = 0;
-            // SAFETY: reaping any exited child; every child of this process is ours to reap.
-            match unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) } {
-                0 => break,
-                pid if pid > 0 => continue,
-                _ => match io::Error::last_os_error().raw_os_error() {
-                    Some(libc::EINTR) => continue,
-                    _ => return,
-                },
-            }
+        let ours: Vec<i32> = children()
+            .into_iter()
+            .filter(|p| !keep.contains(p))
+            .collect();
+        if ours.is_empty() {
+            return;
+        }
+        for &pid in &ours {
+            kill_child(pid);
         }
         std::thread::sleep(Duration::from_millis(1));
+        for pid in ours {
+            let mut status = 0;
+            // SAFETY: reaping one exited child that tether started or that was re-parented
+            // to it.
+            unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        }
     }
 }
