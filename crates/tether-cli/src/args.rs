@@ -560,6 +560,68 @@ mod tests {
         assert_eq!(run.nodes.nnodes, None);
     }
 
+    /// Every option of torchrun's parser (torch 2.15), and its short forms.
+    const TORCHRUN_OPTIONS: [&str; 32] = [
+        "nnodes",
+        "nproc-per-node",
+        "rdzv-backend",
+        "rdzv-endpoint",
+        "rdzv-id",
+        "rdzv-conf",
+        "standalone",
+        "max-restarts",
+        "monitor-interval",
+        "start-method",
+        "event-log-handler",
+        "role",
+        "module",
+        "no-python",
+        "run-path",
+        "log-dir",
+        "redirects",
+        "tee",
+        "log-line-prefix-template",
+        "local-ranks-filter",
+        "duplicate-stdout-filters",
+        "duplicate-stderr-filters",
+        "node-rank",
+        "master-addr",
+        "master-port",
+        "local-addr",
+        "logs-specs",
+        "numa-binding",
+        "signals-to-handle",
+        "shutdown-timeout",
+        "virtual-local-rank",
+        "print-completion",
+    ];
+
+    #[test]
+    fn every_torchrun_option_in_both_spellings() {
+        let cmd = Cli::command();
+        let run = cmd.find_subcommand("run").unwrap();
+        let known = |name: &str| {
+            run.get_arguments().any(|a| {
+                a.get_long() == Some(name)
+                    || a.get_all_aliases().is_some_and(|al| al.contains(&name))
+            })
+        };
+        for name in TORCHRUN_OPTIONS {
+            assert!(known(name), "--{name}");
+            assert!(
+                known(&name.replace('-', "_")),
+                "--{}",
+                name.replace('-', "_")
+            );
+        }
+        for short in ['m', 'r', 't', 'n'] {
+            assert!(
+                run.get_arguments().any(|a| a.get_short() == Some(short)),
+                "-{short}"
+            );
+        }
+    }
+
     #[test]
     fn hosted_subcommands_are_listed() {
         let hosted = [("ps".to_string(), "List the runs".to_string())];
