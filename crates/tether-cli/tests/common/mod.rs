@@ -220,7 +220,7 @@ pub fn pids_from(text: &str, marker: &str) -> Vec<i32> {
 }
 
 /// Runs `tether` with `args` and `env` with its stdout and stderr on one pipe (as on a
-/// terminal, or with `2>&1`), in `cwd` when given; returns the exit code and what it wrote.
+/// terminal, or with `2>&1`); returns the exit code and what it wrote.
 pub fn run_one_pipe(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
     let tmp = Scratch::new("tmpdir");
     let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
