@@ -9,7 +9,7 @@ DEPS      := $(VENV)/.deps-installed
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
-.PHONY: all build test test-rust test-python lint demo bench clean
+.PHONY: all build wheel test test-rust test-python lint demo bench clean
 
 all: build
 
@@ -19,12 +19,14 @@ $(DEPS): pyproject.toml
 	$(PY) -m pip install --quiet torch numpy pytest pytest-timeout maturin ruff loky
 	touch $(DEPS)
 
-# The `tether` launcher binary travels inside the Python package (python/tether/bin).
+# The `tether` command line is compiled into the extension module (tether._native), which
+# the `tether` console script and `python -m tether` call: the package needs no binary.
 build: $(DEPS)
-	cargo build --release -p tether-cli
-	mkdir -p python/tether/bin
-	cp target/release/tether python/tether/bin/tether
 	$(VENV)/bin/maturin develop --release --quiet
+
+# The wheel a user installs (one abi3 wheel per platform), in dist/.
+wheel: $(DEPS)
+	$(VENV)/bin/maturin build --release --out dist
 
 test: build lint test-rust test-python
 
@@ -49,8 +51,8 @@ demo: build
 	@echo "== tether.Pool: one pool of workers serving DataLoaders epoch after epoch"
 	$(PY) examples/pool_dataloaders.py
 	@echo "== tether run: 4 ranks of a script, then the same with rank 2 failing"
-	$(VENV)/bin/tether run -n 4 -- $(PY) examples/rank_report.py
-	-$(VENV)/bin/tether run -n 4 --grace-period 5 -- $(PY) examples/rank_report.py --fail
+	$(VENV)/bin/tether run -n 4 examples/rank_report.py
+	-$(VENV)/bin/tether run -n 4 --grace-period 5 examples/rank_report.py --fail
 
 bench: build
 	$(PY) bench/spawn.py
@@ -59,4 +61,4 @@ bench: build
 	$(PY) bench/executor.py
 
 clean:
-	rm -rf target $(VENV) python/tether/bin python/tether/*.so
+	rm -rf target dist $(VENV) python/tether/*.so

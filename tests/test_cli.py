@@ -1,48 +1,94 @@
-"""``tether run`` with real torch programs: the error file of ``@record`` in the report, and
-a two-node gloo job on one machine (two launchers, static membership)."""
+"""The ``tether`` command line from Python: the console script and ``python -m tether`` run
+the launcher compiled into the extension, Python subcommands dispatch first, and ``tether
+run`` reports a failing torch program through the error file of ``@record``."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from typing import List
 
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+
+def tether(*args: str) -> List[str]:
+    """The console script that installing tether put beside this interpreter."""
+    return [str(Path(sys.executable).with_name("tether")), *args]
 
 
-def tether_binary() -> Path:
-    """``$TETHER_BIN``, else the binary bundled in the package, else the release build."""
-    candidates = [
-        os.environ.get("TETHER_BIN"),
-        ROOT / "python" / "tether" / "bin" / "tether",
-        ROOT / "target" / "release" / "tether",
-    ]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return Path(candidate)
-    pytest.fail(
-        "no tether binary: set TETHER_BIN, or run `cargo build --release -p tether-cli`"
-        " (looked at python/tether/bin/tether and target/release/tether)"
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def python_m_tether(*args: str) -> List[str]:
+    return [sys.executable, "-m", "tether", *args]
 
 
 def write_script(tmp_path: Path, name: str, body: str) -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return path
+
+
+@pytest.mark.parametrize("entry", [tether, python_m_tether])
+def test_console_script_and_python_dash_m_run_the_launcher(entry, tmp_path: Path) -> None:
+    version = subprocess.run(
+        entry("--version"), check=False, capture_output=True, text=True, timeout=30
+    )
+    assert (version.returncode, version.stdout.strip()) == (0, "tether 0.1.0"), version
+    script = write_script(
+        tmp_path,
+        "where.py",
+        """
+        import os, sys
+        print(os.environ["RANK"], sys.executable, "torch" in sys.modules)
+        """,
+    )
+    proc = subprocess.run(
+        entry("run", "-n", "2", str(script)),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(proc.stdout.splitlines())
+    assert lines == [f"[rank {r}]: {r} {sys.executable} False" for r in range(2)], proc.stdout
+
+
+def test_importing_the_command_line_does_not_import_torch() -> None:
+    code = "import sys, tether._cli, tether.__main__; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+def test_python_subcommands_dispatch_before_the_launcher_and_are_listed() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from tether import _cli
+        _cli.COMMANDS["hello"] = _cli.Command("Say hello", lambda a: print("hello", *a) or 3)
+        _cli.main(sys.argv[1:])
+        """
+    )
+    hello = subprocess.run(
+        [sys.executable, "-c", code, "hello", "--to", "you"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert (hello.returncode, hello.stdout) == (3, "hello --to you\n"), hello
+    listed = subprocess.run(
+        [sys.executable, "-c", code, "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert "hello  Say hello" in listed.stdout and "run " in listed.stdout, listed.stdout
 
 
 def test_record_error_file_is_the_report(tmp_path: Path) -> None:
@@ -65,17 +111,7 @@ def test_record_error_file_is_the_report(tmp_path: Path) -> None:
         """,
     )
     proc = subprocess.run(
-        [
-            str(tether_binary()),
-            "run",
-            "-n",
-            "2",
-            "--grace-period",
-            "5",
-            "--",
-            sys.executable,
-            str(script),
-        ],
+        tether("run", "-n", "2", "--grace-period", "5", str(script)),
         check=False,
         capture_output=True,
         text=True,
@@ -88,82 +124,85 @@ def test_record_error_file_is_the_report(tmp_path: Path) -> None:
     assert "traceback (from TORCHELASTIC_ERROR_FILE)" in report
     assert "Traceback (most recent call last)" in report
     assert "in check" in report
+    # torch writes Unix seconds; the report shows local ISO-8601 with milliseconds.
+    stamp = next(line for line in report.splitlines() if "timestamp  :" in line)
+    assert stamp.split(" : ")[1][10] == "T" and "." in stamp, stamp
 
 
-def test_two_nodes_on_one_machine_all_reduce(tmp_path: Path) -> None:
-    script = write_script(
-        tmp_path,
-        "allreduce.py",
-        """
-        import os
-        import torch
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-        t = torch.tensor([float(os.environ["RANK"]) + 1.0])
-        dist.all_reduce(t)
-        print(f"sum={t.item():g} world={dist.get_world_size()}", flush=True)
-        assert t.item() == 1 + 2 + 3 + 4, t
-        dist.destroy_process_group()
-        """,
-    )
-    port = str(free_port())
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    launchers = [
-        subprocess.Popen(
-            [
-                str(tether_binary()),
-                "run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(node),
-                "-n",
-                "2",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
-                "--grace-period",
-                "5",
-                "--",
-                sys.executable,
-                str(script),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for node in (0, 1)
-    ]
-    results = []
-    try:
-        for launcher in launchers:
-            out, err = launcher.communicate(timeout=100)
-            results.append((launcher.returncode, out, err))
-    finally:
-        for launcher in launchers:
-            if launcher.poll() is None:
-                launcher.kill()
-                launcher.communicate()
-    for node, (code, out, err) in enumerate(results):
-        assert code == 0, f"node {node}: {err}"
-        for local in range(2):
-            rank = node * 2 + local
-            assert f"[rank {rank}]: sum=10 world=4" in out, out
-
-
-def test_console_script_execs_the_binary() -> None:
-    env = dict(os.environ, TETHER_BIN=str(tether_binary()))
-    code = "import sys, tether._cli; assert 'torch' not in sys.modules; tether._cli.main()"
+def test_a_script_that_is_missing_is_a_usage_error_not_a_rank_failure(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", code, "--version"],
+        tether("run", "-n", "2", "python", str(tmp_path / "x.py")),
         check=False,
         capture_output=True,
         text=True,
-        env=env,
         timeout=30,
+        env=dict(os.environ, PYTHON_EXEC=sys.executable),
+        cwd=tmp_path,
     )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("tether "), proc.stdout
+    assert proc.returncode == 2, proc
+    assert "--no-python" in proc.stderr and sys.executable in proc.stderr, proc.stderr
+
+
+def _marked(mark: str) -> List[int]:
+    """Live processes whose environment carries ``TETHER_TEST_MARK=mark``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"TETHER_TEST_MARK={mark}".encode() in env and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def test_sigkill_of_the_console_script_leaves_no_descendant(tmp_path: Path) -> None:
+    mark = f"console-{os.getpid()}"
+    leaver = (
+        'setsid sleep 600 & sh -c "(setsid sleep 601 &); exit 0" & sleep 602 & '
+        'sleep 0.1; echo > "$DIR/ready.$RANK"; wait'
+    )
+    launcher = subprocess.Popen(
+        tether("run", "-n", "2", "--no-python", "sh", "-c", leaver),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, TETHER_TEST_MARK=mark, DIR=str(tmp_path)),
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"ready.{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.02)
+        assert len(_marked(mark)) >= 10, _marked(mark)
+    finally:
+        launcher.kill()
+        _, err = launcher.communicate(timeout=30)
+    deadline = time.monotonic() + 1
+    while _marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _marked(mark) == [], err
+
+
+def test_the_launcher_leaves_the_host_processs_own_children_alone() -> None:
+    code = textwrap.dedent(
+        """
+        import subprocess
+        from tether import _cli
+        own = subprocess.Popen(["sleep", "30"])
+        status = _cli.run_native(["run", "-n", "2", "--no-python", "sh", "-c", "sleep 0.1 &"])
+        assert status == 0, status
+        assert own.poll() is None, "the host's own child was killed or reaped"
+        own.kill()
+        assert own.wait() == -9
+        print("ok")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert (proc.returncode, proc.stdout) == (0, "ok\n"), proc.stderr

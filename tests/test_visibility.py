@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 import tether
-from tether import _status, _zygote
+from tether import _zygote
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,6 +71,9 @@ def test_ranks_say_their_rank_and_function(running, method):
 def test_the_zygote_and_its_blanks_say_what_they_are(running):
     running("forkserver")
     zygote = _zygote.get()
+    deadline = time.monotonic() + 10
+    while len(zygote.pids()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the zygote forks children ahead once it is idle
     pids = zygote.pids()
     assert len(pids) >= 2, "the zygote keeps children ready"
     assert cmdline(pids[0]).startswith(f"tether zygote of pid {os.getpid()} (preload: ")
@@ -94,7 +98,12 @@ def test_status_lists_zygotes_and_groups(running):
 
 def test_ps_shows_the_tree_from_the_names(running):
     ctx = running("forkserver")
-    lines = _status.tree()
+    done = subprocess.run(
+        [sys.executable, "-m", "tether", "ps"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["PID", "WHAT"]
     me = next(n for n, line in enumerate(lines) if line.split()[0] == str(os.getpid()))
     below = "\n".join(lines[me + 1 :])
     for pid in ctx.pids():
@@ -155,6 +164,21 @@ def test_tether_log_shows_one_line_per_event(tmp_path):
 def test_nothing_is_logged_by_default(tmp_path):
     assert run_logged(tmp_path, None) == []
     assert run_logged(tmp_path, "off") == []
+
+
+def test_the_launcher_logs_its_events(tmp_path):
+    env = dict(os.environ, TETHER_LOG="info")
+    done = subprocess.run(
+        [sys.executable, "-m", "tether", "run", "-n", "2", "--no-python", "sh", "-c", "exit 3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == 3
+    lines = "\n".join(line for line in done.stderr.splitlines() if line.startswith("tether["))
+    assert "INFO tether::run: attempt 0: started 2 rank(s)" in lines, done.stderr
+    assert "INFO tether::supervisor: pid" in lines and "exit code 3" in lines
 
 
 def test_info_leaves_out_debug_events(tmp_path):

@@ -1,47 +1,57 @@
-"""The ``tether`` console script: hands the command line to the native ``tether`` binary.
+"""The ``tether`` command line: the ``tether`` console script and ``python -m tether``.
 
-The binary ships inside the package (``tether/bin/tether``); ``TETHER_BIN`` names another
-one. Importing this module does not import torch.
+Subcommands implemented in Python are registered in :data:`COMMANDS`; every other command
+line (``tether run ...``, ``--help``, ``--version``) goes to the native launcher compiled
+into ``tether._native``, which lists the Python subcommands in its help. The launcher runs
+in this process (it forks its own supervisor), so a wheel needs no separate executable.
+Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
-
-ENV_VAR = "TETHER_BIN"
+from typing import Callable, Dict, List, NamedTuple, NoReturn, Optional, Sequence
 
 
-def find_binary() -> Path | None:
-    """The ``tether`` binary next to the package, else the one ``$TETHER_BIN`` names."""
-    bundled = Path(__file__).parent / "bin" / "tether"
-    if bundled.is_file() and os.access(bundled, os.X_OK):
-        return bundled
-    override = os.environ.get(ENV_VAR)
-    if override:
-        path = Path(override)
-        if path.is_file() and os.access(path, os.X_OK):
-            return path
-    return None
+class Command(NamedTuple):
+    """A subcommand implemented in Python."""
+
+    #: One line for ``tether --help``.
+    summary: str
+    #: Runs the subcommand with the arguments after its name; returns the exit status.
+    run: Callable[[List[str]], int]
 
 
-def main() -> None:
-    """Replaces this process with the native binary, passing ``sys.argv[1:]`` unchanged."""
-    binary = find_binary()
-    if binary is None:
-        bundled = Path(__file__).parent / "bin" / "tether"
-        sys.stderr.write(
-            f"tether: the native launcher is missing: no executable at {bundled}"
-            f" and ${ENV_VAR} is {os.environ.get(ENV_VAR)!r}.\n"
-            "Reinstall the tether wheel, or build it with"
-            " `cargo build --release -p tether-cli` and set"
-            f" {ENV_VAR}=target/release/tether.\n"
-        )
-        raise SystemExit(127)
+def _ps(args: List[str]) -> int:
+    from ._status import ps_main
+
+    return ps_main(args)
+
+
+#: Python subcommands by name.
+COMMANDS: Dict[str, Command] = {
+    "ps": Command("List the processes tether started for this user, as a tree", _ps),
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
+    """Runs the command line ``argv`` (``sys.argv[1:]`` by default) and exits with its
+    status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = COMMANDS.get(args[0]) if args else None
+    if command is not None:
+        raise SystemExit(command.run(args[1:]))
+    raise SystemExit(run_native(args))
+
+
+def run_native(args: List[str]) -> int:
+    """Runs ``tether ARGS`` with the native launcher, in this process."""
+    from tether import _native
+
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(binary, [str(binary), *sys.argv[1:]])
+    summaries = [(name, command.summary) for name, command in sorted(COMMANDS.items())]
+    return _native.cli_main(["tether", *args], sys.executable or None, summaries)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,17 @@
 use std::ffi::OsString;
 use std::path::Path;
 
-use crate::args::Config;
+use crate::config::{Config, VirtualDevices};
+
+/// `--virtual-local-rank`: the rank's own GPU, as the only one it sees.
+fn virtual_devices(virt: &VirtualDevices, local_rank: usize) -> Vec<(&'static str, String)> {
+    let device = virt.devices.get(local_rank).cloned().unwrap_or_default();
+    let mut vars = vec![("CUDA_VISIBLE_DEVICES", device.clone())];
+    if virt.hip {
+        vars.push(("HIP_VISIBLE_DEVICES", device));
+    }
+    vars
+}
 
 /// The variables set for `local_rank` in restart `restart`. `omp_unset` says whether the
 /// launcher's own environment lacks OMP_NUM_THREADS.
@@ -16,7 +26,7 @@ pub fn rank_env(
 ) -> Vec<(OsString, OsString)> {
     let rank = cfg.global_rank(local_rank);
     let world = cfg.world_size();
-    let mut env: Vec<(OsString, OsString)> = [
+    let mut vars = vec![
         ("RANK", rank.to_string()),
         ("LOCAL_RANK", local_rank.to_string()),
         ("WORLD_SIZE", world.to_string()),
@@ -31,16 +41,26 @@ pub fn rank_env(
         ("TORCHELASTIC_RESTART_COUNT", restart.to_string()),
         ("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string()),
         ("TORCHELASTIC_RUN_ID", cfg.run_id.clone()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (OsString::from(k), OsString::from(v)))
-    .collect();
+        // Rank 0 hosts the store (there is no agent's store to join).
+        ("TORCHELASTIC_USE_AGENT_STORE", "False".to_string()),
+    ];
+    if std::env::var_os("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none() {
+        vars.push(("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".to_string()));
+    }
+    if let Some(virt) = &cfg.virtual_devices {
+        vars[1].1 = "0".to_string();
+        vars.extend(virtual_devices(virt, local_rank));
+    }
+    if omp_unset && cfg.nproc > 1 {
+        vars.push(("OMP_NUM_THREADS", "1".to_string()));
+    }
+    let mut env: Vec<(OsString, OsString)> = vars
+        .into_iter()
+        .map(|(k, v)| (OsString::from(k), OsString::from(v)))
+        .collect();
     env.push((
         "TORCHELASTIC_ERROR_FILE".into(),
         error_file.as_os_str().to_owned(),
     ));
-    if omp_unset && cfg.nproc > 1 {
-        env.push(("OMP_NUM_THREADS".into(), "1".into()));
-    }
     env
 }

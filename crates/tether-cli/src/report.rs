@@ -3,9 +3,12 @@
 
 use std::fmt::Write as _;
 use std::path::Path;
+use std::time::SystemTime;
 
 use tether_core::status::signal_hint;
 use tether_core::{signal_name, ExitStatus};
+
+use crate::clock;
 
 /// The error that `torch.distributed.elastic.multiprocessing.errors.record` wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,8 +109,12 @@ pub struct Failure {
     pub root: RankEnd,
     pub node_rank: usize,
     pub attempt: u32,
+    /// When the root cause's exit was seen.
+    pub ended_at: SystemTime,
     pub error: Option<ErrorFile>,
-    pub stderr_tail: Vec<String>,
+    /// The last lines of its stderr (of its output, when both streams shared one pipe).
+    pub tail: Vec<String>,
+    pub tail_is_merged: bool,
     /// OOM-kill counter at launch and at the failure.
     pub oom: Option<(u64, u64)>,
     pub others: Vec<RankEnd>,
@@ -146,73 +153,83 @@ impl Failure {
         let _ = writeln!(s, "  pid        : {}", r.pid);
         let _ = writeln!(s, "  exit       : {}", describe(r.status));
         let _ = writeln!(s, "  attempt    : {}", self.attempt);
-        if let Some(signal) = r.status.signal() {
-            if signal == libc::SIGKILL {
-                match self.oom {
-                    Some((before, after)) if after > before => {
-                        let _ = writeln!(
-                            s,
-                            "  hint       : the kernel OOM killer killed it: this cgroup's \
-                             oom_kill count rose from {before} to {after}"
-                        );
-                    }
-                    _ => {
-                        let _ = writeln!(
-                            s,
-                            "  hint       : SIGKILL may come from the kernel OOM killer (check \
-                             `dmesg` or the job's memory limit)"
-                        );
-                    }
-                }
-            } else if let Some(hint) = signal_hint(signal) {
-                let _ = writeln!(s, "  hint       : {hint}");
-            }
+        let _ = writeln!(s, "  time       : {}", clock::local_iso(self.ended_at));
+        if let Some(hint) = self.hint() {
+            let _ = writeln!(s, "  hint       : {hint}");
         }
+        self.render_error(&mut s);
+        if let Some(dir) = &self.log_dir {
+            let _ = writeln!(s, "  logs       : {dir}");
+        }
+        self.render_others(&mut s);
+        let _ = writeln!(s, "{RULE}");
+        s
+    }
+
+    /// What a signal death may mean; for SIGKILL, the OOM evidence.
+    fn hint(&self) -> Option<String> {
+        let signal = self.root.status.signal()?;
+        if signal != libc::SIGKILL {
+            return signal_hint(signal).map(str::to_string);
+        }
+        Some(match self.oom {
+            Some((before, after)) if after > before => format!(
+                "the kernel OOM killer killed it: this cgroup's oom_kill count rose from \
+                 {before} to {after}"
+            ),
+            _ => "SIGKILL may come from the kernel OOM killer (check `dmesg` or the job's \
+                  memory limit)"
+                .to_string(),
+        })
+    }
+
+    /// The error file's message and traceback, else the rank's last lines.
+    fn render_error(&self, s: &mut String) {
         if let Some(err) = &self.error {
             let _ = writeln!(s, "  error      : {}", err.message);
             if let Some(ts) = &err.timestamp {
-                let _ = writeln!(s, "  timestamp  : {ts}");
+                let _ = writeln!(s, "  timestamp  : {}", clock::local_iso_from_unix(ts));
             }
             if let Some(tb) = &err.traceback {
                 let _ = writeln!(s, "--- traceback (from TORCHELASTIC_ERROR_FILE) ---");
                 let _ = writeln!(s, "{}", tb.trim_end());
             }
-        } else if !self.stderr_tail.is_empty() {
-            let _ = writeln!(
-                s,
-                "--- last {} lines of rank {}'s stderr ---",
-                self.stderr_tail.len(),
-                r.rank
-            );
-            for line in &self.stderr_tail {
+        } else if !self.tail.is_empty() {
+            let what = if self.tail_is_merged {
+                "output"
+            } else {
+                "stderr"
+            };
+            let (n, rank) = (self.tail.len(), self.root.rank);
+            let _ = writeln!(s, "--- last {n} lines of rank {rank}'s {what} ---");
+            for line in &self.tail {
                 let _ = writeln!(s, "{line}");
             }
         } else {
             let _ = writeln!(s, "  (no error file and nothing on stderr)");
         }
-        if let Some(dir) = &self.log_dir {
-            let _ = writeln!(s, "  logs       : {dir}");
+    }
+
+    fn render_others(&self, s: &mut String) {
+        if self.others.is_empty() {
+            return;
         }
-        if !self.others.is_empty() {
-            let _ = writeln!(s, "--- other ranks ---");
-            for o in &self.others {
-                let note = if o.stopped && !o.status.success() {
-                    " (stopped by tether)"
-                } else {
-                    ""
-                };
-                let _ = writeln!(
-                    s,
-                    "  rank {} (local rank {}, pid {}): {}{note}",
-                    o.rank,
-                    o.local_rank,
-                    o.pid,
-                    describe(o.status)
-                );
-            }
+        let _ = writeln!(s, "--- other ranks ---");
+        for o in &self.others {
+            let note = if o.stopped && !o.status.success() {
+                " (stopped by tether)"
+            } else {
+                ""
+            };
+            let _ = writeln!(
+                s,
+                "  rank {} (local rank {}, pid {}): {}{note}",
+                o.rank,
+                o.local_rank,
+                o.pid,
+                describe(o.status)
+            );
         }
-        let _ = writeln!(s, "{RULE}");
-        s
     }
 }
 
@@ -246,8 +263,10 @@ mod tests {
             },
             node_rank: 0,
             attempt: 0,
+            ended_at: SystemTime::now(),
             error: None,
-            stderr_tail: vec!["last words".into()],
+            tail: vec!["last words".into()],
+            tail_is_merged: false,
             oom: Some((1, 2)),
             others: vec![],
             log_dir: None,

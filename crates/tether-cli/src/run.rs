@@ -1,6 +1,7 @@
-//! `tether run`: the attempt loop. Each attempt launches every local rank, pumps their
-//! output, waits for exits and signals, stops the rest on the first failure, and cleans up
-//! whatever the ranks left behind; a failure with restarts left starts the next attempt.
+//! The supervisor process and its attempt loop. Each attempt launches every local rank,
+//! pumps their output, waits for exits and signals, stops the rest on the first failure,
+//! and kills whatever the ranks left behind; a failure with restarts left starts the next
+//! attempt.
 
 use std::collections::HashSet;
 use std::ffi::CString;
@@ -9,22 +10,33 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::event::{PollFd, PollFlags};
 use tether_core::{signal_name, Group, LaunchSpec, WaitFor};
 
-use crate::args::Config;
+use crate::clock;
+use crate::config::{Config, Streams};
 use crate::env::rank_env;
-use crate::output::{self, Pump, SharedTail, Stream, Tail};
-use crate::reaper::{self, Watchdog};
+use crate::output::{self, FilterSink, Prefix, Pump, RankNames, SharedTail, Stream, Tail};
+use crate::reaper;
 use crate::report::{oom_kills, ErrorFile, Failure, RankEnd};
 use crate::signals::SignalFd;
 
-/// How long the launcher waits for output pipes to drain, and for leftovers to die, once
+/// How long the supervisor waits for output pipes to drain, and for leftovers to die, once
 /// every rank has exited.
 const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+
+/// Held while an attempt creates its files and starts its ranks. A supervisor whose keeper
+/// died takes it for good ([`stop_launching`]) before it kills what runs, so that no rank
+/// starts behind its back and nothing recreates the directories it removes.
+static LAUNCHING: Mutex<()> = Mutex::new(());
+
+/// Waits for a launch in progress to end and forbids any other.
+pub fn stop_launching() -> MutexGuard<'static, ()> {
+    LAUNCHING.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -55,26 +67,38 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> RunError {
     move |source| RunError::Io { what, source }
 }
 
-/// A private directory (mode 0700) removed with everything in it on drop.
+/// A new directory (mode 0700) under the temporary directory, `prefix` then six random
+/// characters.
+fn make_temp_dir(prefix: &str) -> io::Result<PathBuf> {
+    let template = std::env::temp_dir().join(format!("{prefix}XXXXXX"));
+    let template = CString::new(template.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut bytes = template.into_bytes_with_nul();
+    // SAFETY: `bytes` is a NUL-terminated template that mkdtemp rewrites in place.
+    if unsafe { libc::mkdtemp(bytes.as_mut_ptr().cast()) }.is_null() {
+        return Err(io::Error::last_os_error());
+    }
+    bytes.pop();
+    Ok(PathBuf::from(
+        <std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(bytes),
+    ))
+}
+
+/// The supervisor's private directory (error files): named by the keeper, created by the
+/// supervisor, and removed with everything in it on drop (by the keeper once the supervisor
+/// has ended, or by a supervisor whose keeper died). Naming it before the fork and making it
+/// after leaves no moment at which a SIGKILL of either process would leave it behind.
 pub struct TempDir {
     path: PathBuf,
 }
 
 impl TempDir {
-    pub fn new(prefix: &str) -> io::Result<TempDir> {
-        let template = std::env::temp_dir().join(format!("{prefix}XXXXXX"));
-        let template = CString::new(template.as_os_str().as_bytes())
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        let mut bytes = template.into_bytes_with_nul();
-        // SAFETY: `bytes` is a NUL-terminated template that mkdtemp rewrites in place.
-        let rc = unsafe { libc::mkdtemp(bytes.as_mut_ptr().cast()) };
-        if rc.is_null() {
-            return Err(io::Error::last_os_error());
+    /// A new name under the temporary directory; nothing is created yet.
+    pub fn name(prefix: &str) -> TempDir {
+        let name = format!("{prefix}{}", crate::config::random_id());
+        TempDir {
+            path: std::env::temp_dir().join(name),
         }
-        bytes.pop();
-        let path =
-            PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(bytes));
-        Ok(TempDir { path })
     }
 
     pub fn path(&self) -> &Path {
@@ -88,6 +112,95 @@ impl Drop for TempDir {
     }
 }
 
+/// Creates the supervisor's private directory `tmp` (mode 0700; it must not exist yet).
+fn create_private_dir(tmp: &Path) -> Result<(), RunError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let _launching = stop_launching();
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(tmp)
+        .map_err(io_err(format!("cannot create {}", tmp.display())))
+}
+
+/// The supervisor process, forked by the keeper (`keeper`'s pid): runs every attempt and
+/// ends the process with the launcher's exit status. It never returns into the code it was
+/// forked from, not even on a panic.
+pub fn supervisor_main(cfg: Config, tmp: PathBuf, keeper: i32) -> ! {
+    let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        supervisor(cfg, tmp, keeper)
+    }))
+    .unwrap_or(1);
+    // The keeper died: the thread that kills what is left ends the process when it is done.
+    while crate::keeper::abandoned() {
+        std::thread::park();
+    }
+    // SAFETY: ends this process without running the keeper's exit handlers or destructors,
+    // which belong to the process it was forked from.
+    unsafe { libc::_exit(code) }
+}
+
+fn supervisor(cfg: Config, tmp: PathBuf, keeper: i32) -> i32 {
+    // SAFETY: setpgid on this process (a signal to the keeper's group must not reach it),
+    // and SIGTTOU ignored: out of the terminal's foreground group, it still writes to the
+    // terminal when `stty tostop` is set, instead of being stopped.
+    unsafe {
+        libc::setpgid(0, 0);
+        libc::signal(libc::SIGTTOU, libc::SIG_IGN);
+    }
+    if let Err(err) = reaper::become_subreaper() {
+        output::message(&format!(
+            "tether: warning: cannot become a child subreaper ({err}); processes that ranks \
+             leave behind may outlive them"
+        ));
+    }
+    let mut handled = cfg.stop_signals.clone();
+    handled.push(libc::SIGCHLD);
+    let signals = match SignalFd::new(&handled) {
+        Ok(fd) => fd,
+        Err(err) => {
+            output::message(&format!("tether: cannot create a signalfd: {err}"));
+            return 1;
+        }
+    };
+    if let Err(err) = crate::keeper::watch(keeper, tmp.clone()) {
+        output::message(&format!(
+            "tether: warning: cannot watch the launcher ({err}); if it is killed with SIGKILL, \
+             what the ranks started may outlive it"
+        ));
+    }
+    for note in &cfg.notes {
+        output::message(note);
+    }
+    let logs = match create_private_dir(&tmp).and_then(|()| run_log_dir(&cfg)) {
+        Ok(dir) => dir,
+        Err(err) => {
+            output::message(&format!("tether: {err}"));
+            return 1;
+        }
+    };
+    Launcher::new(cfg, signals, tmp, logs).run()
+}
+
+/// The run's log directory (`<log dir>/<run id>`), created and announced; `None` when the
+/// output goes to the console only.
+fn run_log_dir(cfg: &Config) -> Result<Option<PathBuf>, RunError> {
+    let base = match (&cfg.output.log_dir, cfg.output.auto_log_dir) {
+        (Some(dir), _) => dir.clone(),
+        (None, true) => {
+            make_temp_dir("tether-logs-").map_err(io_err("cannot create a log directory"))?
+        }
+        (None, false) => return Ok(None),
+    };
+    let dir = base.join(&cfg.run_id);
+    std::fs::create_dir_all(&dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
+    output::message(&format!(
+        "tether: logs of run {} in {}",
+        cfg.run_id,
+        dir.display()
+    ));
+    Ok(Some(dir))
+}
+
 /// How an attempt ended.
 enum AttemptEnd {
     Success,
@@ -96,38 +209,50 @@ enum AttemptEnd {
     Interrupted(i32),
 }
 
+/// The pipes and files of one rank, ready for its launch.
+struct Wired {
+    spec: LaunchSpec,
+    write_ends: Vec<OwnedFd>,
+    pumps: usize,
+    tail: SharedTail,
+    /// Whether the tail holds both streams (one pipe).
+    merged: bool,
+    error_file: PathBuf,
+}
+
+/// The duplicate-filter files of an attempt.
+#[derive(Default)]
+struct Sinks {
+    stdout: Option<FilterSink>,
+    stderr: Option<FilterSink>,
+}
+
 pub struct Launcher {
     cfg: Config,
     signals: SignalFd,
-    watchdog: Option<Watchdog>,
-    tmp: TempDir,
+    tmp: PathBuf,
+    logs: Option<PathBuf>,
     omp_unset: bool,
-}
-
-fn monotonic() -> Duration {
-    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    one_console: bool,
+    hostname: String,
 }
 
 impl Launcher {
-    /// `tmp` holds the ranks' error files; it is removed by [`Launcher::finish`].
-    pub fn new(
-        cfg: Config,
-        signals: SignalFd,
-        watchdog: Option<Watchdog>,
-        tmp: TempDir,
-    ) -> Launcher {
+    /// `tmp` holds the ranks' error files; `logs` is the run's log directory.
+    fn new(cfg: Config, signals: SignalFd, tmp: PathBuf, logs: Option<PathBuf>) -> Launcher {
         Launcher {
             omp_unset: std::env::var_os("OMP_NUM_THREADS").is_none(),
+            one_console: output::console_is_one_file(),
+            hostname: hostname(),
             cfg,
             signals,
-            watchdog,
             tmp,
+            logs,
         }
     }
 
     /// Runs every attempt; returns the launcher's exit status.
-    pub fn run(&mut self) -> i32 {
+    fn run(&mut self) -> i32 {
         let max = self.cfg.max_restarts;
         for attempt in 0..=max {
             if let Some(sig) = self.pending_stop_signal() {
@@ -139,8 +264,9 @@ impl Launcher {
                 Ok(AttemptEnd::Interrupted(sig)) => return 128 + sig,
                 Ok(AttemptEnd::Failed(failure)) if attempt < max => {
                     output::message(&format!(
-                        "tether: attempt {attempt} failed: rank {} (pid {}) ended with {}; \
-                         restarting all {} ranks (restart {} of {max})",
+                        "tether: attempt {attempt} failed at {}: rank {} (pid {}) ended with \
+                         {}; restarting all {} ranks (restart {} of {max})",
+                        clock::local_iso(failure.ended_at),
                         failure.root.rank,
                         failure.root.pid,
                         failure.root.status,
@@ -161,13 +287,12 @@ impl Launcher {
         1
     }
 
-    /// A SIGINT, SIGTERM or SIGHUP that arrived while no rank ran (between attempts);
-    /// SIGCHLDs on the way reap orphans.
+    /// A stop signal that arrived while no rank ran (between attempts); SIGCHLDs on the way
+    /// reap orphans.
     fn pending_stop_signal(&self) -> Option<i32> {
-        let spare = self.watchdog.as_ref().map(Watchdog::pid);
         while let Some(sig) = self.signals.next() {
             if sig == libc::SIGCHLD {
-                reaper::reap_orphans(&HashSet::new(), spare);
+                reaper::reap_orphans(&HashSet::new());
             } else {
                 return Some(sig);
             }
@@ -184,92 +309,33 @@ impl Launcher {
     }
 
     fn attempt(&mut self, attempt: u32) -> Result<AttemptEnd, RunError> {
-        let cfg = &self.cfg;
-        let n = cfg.nproc;
-        let err_root = self.tmp.path().join(format!("attempt_{attempt}"));
-        let log_root = cfg
-            .log_dir
+        let launching = stop_launching();
+        let n = self.cfg.nproc;
+        let logs = self
+            .logs
             .as_ref()
-            .map(|d| d.join(&cfg.run_id).join(format!("attempt_{attempt}")));
+            .map(|d| d.join(format!("attempt_{attempt}")));
+        let sinks = self.sinks(logs.as_deref())?;
         let (done_tx, done_rx) = mpsc::channel();
-        let mut pumps = 0usize;
-        let mut specs = Vec::with_capacity(n);
-        let mut write_ends: Vec<OwnedFd> = Vec::with_capacity(2 * n);
-        let mut tails: Vec<SharedTail> = Vec::with_capacity(n);
-        let mut error_files = Vec::with_capacity(n);
+        let mut wired = Vec::with_capacity(n);
         for local in 0..n {
-            let rank = cfg.global_rank(local);
-            let err_dir = err_root.join(format!("rank_{rank}"));
-            std::fs::create_dir_all(&err_dir)
-                .map_err(io_err(format!("cannot create {}", err_dir.display())))?;
-            let error_file = err_dir.join("error.json");
-            let (out_file, err_file) = match &log_root {
-                Some(root) => {
-                    let dir = root.join(format!("rank_{rank}"));
-                    std::fs::create_dir_all(&dir)
-                        .map_err(io_err(format!("cannot create {}", dir.display())))?;
-                    let open = |name: &str| {
-                        let path = dir.join(name);
-                        File::create(&path)
-                            .map_err(io_err(format!("cannot create {}", path.display())))
-                    };
-                    (Some(open("stdout.log")?), Some(open("stderr.log")?))
-                }
-                None => (None, None),
-            };
-            let streams = cfg.console_streams(local);
-            let prefix = if cfg.prefix {
-                format!("[rank {rank}]: ").into_bytes()
-            } else {
-                Vec::new()
-            };
-            let tail: SharedTail = Arc::new(Mutex::new(Tail::default()));
-            let pipe = || {
-                rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
-                    .map_err(|e| io_err("cannot create a pipe")(e.into()))
-            };
-            let (out_r, out_w) = pipe()?;
-            let (err_r, err_w) = pipe()?;
-            let mut spec = LaunchSpec::new(cfg.command.clone());
-            spec.env = rank_env(cfg, local, attempt, &error_file, self.omp_unset);
-            spec.stdout = Some(out_w.as_raw_fd());
-            spec.stderr = Some(err_w.as_raw_fd());
-            specs.push(spec);
-            write_ends.push(out_w);
-            write_ends.push(err_w);
-            Pump {
-                stream: Stream::Stdout,
-                prefix: prefix.clone(),
-                console: streams.stdout,
-                file: out_file,
-                tail: None,
-            }
-            .spawn(out_r, done_tx.clone())
-            .map_err(io_err("cannot start an output thread"))?;
-            pumps += 1;
-            Pump {
-                stream: Stream::Stderr,
-                prefix,
-                console: streams.stderr,
-                file: err_file,
-                tail: Some(tail.clone()),
-            }
-            .spawn(err_r, done_tx.clone())
-            .map_err(io_err("cannot start an output thread"))?;
-            pumps += 1;
-            tails.push(tail);
-            error_files.push(error_file);
+            wired.push(self.wire(local, attempt, logs.as_deref(), &sinks, &done_tx)?);
         }
         drop(done_tx);
+        let pumps = wired.iter().map(|w| w.pumps).sum();
+        let specs = wired
+            .iter_mut()
+            .map(|w| std::mem::take(&mut w.spec))
+            .collect();
         let oom_before = oom_kills();
         let group = Group::new();
         let launched = group.launch(specs);
         // The ranks hold their own copies now; the pumps see EOF once the ranks (and what
         // they started) are gone.
-        drop(write_ends);
+        wired.iter_mut().for_each(|w| w.write_ends.clear());
+        drop(launching);
         if let Err(err) = launched {
-            group.signal_all(libc::SIGKILL);
-            group.wait(None, WaitFor::AllExited, Some(DRAIN_LIMIT));
+            kill_all(&group);
             self.cleanup(&group, &done_rx, pumps);
             return Err(match err {
                 tether_core::Error::Launch { program, source } => {
@@ -278,147 +344,167 @@ impl Launcher {
                 other => RunError::Core(other),
             });
         }
-        if let Some(w) = &self.watchdog {
-            for i in 0..n {
-                if let Some(pid) = group.pid(i) {
-                    w.add(pid);
-                }
-            }
-        }
-
+        log::info!(
+            target: "tether::run",
+            "attempt {attempt}: started {n} rank(s), pids {:?}",
+            (0..group.len()).filter_map(|i| group.pid(i)).collect::<Vec<_>>()
+        );
         let supervised = self.supervise(&group);
         if supervised.is_err() {
-            group.signal_all(libc::SIGKILL);
-            group.wait(None, WaitFor::AllExited, Some(DRAIN_LIMIT));
+            kill_all(&group);
         }
-        let oom_after = oom_kills();
+        let oom = oom_before.zip(oom_kills());
         self.cleanup(&group, &done_rx, pumps);
         let (stop_mono, interrupted) = supervised?;
-
         if let Some(sig) = interrupted {
             return Ok(AttemptEnd::Interrupted(sig));
         }
-        let ends: Vec<(RankEnd, Duration)> = (0..n)
-            .filter_map(|i| {
-                let exit = group.exit(i)?;
-                let stopped = stop_mono.is_some_and(|t| exit.at > t);
-                Some((
-                    RankEnd {
-                        rank: self.cfg.global_rank(i),
-                        local_rank: i,
-                        pid: group.pid(i).unwrap_or(0),
-                        status: exit.status,
-                        stopped,
-                    },
-                    exit.at,
-                ))
-            })
-            .collect();
-        let root = ends
-            .iter()
-            .filter(|(e, _)| !e.status.success())
-            .min_by_key(|(_, at)| *at)
-            .map(|(e, _)| e.clone());
-        let Some(root) = root else {
-            return Ok(AttemptEnd::Success);
-        };
-        let local = root.local_rank;
-        Ok(AttemptEnd::Failed(Box::new(Failure {
-            node_rank: self.cfg.node_rank,
-            attempt,
-            error: error_files.get(local).and_then(|p| ErrorFile::read(p)),
-            stderr_tail: tails
-                .get(local)
-                .map(|t| t.lock().unwrap_or_else(|e| e.into_inner()).lines())
-                .unwrap_or_default(),
-            oom: oom_before.zip(oom_after),
-            others: ends
-                .into_iter()
-                .map(|(e, _)| e)
-                .filter(|e| e.local_rank != local)
-                .collect(),
-            log_dir: log_root.map(|p| p.display().to_string()),
-            root,
-        })))
+        Ok(self.conclude(&group, attempt, stop_mono, &wired, oom, logs))
     }
 
-    /// Waits until every rank has exited. On the first failure, or on a signal to the
+    /// The attempt's `filtered_stdout.log` and `filtered_stderr.log`, when asked for.
+    fn sinks(&self, logs: Option<&Path>) -> Result<Sinks, RunError> {
+        let (Some(dir), out) = (logs, &self.cfg.output) else {
+            return Ok(Sinks::default());
+        };
+        std::fs::create_dir_all(dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
+        let sink = |needles: &Vec<String>, name: &str| -> Result<Option<FilterSink>, RunError> {
+            if needles.is_empty() {
+                return Ok(None);
+            }
+            let path = dir.join(name);
+            let file =
+                File::create(&path).map_err(io_err(format!("cannot create {}", path.display())))?;
+            Ok(Some(FilterSink {
+                needles: Arc::new(needles.clone()),
+                file: Arc::new(Mutex::new(file)),
+            }))
+        };
+        Ok(Sinks {
+            stdout: sink(&out.stdout_filters, "filtered_stdout.log")?,
+            stderr: sink(&out.stderr_filters, "filtered_stderr.log")?,
+        })
+    }
+
+    /// Makes local rank `local`'s launch spec, pipes, log files and pumps. Its stdout and
+    /// stderr share one pipe when both reach a console that is one file and neither goes to
+    /// a log file, so that its lines keep their order.
+    fn wire(
+        &self,
+        local: usize,
+        attempt: u32,
+        logs: Option<&Path>,
+        sinks: &Sinks,
+        done: &mpsc::Sender<()>,
+    ) -> Result<Wired, RunError> {
+        let cfg = &self.cfg;
+        let rank = cfg.global_rank(local);
+        let error_file = self.error_file(attempt, rank)?;
+        let mut spec = LaunchSpec::new(cfg.command.clone());
+        spec.env = rank_env(cfg, local, attempt, &error_file, self.omp_unset);
+        let console = cfg.output.console(local);
+        let merged = logs.is_none() && console == Streams::BOTH && self.one_console;
+        let mut wired = Wired {
+            spec,
+            write_ends: Vec::with_capacity(2),
+            pumps: 0,
+            tail: Arc::new(Mutex::new(Tail::default())),
+            merged,
+            error_file,
+        };
+        let prefix = self.prefix(local);
+        if merged {
+            let pump = Pump {
+                console: Some(Stream::Stdout),
+                prefix,
+                file: None,
+                tail: Some(wired.tail.clone()),
+                filter: None,
+            };
+            plumb(&mut wired, pump, &[Stream::Stdout, Stream::Stderr], done)?;
+            return Ok(wired);
+        }
+        let (out_file, err_file) = match logs {
+            Some(root) => open_logs(&root.join(format!("rank_{rank}")))?,
+            None => (None, None),
+        };
+        let streams = [
+            (
+                Stream::Stdout,
+                console.stdout,
+                out_file,
+                None,
+                &sinks.stdout,
+            ),
+            (
+                Stream::Stderr,
+                console.stderr,
+                err_file,
+                Some(wired.tail.clone()),
+                &sinks.stderr,
+            ),
+        ];
+        for (stream, shown, file, tail, filter) in streams {
+            let pump = Pump {
+                console: shown.then_some(stream),
+                prefix: prefix.clone(),
+                file,
+                tail,
+                filter: filter.clone(),
+            };
+            plumb(&mut wired, pump, &[stream], done)?;
+        }
+        Ok(wired)
+    }
+
+    /// Rank `rank`'s TORCHELASTIC_ERROR_FILE in attempt `attempt`, its directory created.
+    fn error_file(&self, attempt: u32, rank: usize) -> Result<PathBuf, RunError> {
+        let dir = self.tmp.join(format!("attempt_{attempt}/rank_{rank}"));
+        std::fs::create_dir_all(&dir)
+            .map_err(io_err(format!("cannot create {}", dir.display())))?;
+        Ok(dir.join("error.json"))
+    }
+
+    /// Local rank `local`'s console prefix (`None` for `--no-prefix`).
+    fn prefix(&self, local: usize) -> Option<Prefix> {
+        let template = self.cfg.output.prefix.as_ref()?;
+        let names = RankNames {
+            rank: self.cfg.global_rank(local),
+            local_rank: local,
+            role: &self.cfg.role,
+            hostname: &self.hostname,
+        };
+        Some(Prefix::render(template, &names))
+    }
+
+    /// Waits until every rank has exited. On the first failure, or on a stop signal to the
     /// launcher, stops the others (the signal, the grace period, SIGKILL). Returns when the
     /// stopping began (monotonic clock) and the signal that interrupted the run, if any.
     fn supervise(&mut self, group: &Group) -> Result<(Option<Duration>, Option<i32>), RunError> {
-        let n = group.len();
-        let grace = self.cfg.grace;
-        let spare = self.watchdog.as_ref().map(Watchdog::pid);
-        let mut stop_mono: Option<Duration> = None;
-        let mut kill_at: Option<Instant> = None;
-        let mut interrupted: Option<i32> = None;
         loop {
-            let exits: Vec<_> = (0..n).map(|i| group.exit(i)).collect();
-            if stop_mono.is_none() && exits.iter().flatten().any(|e| !e.status.success()) {
-                stop_mono = Some(monotonic());
-                group.signal_all(libc::SIGTERM);
-                kill_at = Some(Instant::now() + grace);
+            if let Some(first) = group.first_failure() {
+                log::info!(target: "tether::run", "rank {first} failed: stopping the others");
+                return Ok((Some(self.stop(group, libc::SIGTERM)), None));
             }
-            let live: Vec<usize> = (0..n).filter(|&i| exits[i].is_none()).collect();
-            if live.is_empty() {
-                return Ok((stop_mono, interrupted));
-            }
-            if kill_at.is_some_and(|t| Instant::now() >= t) {
-                group.signal_all(libc::SIGKILL);
-                kill_at = None;
-            }
-            let sentinels: Vec<(usize, i32)> = live
-                .iter()
-                .filter_map(|&i| group.with_member(i, |m| (i, m.sentinel())))
+            let live: Vec<usize> = (0..group.len())
+                .filter(|&i| group.exit(i).is_none())
                 .collect();
-            let ready = {
-                let mut fds = Vec::with_capacity(sentinels.len() + 1);
-                fds.push(PollFd::new(&self.signals, PollFlags::IN));
-                for &(_, raw) in &sentinels {
-                    // SAFETY: the pidfd belongs to a member of `group`, which outlives
-                    // this poll.
-                    let fd = unsafe { BorrowedFd::borrow_raw(raw) };
-                    fds.push(PollFd::from_borrowed_fd(fd, PollFlags::IN));
-                }
-                let timeout = kill_at.map(|t| {
-                    let left = t.saturating_duration_since(Instant::now());
-                    Timespec {
-                        tv_sec: left.as_secs() as _,
-                        tv_nsec: left.subsec_nanos() as _,
-                    }
-                });
-                match rustix::event::poll(&mut fds, timeout.as_ref()) {
-                    Ok(_) | Err(rustix::io::Errno::INTR) => {}
-                    Err(e) => return Err(io_err("poll")(e.into())),
-                }
-                fds.iter()
-                    .skip(1)
-                    .zip(&sentinels)
-                    .filter(|(fd, _)| !fd.revents().is_empty())
-                    .map(|(_, &(i, _))| i)
-                    .collect::<Vec<usize>>()
-            };
-            while let Some(sig) = self.signals.next() {
+            if live.is_empty() {
+                return Ok((None, None));
+            }
+            let (ready, signals) = self.poll(group, &live)?;
+            for sig in signals {
                 if sig == libc::SIGCHLD {
-                    reaper::reap_orphans(&Self::live_pids(group), spare);
+                    reaper::reap_orphans(&Self::live_pids(group));
                     continue;
                 }
-                if stop_mono.is_none() {
-                    interrupted = Some(sig);
-                    stop_mono = Some(monotonic());
-                    output::message(&format!(
-                        "tether: got {}; forwarding it to {} rank(s), SIGKILL after {:?}",
-                        signal_name(sig),
-                        live.len(),
-                        grace
-                    ));
-                    group.signal_all(sig);
-                    kill_at = Some(Instant::now() + grace);
-                } else if sig == libc::SIGINT {
-                    output::message("tether: SIGINT while stopping: killing every rank now");
-                    group.signal_all(libc::SIGKILL);
-                    kill_at = None;
-                }
+                output::message(&format!(
+                    "tether: got {}; forwarding it to {} rank(s), SIGKILL after {:?}",
+                    signal_name(sig),
+                    live.len(),
+                    self.cfg.grace,
+                ));
+                return Ok((Some(self.stop(group, sig)), Some(sig)));
             }
             if !ready.is_empty() {
                 // The pidfd is readable once the rank exited; the supervisor thread records
@@ -432,19 +518,59 @@ impl Launcher {
         }
     }
 
-    /// After every rank has exited: kill and reap what they left behind, tell the watchdog,
-    /// and let the output pumps finish.
-    fn cleanup(&self, group: &Group, done: &mpsc::Receiver<()>, pumps: usize) {
-        let spare = self.watchdog.as_ref().map(Watchdog::pid);
-        let live = Self::live_pids(group);
-        reaper::kill_orphans(&live, spare, DRAIN_LIMIT);
-        if let Some(w) = &self.watchdog {
-            for i in 0..group.len() {
-                if let Some(pid) = group.pid(i) {
-                    w.remove(pid);
+    /// Stops every rank with tether-core's termination (`sig`, the grace period, SIGKILL);
+    /// meanwhile orphans are reaped, and a SIGINT kills at once. Returns when it began.
+    fn stop(&self, group: &Group, sig: i32) -> Duration {
+        let began = clock::monotonic();
+        let mut interrupted = || {
+            let mut kill_now = false;
+            while let Some(got) = self.signals.next() {
+                if got == libc::SIGCHLD {
+                    reaper::reap_orphans(&Self::live_pids(group));
+                } else if got == libc::SIGINT {
+                    output::message("tether: SIGINT while stopping: killing every rank now");
+                    kill_now = true;
                 }
             }
+            kill_now
+        };
+        group.terminate_with(sig, self.cfg.grace, &mut interrupted);
+        began
+    }
+
+    /// Polls the signalfd and the pidfds of the `live` ranks until one is ready; returns the
+    /// ranks that exited and the signals that arrived.
+    fn poll(&self, group: &Group, live: &[usize]) -> Result<(Vec<usize>, Vec<i32>), RunError> {
+        let sentinels: Vec<(usize, i32)> = live
+            .iter()
+            .filter_map(|&i| group.with_member(i, |m| (i, m.sentinel())))
+            .collect();
+        let mut fds = Vec::with_capacity(sentinels.len() + 1);
+        fds.push(PollFd::new(&self.signals, PollFlags::IN));
+        for &(_, raw) in &sentinels {
+            // SAFETY: the pidfd belongs to a member of `group`, which outlives this poll.
+            let fd = unsafe { BorrowedFd::borrow_raw(raw) };
+            fds.push(PollFd::from_borrowed_fd(fd, PollFlags::IN));
         }
+        match rustix::event::poll(&mut fds, None) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(io_err("poll")(e.into())),
+        }
+        let ready = fds[1..]
+            .iter()
+            .zip(&sentinels)
+            .filter(|(fd, _)| !fd.revents().is_empty())
+            .map(|(_, &(i, _))| i)
+            .collect();
+        let signals = std::iter::from_fn(|| self.signals.next()).collect();
+        Ok((ready, signals))
+    }
+
+    /// After every rank has exited: kill and reap what they left behind, and let the output
+    /// pumps finish.
+    fn cleanup(&self, group: &Group, done: &mpsc::Receiver<()>, pumps: usize) {
+        let live = Self::live_pids(group);
+        reaper::kill_orphans(&live, DRAIN_LIMIT);
         let deadline = Instant::now() + DRAIN_LIMIT;
         for _ in 0..pumps {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -452,14 +578,113 @@ impl Launcher {
                 break;
             }
         }
-        reaper::reap_orphans(&live, spare);
+        reaper::reap_orphans(&live);
     }
 
-    /// Ends the watchdog and removes the temporary directory.
-    pub fn finish(self) {
-        if let Some(w) = self.watchdog {
-            w.finish();
-        }
-        drop(self.tmp);
+    /// How each rank ended, and when (monotonic clock); `stop_mono` is when the stopping
+    /// began.
+    fn rank_ends(&self, group: &Group, stop_mono: Option<Duration>) -> Vec<(RankEnd, Duration)> {
+        (0..group.len())
+            .filter_map(|i| {
+                let exit = group.exit(i)?;
+                let end = RankEnd {
+                    rank: self.cfg.global_rank(i),
+                    local_rank: i,
+                    pid: group.pid(i).unwrap_or(0),
+                    status: exit.status,
+                    stopped: stop_mono.is_some_and(|t| exit.at > t),
+                };
+                Some((end, exit.at))
+            })
+            .collect()
     }
+
+    /// The attempt's outcome: success, or the failure that came first in time.
+    fn conclude(
+        &self,
+        group: &Group,
+        attempt: u32,
+        stop_mono: Option<Duration>,
+        wired: &[Wired],
+        oom: Option<(u64, u64)>,
+        logs: Option<PathBuf>,
+    ) -> AttemptEnd {
+        let ends = self.rank_ends(group, stop_mono);
+        let first = group.first_failure();
+        let Some((root, at)) = ends
+            .iter()
+            .find(|(e, _)| Some(e.local_rank) == first)
+            .cloned()
+        else {
+            return AttemptEnd::Success;
+        };
+        let rank_io = wired.get(root.local_rank);
+        AttemptEnd::Failed(Box::new(Failure {
+            node_rank: self.cfg.node_rank,
+            attempt,
+            ended_at: clock::wall_time_of(at),
+            error: rank_io.and_then(|w| ErrorFile::read(&w.error_file)),
+            tail: rank_io
+                .map(|w| w.tail.lock().unwrap_or_else(|e| e.into_inner()).lines())
+                .unwrap_or_default(),
+            tail_is_merged: rank_io.is_some_and(|w| w.merged),
+            oom,
+            others: ends
+                .into_iter()
+                .map(|(e, _)| e)
+                .filter(|e| e.local_rank != root.local_rank)
+                .collect(),
+            log_dir: logs.map(|p| p.display().to_string()),
+            root,
+        }))
+    }
+}
+
+/// SIGKILL to every rank, and a bounded wait for their exits.
+fn kill_all(group: &Group) {
+    group.signal_all(libc::SIGKILL);
+    group.wait(None, WaitFor::AllExited, Some(DRAIN_LIMIT));
+}
+
+/// Makes the pipe that carries a rank's `streams` to `pump`, and starts the pump.
+fn plumb(
+    wired: &mut Wired,
+    pump: Pump,
+    streams: &[Stream],
+    done: &mpsc::Sender<()>,
+) -> Result<(), RunError> {
+    let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(|e| io_err("cannot create a pipe")(e.into()))?;
+    for stream in streams {
+        match stream {
+            Stream::Stdout => wired.spec.stdout = Some(write.as_raw_fd()),
+            Stream::Stderr => wired.spec.stderr = Some(write.as_raw_fd()),
+        }
+    }
+    wired.write_ends.push(write);
+    pump.spawn(read, done.clone())
+        .map_err(io_err("cannot start an output thread"))?;
+    wired.pumps += 1;
+    Ok(())
+}
+
+/// `dir/stdout.log` and `dir/stderr.log`, created.
+fn open_logs(dir: &Path) -> Result<(Option<File>, Option<File>), RunError> {
+    std::fs::create_dir_all(dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
+    let open = |name: &str| {
+        let path = dir.join(name);
+        File::create(&path).map_err(io_err(format!("cannot create {}", path.display())))
+    };
+    Ok((Some(open("stdout.log")?), Some(open("stderr.log")?)))
+}
+
+/// This machine's name, for the `${hostname}` of prefix templates.
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into `buf`.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return "localhost".to_string();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
 }

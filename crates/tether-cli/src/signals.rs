@@ -1,47 +1,56 @@
-//! The launcher's signals: SIGINT, SIGTERM, SIGHUP (forwarded to the ranks) and SIGCHLD
-//! (re-parented orphans to reap) are blocked in every thread and read from a signalfd.
+//! The launcher's signals: the stop signals (SIGINT, SIGTERM, SIGHUP and those of
+//! `--signals-to-handle`, forwarded to the ranks) and SIGCHLD (exits to reap) are blocked in
+//! every thread and read from a signalfd.
 //!
-//! [`block`] must run first thing in `main`, before any thread exists, so that every
-//! thread (tether-core's supervisor, the output pumps) inherits the mask. The ranks get an
-//! empty mask from tether-core whatever the launcher's is.
+//! [`block`] runs while the process has one thread, before the supervisor is forked, so that
+//! every thread inherits the mask. The ranks get an empty mask from tether-core whatever
+//! the launcher's is.
 
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
-/// The signals the launcher handles itself.
-pub const HANDLED: [i32; 4] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGCHLD];
-
-fn handled_set() -> libc::sigset_t {
+fn set_of(signals: &[i32]) -> libc::sigset_t {
     // SAFETY: sigemptyset initialises the zeroed set; sigaddset only writes into it.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
-        for sig in HANDLED {
+        for &sig in signals {
             libc::sigaddset(&mut set, sig);
         }
         set
     }
 }
 
-/// Blocks the handled signals in the calling thread (and so in every thread it starts).
-pub fn block() -> io::Result<()> {
-    let set = handled_set();
-    // SAFETY: `set` is an initialised signal set; the old mask is not asked for.
-    let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+/// The signal mask in force before [`block`], to put back with [`restore`].
+pub struct SavedMask(libc::sigset_t);
+
+/// Blocks `signals` in the calling thread (and so in every thread it starts).
+pub fn block(signals: &[i32]) -> io::Result<SavedMask> {
+    let set = set_of(signals);
+    // SAFETY: sigset_t is plain data; pthread_sigmask fills `old`.
+    let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is an initialised signal set and `old` a place for the previous mask.
+    let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old) };
     if rc != 0 {
         return Err(io::Error::from_raw_os_error(rc));
     }
-    Ok(())
+    Ok(SavedMask(old))
 }
 
-/// A non-blocking signalfd for the handled signals.
+/// Puts back the mask that [`block`] replaced.
+pub fn restore(saved: SavedMask) {
+    // SAFETY: `saved.0` is the mask pthread_sigmask returned.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &saved.0, std::ptr::null_mut()) };
+}
+
+/// A non-blocking signalfd for a set of signals.
 pub struct SignalFd {
     fd: OwnedFd,
 }
 
 impl SignalFd {
-    pub fn new() -> io::Result<SignalFd> {
-        let set = handled_set();
+    pub fn new(signals: &[i32]) -> io::Result<SignalFd> {
+        let set = set_of(signals);
         // SAFETY: a new signalfd (-1) for an initialised set; the flags are valid.
         let raw = unsafe { libc::signalfd(-1, &set, libc::SFD_CLOEXEC | libc::SFD_NONBLOCK) };
         if raw < 0 {
@@ -61,7 +70,7 @@ impl SignalFd {
             // SAFETY: reads at most `size` bytes into `info`, which is that large.
             let n = unsafe {
                 libc::read(
-                    std::os::fd::AsRawFd::as_raw_fd(&self.fd),
+                    self.fd.as_raw_fd(),
                     (&mut info as *mut libc::signalfd_siginfo).cast(),
                     size,
                 )
@@ -74,6 +83,19 @@ impl SignalFd {
             }
             return None;
         }
+    }
+
+    /// Waits until a signal is pending (or `timeout` passes).
+    pub fn wait(&self, timeout: Option<std::time::Duration>) {
+        let timeout = timeout.map(|t| rustix::event::Timespec {
+            tv_sec: t.as_secs() as _,
+            tv_nsec: t.subsec_nanos() as _,
+        });
+        let mut fds = [rustix::event::PollFd::new(
+            self,
+            rustix::event::PollFlags::IN,
+        )];
+        let _ = rustix::event::poll(&mut fds, timeout.as_ref());
     }
 }
 

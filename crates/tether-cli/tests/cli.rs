@@ -32,6 +32,7 @@ fn every_rank_gets_torchruns_environment() {
         "3",
         "--master-port",
         "1234",
+        "--no-python",
         "--",
         "sh",
         "-c",
@@ -92,6 +93,7 @@ fn node_rank_gives_global_ranks_and_defaults_follow_torchrun() {
         "job7",
         "--max-restarts",
         "0",
+        "--no-python",
         "sh",
         "-c",
         PRINT_ENV,
@@ -114,17 +116,17 @@ fn node_rank_gives_global_ranks_and_defaults_follow_torchrun() {
 #[test]
 fn omp_num_threads_rules() {
     let show = ["sh", "-c", "echo OMP=${OMP_NUM_THREADS-unset}"];
-    let one = run(&[&["run", "-n", "1", "--"][..], &show].concat());
+    let one = run(&[&["run", "-n", "1", "--no-python", "--"][..], &show].concat());
     assert_eq!(one.stdout.trim(), "[rank 0]: OMP=unset", "{one:?}");
     let kept = run_env(
-        &[&["run", "-n", "2", "--"][..], &show].concat(),
+        &[&["run", "-n", "2", "--no-python", "--"][..], &show].concat(),
         &[("OMP_NUM_THREADS", "7")],
     );
     assert!(
         kept.stdout.lines().all(|l| l.ends_with("OMP=7")),
         "{kept:?}"
     );
-    let set = run(&[&["run", "-n", "2", "--"][..], &show].concat());
+    let set = run(&[&["run", "-n", "2", "--no-python", "--"][..], &show].concat());
     assert_eq!(
         set.stdout.lines().filter(|l| l.ends_with("OMP=1")).count(),
         2,
@@ -135,7 +137,7 @@ fn omp_num_threads_rules() {
 #[test]
 fn slurm_sets_nodes_and_master() {
     let out = run_env(
-        &["run", "-n", "2", "sh", "-c", PRINT_ENV],
+        &["run", "-n", "2", "--no-python", "sh", "-c", PRINT_ENV],
         &[
             ("SLURM_JOB_ID", "99"),
             ("SLURM_JOB_NUM_NODES", "3"),
@@ -184,7 +186,16 @@ fn check_flood_lines(text: &str, stream_lines: usize) {
 
 #[test]
 fn heavy_concurrent_output_keeps_lines_whole() {
-    let out = run(&["run", "-n", "4", "--", "python3", "-c", FLOOD]);
+    let out = run(&[
+        "run",
+        "-n",
+        "4",
+        "--no-python",
+        "--",
+        "python3",
+        "-c",
+        FLOOD,
+    ]);
     assert_eq!(
         out.code,
         Some(0),
@@ -198,7 +209,16 @@ fn heavy_concurrent_output_keeps_lines_whole() {
 #[test]
 fn very_long_lines_stay_whole() {
     let script = "import os, sys\nc = chr(ord('a') + int(os.environ['RANK']))\nfor _ in range(4):\n    sys.stdout.write(c * 700000 + '\\n')\n";
-    let out = run(&["run", "-n", "3", "--", "python3", "-c", script]);
+    let out = run(&[
+        "run",
+        "-n",
+        "3",
+        "--no-python",
+        "--",
+        "python3",
+        "-c",
+        script,
+    ]);
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     let lines = by_rank(&out.stdout);
     assert_eq!(lines.len(), 3);
@@ -218,6 +238,7 @@ fn no_prefix_and_final_line_without_newline() {
         "-n",
         "2",
         "--no-prefix",
+        "--no-python",
         "--",
         "sh",
         "-c",
@@ -227,7 +248,16 @@ fn no_prefix_and_final_line_without_newline() {
     let mut lines: Vec<&str> = out.stdout.lines().collect();
     lines.sort();
     assert_eq!(lines, ["a0", "a1", "b0", "b1"]);
-    let out = run(&["run", "-n", "1", "--", "sh", "-c", "printf 'no newline'"]);
+    let out = run(&[
+        "run",
+        "-n",
+        "1",
+        "--no-python",
+        "--",
+        "sh",
+        "-c",
+        "printf 'no newline'",
+    ]);
     assert_eq!(out.stdout, "[rank 0]: no newline\n");
 }
 
@@ -239,6 +269,7 @@ fn ranks_filter_limits_the_console() {
         "4",
         "--ranks-filter",
         "0,3",
+        "--no-python",
         "--",
         "sh",
         "-c",
@@ -259,6 +290,7 @@ fn ranks_filter_limits_the_console() {
         "3",
         "--local-ranks-filter",
         "1",
+        "--no-python",
         "--",
         "sh",
         "-c",
@@ -267,70 +299,123 @@ fn ranks_filter_limits_the_console() {
     assert_eq!(out.stdout, "[rank 1]: out\n");
 }
 
+fn log_run(dir: &str, id: &str, options: &[&str]) -> common::Output {
+    let script = "echo out$RANK; echo err$RANK >&2; printf last$RANK";
+    let head = ["run", "-n", "2", "--log-dir", dir, "--rdzv-id", id];
+    let tail = ["--no-python", "--", "sh", "-c", script];
+    run(&[&head[..], options, &tail].concat())
+}
+
 #[test]
-fn log_dir_layout_with_and_without_tee() {
+fn log_dir_keeps_streams_apart_and_prints_the_runs_directory() {
     let logs = Scratch::new("logs");
     let dir = logs.path().to_str().unwrap();
-    let script = "echo out$RANK; echo err$RANK >&2; printf last$RANK";
+    let out = log_run(dir, "r1", &[]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let run_dir = logs.path().join("r1");
+    assert!(
+        out.stderr.contains(&format!(
+            "tether: logs of run r1 in {}\n",
+            run_dir.display()
+        )),
+        "{out:?}"
+    );
+    for rank in 0..2 {
+        let base = run_dir.join(format!("attempt_0/rank_{rank}"));
+        let stdout = std::fs::read_to_string(base.join("stdout.log")).unwrap();
+        let stderr = std::fs::read_to_string(base.join("stderr.log")).unwrap();
+        assert_eq!(stdout, format!("out{rank}\nlast{rank}"));
+        assert_eq!(stderr, format!("err{rank}\n"));
+        // As with torchrun, streams that are not redirected still reach the console.
+        assert!(
+            out.stdout.contains(&format!("[rank {rank}]: out{rank}\n")),
+            "{out:?}"
+        );
+        assert!(
+            out.stderr.contains(&format!("[rank {rank}]: err{rank}\n")),
+            "{out:?}"
+        );
+    }
+}
+
+#[test]
+fn redirects_and_tee_choose_what_reaches_the_console() {
+    let logs = Scratch::new("logs");
+    let dir = logs.path().to_str().unwrap();
+    let out = log_run(dir, "r2", &["--redirects", "3"]);
+    assert_eq!(out.code, Some(0));
+    assert_eq!(out.stdout, "", "{out:?}");
+    assert!(!out.stderr.contains("[rank"), "{out:?}");
+    let file = logs.path().join("r2/attempt_0/rank_1/stdout.log");
+    assert_eq!(std::fs::read_to_string(file).unwrap(), "out1\nlast1");
+    let out = log_run(dir, "r3", &["-r", "3", "-t", "2"]);
+    assert_eq!(out.stdout, "", "{out:?}");
+    assert!(out.stderr.contains("[rank 0]: err0\n") && out.stderr.contains("[rank 1]: err1\n"));
+    let out = log_run(dir, "r4", &["-r", "0:3,1:1", "--tee"]);
+    assert_eq!(by_rank(&out.stdout).len(), 2, "{out:?}");
+    let out = log_run(dir, "r5", &["-r", "0:3,1:1"]);
+    assert_eq!(out.stdout, "", "{out:?}");
+    assert!(out.stderr.contains("[rank 1]: err1\n") && !out.stderr.contains("err0"));
+}
+
+#[test]
+fn redirects_without_a_log_dir_go_to_a_new_directory() {
+    let out = run(&[
+        "run",
+        "-n",
+        "1",
+        "--rdzv-id",
+        "auto",
+        "-r",
+        "3",
+        "--no-python",
+        "echo",
+        "hi",
+    ]);
+    assert_eq!((out.code, out.stdout.as_str()), (Some(0), ""), "{out:?}");
+    let line = out
+        .stderr
+        .lines()
+        .find(|l| l.starts_with("tether: logs of run auto in "));
+    let dir = line.unwrap_or_else(|| panic!("{out:?}"))["tether: logs of run auto in ".len()..]
+        .to_string();
+    assert!(dir.contains("/tether-logs-"), "{dir}");
+    let log = std::path::Path::new(&dir).join("attempt_0/rank_0/stdout.log");
+    assert_eq!(std::fs::read_to_string(log).unwrap(), "hi\n");
+}
+
+#[test]
+fn duplicate_filters_copy_matching_lines() {
+    let logs = Scratch::new("logs");
+    let dir = logs.path().to_str().unwrap();
+    let script = "echo loss=$RANK; echo noise; echo warn,x >&2";
     let out = run(&[
         "run",
         "-n",
         "2",
         "--log-dir",
         dir,
-        "--run-id",
-        "r1",
-        "--",
+        "--rdzv-id",
+        "f",
+        "--duplicate-stdout-filters",
+        "loss=",
+        "--duplicate_stderr_filters",
+        "warn,,x",
+        "--no-python",
         "sh",
         "-c",
         script,
     ]);
     assert_eq!(out.code, Some(0), "{out:?}");
-    assert_eq!(out.stdout, "", "without --tee the console gets nothing");
-    for rank in 0..2 {
-        let base = logs.path().join(format!("r1/attempt_0/rank_{rank}"));
-        let stdout = std::fs::read_to_string(base.join("stdout.log")).unwrap();
-        let stderr = std::fs::read_to_string(base.join("stderr.log")).unwrap();
-        assert_eq!(stdout, format!("out{rank}\nlast{rank}"));
-        assert_eq!(stderr, format!("err{rank}\n"));
-    }
-    let out = run(&[
-        "run",
-        "-n",
-        "2",
-        "--log-dir",
-        dir,
-        "--run-id",
-        "r2",
-        "--tee",
-        "--",
-        "sh",
-        "-c",
-        script,
-    ]);
-    assert_eq!(out.code, Some(0));
-    assert_eq!(by_rank(&out.stdout).len(), 2);
-    assert!(out.stdout.contains("[rank 1]: out1\n") && out.stderr.contains("[rank 0]: err0\n"));
-    let file = logs.path().join("r2/attempt_0/rank_1/stdout.log");
-    assert_eq!(std::fs::read_to_string(file).unwrap(), "out1\nlast1");
-    let out = run(&[
-        "run",
-        "-n",
-        "1",
-        "--log-dir",
-        dir,
-        "--run-id",
-        "r3",
-        "--tee",
-        "2",
-        "sh",
-        "-c",
-        script,
-    ]);
-    assert_eq!(
-        (out.stdout.as_str(), out.stderr.as_str()),
-        ("", "[rank 0]: err0\n")
-    );
+    let read =
+        |name: &str| std::fs::read_to_string(logs.path().join("f/attempt_0").join(name)).unwrap();
+    let mut lines: Vec<String> = read("filtered_stdout.log")
+        .lines()
+        .map(String::from)
+        .collect();
+    lines.sort();
+    assert_eq!(lines, ["[rank 0]: loss=0", "[rank 1]: loss=1"]);
+    assert_eq!(read("filtered_stderr.log").lines().count(), 2);
 }
 
 #[test]
@@ -347,6 +432,7 @@ fn first_failure_in_time_is_the_root_cause() {
         "3",
         "--grace-period",
         "5",
+        "--no-python",
         "--",
         "sh",
         "-c",
@@ -375,6 +461,7 @@ fn signal_deaths_are_named() {
         "2",
         "--grace-period",
         "2",
+        "--no-python",
         "--",
         "sh",
         "-c",
@@ -386,6 +473,7 @@ fn signal_deaths_are_named() {
         "run",
         "-n",
         "1",
+        "--no-python",
         "--",
         "sh",
         "-c",
@@ -415,6 +503,7 @@ fn restarts_until_it_works() {
         "--run-id",
         "x",
         "--tee",
+        "--no-python",
         "sh",
         "-c",
         script,
@@ -444,6 +533,7 @@ fn restarts_until_it_works() {
         "1",
         "--grace-period",
         "1",
+        "--no-python",
         "sh",
         "-c",
         script,
@@ -454,7 +544,14 @@ fn restarts_until_it_works() {
 
 #[test]
 fn a_missing_command_is_exit_127() {
-    let out = run(&["run", "-n", "2", "--", "/nonexistent/tether-test-program"]);
+    let out = run(&[
+        "run",
+        "-n",
+        "2",
+        "--no-python",
+        "--",
+        "/nonexistent/tether-test-program",
+    ]);
     assert_eq!(out.code, Some(127), "{out:?}");
     assert!(out.stderr.contains("cannot start"), "{}", out.stderr);
 }
@@ -464,7 +561,8 @@ fn a_missing_command_is_exit_127() {
 fn start_ready(args: &[&str], n: usize, script: &str) -> (Launcher, Scratch, Vec<i32>) {
     let dir = Scratch::new("ready");
     let mut cmd = command(args);
-    cmd.env("DIR", dir.path()).args(["--", "sh", "-c", script]);
+    cmd.env("DIR", dir.path())
+        .args(["--no-python", "--", "sh", "-c", script]);
     let launcher = Launcher::spawn(cmd);
     let ready = |r: usize| dir.path().join(format!("ready.{r}"));
     assert!(

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 mod channel;
+mod cli;
 mod group;
 mod zygote;
 
@@ -126,6 +127,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("MAX_BLANKS", tether_core::zygote::MAX_BLANKS)?;
     m.add("ZYGOTE_FDS_ENV", tether_core::zygote::FDS_ENV)?;
+    cli::register(m)?;
     m.add_function(wrap_pyfunction!(setup_forked_child, m)?)?;
     m.add_function(wrap_pyfunction!(signal_name, m)?)?;
     m.add_function(wrap_pyfunction!(signal_hint, m)?)?;

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 pub const BIN: &str = env!("CARGO_BIN_EXE_tether");
 
 /// A directory under the system temp dir, removed on drop.
+#[derive(Debug)]
 pub struct Scratch(pub PathBuf);
 
 impl Scratch {
@@ -44,6 +45,8 @@ pub struct Output {
     pub stdout: String,
     pub stderr: String,
     pub elapsed: Duration,
+    /// The launcher's TMPDIR, removed when the output is dropped.
+    pub tmp: Scratch,
 }
 
 /// A launcher started by a test, with a private TMPDIR.
@@ -121,10 +124,19 @@ impl Launcher {
             String::from_utf8_lossy(&self.out.take().unwrap().join().unwrap()).into_owned();
         let stderr =
             String::from_utf8_lossy(&self.err.take().unwrap().join().unwrap()).into_owned();
-        // After a SIGKILL of tether its watchdog removes the directory, a moment later.
-        let empty = || std::fs::read_dir(self.tmp.path()).unwrap().next().is_none();
-        let ok = self.signal_killed(&status) && eventually(Duration::from_secs(1), empty);
-        let left: Vec<_> = std::fs::read_dir(self.tmp.path()).unwrap().collect();
+        // After a SIGKILL of tether its supervisor removes the directory, a moment later.
+        // Log directories that tether makes (`tether-logs-*`) are meant to stay.
+        let left = || -> Vec<_> {
+            std::fs::read_dir(self.tmp.path())
+                .unwrap()
+                .filter_map(Result::ok)
+                .map(|e| e.file_name())
+                .filter(|n| !n.to_string_lossy().starts_with("tether-logs-"))
+                .collect()
+        };
+        let ok =
+            self.signal_killed(&status) && eventually(Duration::from_secs(1), || left().is_empty());
+        let left = left();
         assert!(
             ok || left.is_empty(),
             "tether left temporary files: {left:?}"
@@ -136,6 +148,7 @@ impl Launcher {
             stdout,
             stderr,
             elapsed,
+            tmp: self.tmp,
         }
     }
 }
@@ -204,4 +217,58 @@ pub fn pids_from(text: &str, marker: &str) -> Vec<i32> {
         .filter_map(|l| l.split_once(marker).map(|(_, rest)| rest))
         .flat_map(|rest| rest.split_whitespace().map(|p| p.parse::<i32>().unwrap()))
         .collect()
+}
+
+/// Runs `tether` with `args` and `env` with its stdout and stderr on one pipe (as on a
+/// terminal, or with `2>&1`); returns the exit code and what it wrote.
+pub fn run_one_pipe(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let tmp = Scratch::new("tmpdir");
+    let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+    let mut cmd = command(args);
+    cmd.env("TMPDIR", tmp.path())
+        .stdout(Stdio::from(write.try_clone().unwrap()))
+        .stderr(Stdio::from(write));
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    drop(cmd);
+    let mut text = Vec::new();
+    std::fs::File::from(read).read_to_end(&mut text).unwrap();
+    let status = child.wait().unwrap();
+    assert!(
+        std::fs::read_dir(tmp.path()).unwrap().next().is_none(),
+        "tether left temporary files"
+    );
+    (status.code(), String::from_utf8_lossy(&text).into_owned())
+}
+
+/// The variable that marks every process of one test scenario (inherited by all that the
+/// ranks start, whatever session or group they move to).
+pub const MARK_VAR: &str = "TETHER_TEST_MARK";
+
+/// The live processes (zombies excluded) whose environment has `MARK_VAR=mark`.
+pub fn marked(mark: &str) -> Vec<i32> {
+    let needle = format!("{MARK_VAR}={mark}");
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|&b| b == 0).any(|v| v == needle.as_bytes()))
+                && alive(pid)
+        })
+        .collect()
+}
+
+/// A shell script for a rank that leaves processes in other sessions and process groups:
+/// one `setsid` child, one double-forked daemon in a new session (its parent exits at once),
+/// and a sleep in the rank's group. Their pids go to `$DIR/pids.<attempt>`; the rank writes
+/// `$DIR/ready.$RANK` once they run, then runs `tail`.
+pub fn leaver(tail: &str) -> String {
+    let pids = r#""$DIR/pids.$TORCHELASTIC_RESTART_COUNT""#;
+    format!(
+        r#"setsid sleep 600 & echo $! >> {pids}; sh -c '(setsid sleep 601 & echo $! >> {pids}); exit 0' & sleep 602 & echo $! >> {pids}; sleep 0.05; echo $$ > "$DIR/ready.$RANK"; {tail}"#
+    )
 }

@@ -1,0 +1,180 @@
+//! The keeper: the process users see as `tether run` (the one they started, whose pid they
+//! hold). It stays small: it forks the supervisor ([`crate::run`]), forwards stop signals
+//! to it, and once the supervisor has ended, however it ended, kills and reaps whatever is
+//! left, then exits with the supervisor's status.
+//!
+//! The pact between the two processes, which leaves no orphan whichever of them dies:
+//! - both are child subreapers. The supervisor is the ranks' parent, so whatever a rank
+//!   leaves behind (in any session or process group) is re-parented to it, and it kills that
+//!   at the end of each attempt;
+//! - the supervisor sits in its own process group: a signal to the keeper's group
+//!   (`kill -9 %1`, a Ctrl-C) reaches the keeper alone, which forwards stop signals;
+//! - if the supervisor dies, even by SIGKILL, the ranks die with it (their parent-death
+//!   signal) and everything they started is re-parented to the keeper, which kills it all;
+//! - if the keeper dies, even by SIGKILL, a thread of the supervisor sees it through a pidfd
+//!   and kills every rank and everything re-parented to the supervisor, then exits.
+
+use std::collections::HashSet;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tether_core::signal_name;
+
+use crate::config::Config;
+use crate::output::message;
+use crate::reaper;
+use crate::run::{supervisor_main, TempDir};
+use crate::signals::{self, SignalFd};
+
+/// How long a supervisor whose keeper died keeps killing before it gives up on what will
+/// not die (a process stuck in the kernel).
+const ABANDON_LIMIT: Duration = Duration::from_secs(5);
+
+/// Set in a supervisor whose keeper died: its own end belongs to the thread that cleans up.
+static ABANDONED: AtomicBool = AtomicBool::new(false);
+
+/// Whether this supervisor's keeper died (and another thread is ending the process).
+pub fn abandoned() -> bool {
+    ABANDONED.load(Ordering::SeqCst)
+}
+
+/// Runs `cfg` in a supervisor process and returns the exit status. Must be called while
+/// the process has a single thread.
+pub fn run(cfg: Config) -> i32 {
+    let mut handled = cfg.stop_signals.clone();
+    handled.push(libc::SIGCHLD);
+    let saved = match signals::block(&handled) {
+        Ok(saved) => saved,
+        Err(err) => {
+            message(&format!("tether: cannot block signals: {err}"));
+            return 1;
+        }
+    };
+    let code = keep(cfg, &handled);
+    signals::restore(saved);
+    code
+}
+
+fn keep(cfg: Config, handled: &[i32]) -> i32 {
+    let signals = match SignalFd::new(handled) {
+        Ok(fd) => fd,
+        Err(err) => {
+            message(&format!("tether: cannot create a signalfd: {err}"));
+            return 1;
+        }
+    };
+    if let Err(err) = reaper::become_subreaper() {
+        message(&format!(
+            "tether: warning: cannot become a child subreaper ({err}); processes that ranks \
+             leave behind may outlive tether"
+        ));
+    }
+    let tmp = TempDir::name("tether-run-");
+    let keeper = std::process::id() as i32;
+    // The children the host process had already are its own: never killed nor reaped.
+    let hosts: HashSet<i32> = reaper::children().into_iter().collect();
+    // SAFETY: the process has a single thread (checked by `main`), so the child may run any
+    // code; it never returns here (see `supervisor_main`).
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        message(&format!(
+            "tether: cannot start the supervisor: {}",
+            io::Error::last_os_error()
+        ));
+        return 1;
+    }
+    if pid == 0 {
+        drop(signals);
+        let path = tmp.path().to_path_buf();
+        std::mem::forget(tmp);
+        supervisor_main(cfg, path, keeper);
+    }
+    let status = wait_for(pid, &signals);
+    reaper::kill_and_reap_all_but(&hosts);
+    drop(tmp);
+    // SAFETY: prctl clears a flag of this process (the host process may live on).
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 0 as libc::c_ulong) };
+    exit_code(pid, status)
+}
+
+/// Forwards stop signals to the supervisor `pid` until it exits; returns its wait status.
+/// (Anything else re-parented here meanwhile, which only a supervisor that could not be a
+/// subreaper lets through, is killed and reaped once it has ended.)
+fn wait_for(pid: i32, signals: &SignalFd) -> i32 {
+    loop {
+        signals.wait(None);
+        while let Some(sig) = signals.next() {
+            if sig != libc::SIGCHLD {
+                // SAFETY: signalling our own unreaped child.
+                unsafe { libc::kill(pid, sig) };
+            }
+        }
+        let mut status = 0;
+        // SAFETY: reaping the supervisor, our own child, once it has exited.
+        if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
+            return status;
+        }
+    }
+}
+
+fn exit_code(pid: i32, status: i32) -> i32 {
+    if libc::WIFEXITED(status) {
+        return libc::WEXITSTATUS(status);
+    }
+    let sig = libc::WTERMSIG(status);
+    message(&format!(
+        "tether: the supervisor (pid {pid}) was killed by {}; every rank and what they \
+         started are stopped",
+        signal_name(sig)
+    ));
+    128 + sig
+}
+
+/// In the supervisor: starts the thread that, should the keeper die, kills every rank and
+/// everything re-parented here, removes `tmp` and ends the process.
+pub fn watch(keeper: i32, tmp: PathBuf) -> io::Result<()> {
+    let pidfd = rustix::process::Pid::from_raw(keeper)
+        .map(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()));
+    // SAFETY: getppid cannot fail.
+    if unsafe { libc::getppid() } != keeper {
+        abandon(keeper, &tmp);
+    }
+    std::thread::Builder::new()
+        .name("tether-keeper-watch".into())
+        .spawn(move || {
+            match pidfd {
+                Some(Ok(fd)) => {
+                    let mut fds = [rustix::event::PollFd::new(
+                        &fd,
+                        rustix::event::PollFlags::IN,
+                    )];
+                    while !matches!(rustix::event::poll(&mut fds, None), Ok(n) if n > 0) {}
+                }
+                // No pidfds (a kernel before 5.3): the parent changes when the keeper dies.
+                // SAFETY: getppid cannot fail.
+                _ => {
+                    while unsafe { libc::getppid() } == keeper {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+            }
+            abandon(keeper, &tmp);
+        })?;
+    Ok(())
+}
+
+/// The keeper is gone: kill everything below the supervisor and end it.
+fn abandon(keeper: i32, tmp: &Path) -> ! {
+    ABANDONED.store(true, Ordering::SeqCst);
+    message(&format!(
+        "tether: the launcher (pid {keeper}) is gone; killing every rank and what they started"
+    ));
+    crate::output::silence();
+    let _no_more_ranks = crate::run::stop_launching();
+    reaper::kill_every_child(ABANDON_LIMIT);
+    let _ = std::fs::remove_dir_all(tmp);
+    // SAFETY: ends the supervisor at once; nothing is left for it to do.
+    unsafe { libc::_exit(128 + libc::SIGKILL) }
+}
