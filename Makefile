@@ -13,16 +13,25 @@ export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
 all: build
 
-$(DEPS): pyproject.toml
+# The versions the tests and linters were last run with (torch and numpy are test
+# dependencies only: tether itself never imports them).
+TEST_DEPS := torch==2.15.0 numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 loky==3.7.0
+TOOLS     := maturin==1.16.0 ruff==0.17.6 mypy==2.4.1
+
+$(DEPS): pyproject.toml Makefile
+	@echo "== setting up $(VENV): a virtual environment for the tests"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch numpy pytest pytest-timeout maturin ruff loky
+	@echo "== installing $(TEST_DEPS) $(TOOLS)"
+	@echo "   (torch is about 5 GB: the first time, this takes a few minutes)"
+	$(PY) -m pip install --progress-bar off $(TEST_DEPS) $(TOOLS)
 	touch $(DEPS)
 
 # The `tether` command line is compiled into the extension module (tether._native), which
 # the `tether` console script and `python -m tether` call: the package needs no binary.
 build: $(DEPS)
-	$(VENV)/bin/maturin develop --release --quiet
+	@echo "== building tether (Rust, release; the first build takes a minute or two)"
+	$(VENV)/bin/maturin develop --release
 
 # The wheel a user installs (one abi3 wheel per platform), in dist/.
 wheel: $(DEPS)
@@ -31,28 +40,51 @@ wheel: $(DEPS)
 test: build lint test-rust test-python
 
 test-rust:
+	@echo "== Rust tests"
 	cargo test --workspace --exclude tether-py
 
 test-python: build
+	@echo "== Python tests"
 	$(PY) -m pytest
 
-lint: $(DEPS)
+# Formatting and lints, the type checker over python/tether, and the stubs of the compiled
+# module checked against its real signatures.
+lint: build
+	@echo "== lint and type checks"
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	$(VENV)/bin/ruff check python tests bench examples
+	$(PY) -m mypy
+	$(PY) -m mypy.stubtest tether._native
 
+# Each section says in one line what to notice; every number printed is labelled.
 demo: build
-	@echo "== tether.spawn: a rank fails, the others are stopped, the root cause is reported"
-	$(PY) examples/failing_rank.py
-	@echo "== tether.spawn: a CPU training job over 2 ranks with torch.distributed (gloo)"
-	$(PY) examples/train_gloo.py
-	@echo "== the zygote: 8 processes from a script that imports torch"
-	$(PY) examples/zygote.py
-	@echo "== tether.Pool: one pool of workers serving DataLoaders epoch after epoch"
-	$(PY) examples/pool_dataloaders.py
-	@echo "== tether run: 4 ranks of a script, then the same with rank 2 failing"
-	$(VENV)/bin/tether run -n 4 examples/rank_report.py
-	-$(VENV)/bin/tether run -n 4 --grace-period 5 examples/rank_report.py --fail
+	@echo
+	@echo "== 1. tether.spawn: rank 2 fails first, rank 3 later; the others are stopped"
+	@echo "   notice: the root cause reported is rank 2 (first in time), with its traceback"
+	@$(PY) examples/failing_rank.py
+	@echo
+	@echo "== 2. tether.spawn: a CPU training job over 2 ranks with torch.distributed (gloo)"
+	@echo "   notice: the loss falls and both ranks end with identical weights"
+	@$(PY) examples/train_gloo.py
+	@echo
+	@echo "== 3. the zygote: processes started from a script that imports torch"
+	@echo "   notice: a warm start costs a fork (milliseconds), not an interpreter and torch"
+	@$(PY) examples/zygote.py
+	@echo
+	@echo "== 4. tether.Pool: one pool serving two DataLoaders at a time, epoch after epoch"
+	@echo "   notice: the same worker pids serve every epoch; no worker is started again"
+	@$(PY) examples/pool_dataloaders.py
+	@echo
+	@echo "== 5. tether run: 4 ranks of a script, with torchrun's command line"
+	@echo "   notice: every line carries its rank; torchrun's environment in each rank"
+	@$(VENV)/bin/tether run --nproc-per-node 4 examples/rank_report.py
+	@echo
+	@echo "== 6. tether run: the same with rank 2 failing"
+	@echo "   notice: the root cause is rank 2, although the other ranks ended later"
+	@$(VENV)/bin/tether run --nproc-per-node 4 --grace-period 5 examples/rank_report.py --fail; \
+	  code=$$?; echo "tether run exited with $$code: rank 2's exit code, as torchrun would"; \
+	  test $$code -eq 1
 
 bench: build
 	$(PY) bench/spawn.py

@@ -22,6 +22,6 @@ if __name__ == "__main__":
         tether.spawn(work, args=(100,), nprocs=4)
     except tether.ProcessRaisedException as e:
         elapsed = time.monotonic() - start
-        print(f"== root cause: rank {e.error_index} (pid {e.pid}), after {elapsed:.2f} s ==")
+        print(f"root cause: rank {e.error_index} (pid {e.pid}), raised after {elapsed:.2f} s")
         print(str(e).strip())
-        print(f"== the original exception, rebuilt in the parent: {e.__cause__!r}")
+        print(f"the original exception, rebuilt in the parent: {e.__cause__!r}")

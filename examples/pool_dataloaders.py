@@ -30,7 +30,8 @@ def checksum(batch_sum: float) -> float:
 def main() -> None:
     with tether.Pool(4, preload=["torch"]) as pool:
         ctx = pool.context()
-        print("workers:", pool.pids())
+        started = pool.pids()
+        print(f"pool workers: pids {started}")
         for epoch in range(3):
             train = DataLoader(
                 Squares(256),
@@ -40,12 +41,17 @@ def main() -> None:
                 multiprocessing_context=ctx,
             )
             val = DataLoader(Squares(64), batch_size=8, num_workers=2, multiprocessing_context=ctx)
-            total = 0.0
+            total, batches = 0.0, 0
             for x, v in zip(train, val):  # four workers leased at once
                 total += float(x.sum()) + float(v.sum())
+                batches += 2
             # Between loaders the same workers run ordinary tasks too.
             doubled = pool.submit(checksum, total).result()
-            print(f"epoch {epoch}: {total:.0f} (x2 = {doubled:.0f}), workers {pool.pids()}")
+            print(
+                f"epoch {epoch}: {batches} batches from 2 loaders (sum {total:,.0f}; "
+                f"executor task agrees: {doubled == 2 * total}); "
+                f"worker pids {pool.pids()}, the same as at the start: {pool.pids() == started}"
+            )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ and what tether promises beyond them. Each test runs with every start method."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -58,6 +59,9 @@ def raise_all(i):
 
 def abort_rank0(i):
     if i == 0:
+        # A fork child inherits pytest's fault handler, which writes past pytest's capture:
+        # point it at the child's stderr (captured), where the test looks for its dump.
+        faulthandler.enable(file=sys.stderr)
         os.kill(os.getpid(), signal.SIGABRT)
     time.sleep(1.0)
 
@@ -176,9 +180,11 @@ def test_exception_all(method):
         start(raise_all, method=method)
 
 
-def test_terminate_signal(method):
+def test_terminate_signal(method, capfd):
     with pytest.raises(Exception, match="process 0 terminated with signal (SIGABRT|SIGIOT)"):
         start(abort_rank0, method=method)
+    dump = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in dump and "in abort_rank0" in dump
 
 
 def test_terminate_exit(method):

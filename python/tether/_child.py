@@ -18,7 +18,7 @@ import signal
 import struct
 import sys
 import threading
-from typing import Any, Callable, Dict, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from . import _native, _report
 
@@ -63,7 +63,7 @@ def run_rank(call: Callable[[], Any], report_fd: int) -> int:
 
 
 def _read_all(fd: int) -> bytes:
-    chunks = []
+    chunks: List[bytes] = []
     while True:
         chunk = os.read(fd, 1 << 20)
         if not chunk:
@@ -79,8 +79,10 @@ def _prepare(data: Dict[str, Any]) -> None:
     if tracker_fd is not None:
         from multiprocessing import resource_tracker
 
+        # The tracker's fd is private to multiprocessing (its spawn children set it so too).
         resource_tracker._resource_tracker._fd = tracker_fd  # type: ignore[attr-defined]
     process = multiprocessing.process.current_process()
+    # multiprocessing's own "still bootstrapping" flag (private, not in its type stubs).
     process._inheriting = True  # type: ignore[attr-defined]
     try:
         multiprocessing.spawn.prepare(data)
@@ -154,7 +156,8 @@ def main() -> None:
 
 def reset_after_fork() -> None:
     """What multiprocessing does in a process it forks: forget the parent's children and
-    finalizers, and let queues, locks and loggers reset themselves."""
+    finalizers, and let queues, locks and loggers reset themselves. (These are private to
+    multiprocessing and missing from its type stubs: its own Popen uses them alike.)"""
     multiprocessing.util._finalizer_registry.clear()  # type: ignore[attr-defined]
     multiprocessing.process._children = set()  # type: ignore[attr-defined]
     multiprocessing.util._run_after_forkers()  # type: ignore[attr-defined]
@@ -166,6 +169,7 @@ def exit_forked(code: int) -> NoReturn:
     streams flushed, then ``os._exit`` skips ``atexit`` handlers and the interpreter's slow
     teardown (most of a second with torch loaded)."""
     try:
+        # What multiprocessing runs at a child's exit (private, not in the type stubs).
         multiprocessing.util._exit_function()  # type: ignore[attr-defined]
         threading._shutdown()  # type: ignore[attr-defined]
     finally:

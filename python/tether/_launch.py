@@ -61,7 +61,9 @@ class _SpawningPopen:
 
 
 def _dumps(obj: Any, popen: _SpawningPopen) -> bytes:
-    set_spawning_popen(popen)
+    # Any object with duplicate_for_child() and DupFd serves as the "spawning popen" (that is
+    # all multiprocessing's reductions call); the type stubs name only its own classes.
+    set_spawning_popen(popen)  # type: ignore[arg-type]
     try:
         return bytes(ForkingPickler.dumps(obj))
     finally:
@@ -78,7 +80,7 @@ def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
         "sys_path": list(sys.path),
         "sys_argv": list(sys.argv),
         "dir": os.getcwd(),
-        "orig_dir": multiprocessing.process.ORIGINAL_DIR,
+        "orig_dir": _original_dir(),
     }
     main = sys.modules.get("__main__")
     spec_name = getattr(getattr(main, "__spec__", None), "name", None)
@@ -86,8 +88,9 @@ def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
     if spec_name is not None:
         data["init_main_from_name"] = spec_name
     elif main_path is not None:
-        if not os.path.isabs(main_path) and multiprocessing.process.ORIGINAL_DIR is not None:
-            main_path = os.path.join(multiprocessing.process.ORIGINAL_DIR, main_path)
+        original = _original_dir()
+        if not os.path.isabs(main_path) and original is not None:
+            main_path = os.path.join(original, main_path)
         data["init_main_from_path"] = os.path.normpath(main_path)
     from multiprocessing import resource_tracker
 
@@ -97,9 +100,16 @@ def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
     return data
 
 
+def _original_dir() -> Optional[str]:
+    """The working directory the interpreter started in (multiprocessing records it)."""
+    return getattr(multiprocessing.process, "ORIGINAL_DIR", None)
+
+
 def python_argv(code: str) -> List[bytes]:
     """``python [the interpreter's flags] -c code`` for this interpreter, as bytes."""
     argv = [multiprocessing.spawn.get_executable()]
+    # The interpreter's own flags (-B, -X, ...), as multiprocessing passes them on (private to
+    # subprocess, not in its type stubs).
     argv += subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
     argv += ["-c", code]
     return [os.fsencode(a) for a in argv]

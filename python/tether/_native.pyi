@@ -2,6 +2,34 @@
 
 from typing import List, Literal, Optional, Sequence, Tuple, Union
 
+from typing_extensions import Self, final
+
+__all__ = [
+    "Group",
+    "ExitStatus",
+    "Zygote",
+    "Job",
+    "Endpoint",
+    "SharedFlag",
+    "Poller",
+    "ZygoteError",
+    "REPORT_LIMIT",
+    "ANSWER_TIMEOUT",
+    "MAX_BLANKS",
+    "ZYGOTE_FDS_ENV",
+    "cli_main",
+    "setup_forked_child",
+    "signal_name",
+    "signal_hint",
+    "encode_report",
+    "limit_hint",
+    "set_title",
+    "log_level",
+    "decode_report",
+    "zygote_serve",
+    "__version__",
+]
+
 __version__: str
 
 _WaitFor = Literal["all", "all_or_failure", "any"]
@@ -14,6 +42,7 @@ ANSWER_TIMEOUT: float
 MAX_BLANKS: int
 ZYGOTE_FDS_ENV: str
 
+@final
 class ExitStatus:
     """How a child ended: the one typed exit status, from the supervisor."""
 
@@ -37,6 +66,7 @@ class ExitStatus:
     def at(self) -> float: ...
     def describe(self) -> str: ...
 
+@final
 class Group:
     """A set of children started and watched together."""
 
@@ -66,12 +96,13 @@ class Group:
     ) -> bool: ...
     def terminate(self, grace: float, signal: int = ...) -> None: ...
 
+@final
 class Zygote:
     """The parent's handle on a zygote process."""
 
-    def __init__(
-        self, argv: Sequence[bytes], env: Sequence[Tuple[bytes, bytes]], config: bytes
-    ) -> None: ...
+    def __new__(
+        cls, argv: Sequence[bytes], env: Sequence[Tuple[bytes, bytes]], config: bytes
+    ) -> Self: ...
     @property
     def pid(self) -> int: ...
     def blanks(self) -> List[int]: ...
@@ -90,6 +121,7 @@ class Zygote:
     ) -> List[int]: ...
     def close(self, grace: float = 1.0) -> None: ...
 
+@final
 class Job:
     """What a child of the zygote runs."""
 
@@ -121,6 +153,7 @@ def cli_main(
     commands: List[Tuple[str, str]] = ...,
 ) -> int: ...
 
+@final
 class Endpoint:
     """One end of a message channel (a ``SOCK_SEQPACKET`` socket pair): messages are sent
     and received whole, with fds, by any number of processes and threads."""
@@ -142,6 +175,7 @@ class Endpoint:
     ) -> Optional[Tuple[bytes, List[int]]]: ...
     def readable(self) -> bool: ...
 
+@final
 class SharedFlag:
     """A flag in a shared memory page: set/clear/is_set/wait across processes."""
 
@@ -155,6 +189,7 @@ class SharedFlag:
     def clear(self) -> None: ...
     def wait(self, timeout: Optional[float] = None) -> bool: ...
 
+@final
 class Poller:
     """Epoll over fds, each under an int token, with a wake-up."""
 

@@ -20,7 +20,7 @@ import sys
 import sysconfig
 import threading
 import warnings
-from typing import Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterable, List, NoReturn, Optional, Sequence, Tuple
 
 from . import _child, _launch, _native
 from ._log import logger
@@ -82,7 +82,7 @@ def main() -> None:
 
 def preload_summary(preload: Sequence[str], shown: int = 6) -> str:
     """The preload list in a few words, installed packages (torch, numpy) first."""
-    stdlib = getattr(sys, "stdlib_module_names", frozenset())
+    stdlib: FrozenSet[str] = getattr(sys, "stdlib_module_names", frozenset())
     names = sorted((m for m in preload if not m.startswith("_")), key=lambda m: (m in stdlib, m))
     hidden = len(preload) - min(shown, len(names))
     text = ", ".join(names[:shown])

@@ -3,7 +3,7 @@ attributes (so code written against ``torch.multiprocessing`` keeps working)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Tuple
 
 
 class ProcessException(Exception):
@@ -19,7 +19,7 @@ class ProcessException(Exception):
         self.error_pid = error_pid
         self.pid = error_pid
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
         return type(self), (self.msg, self.error_index, self.error_pid)
 
 
@@ -46,7 +46,7 @@ class ProcessExitedException(ProcessException):
         self.exit_code = exit_code
         self.signal_name = signal_name
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
         return (
             type(self),
             (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name),

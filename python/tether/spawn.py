@@ -220,6 +220,7 @@ def _add_note(error: BaseException, note: str) -> None:
     if hasattr(error, "add_note"):
         error.add_note(note)
     else:
+        # Python < 3.11 has no add_note; __notes__ is what 3.11's tracebacks show.
         error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
