@@ -8,7 +8,12 @@ parent, is watched from a Rust supervisor thread through a pidfd, and reports it
 from typing import Any
 
 from ._native import __version__
-from .errors import ProcessException, ProcessExitedException, ProcessRaisedException
+from .errors import (
+    ProcessException,
+    ProcessExitedException,
+    ProcessRaisedException,
+    ProcessTimeoutError,
+)
 from .spawn import ProcessContext, spawn, start_processes
 
 #: Imported on first use, so that a child's start-up does not pay for them.
@@ -37,6 +42,7 @@ __all__ = [
     "ProcessException",
     "ProcessExitedException",
     "ProcessRaisedException",
+    "ProcessTimeoutError",
     "__version__",
     "set_preload",
     "ZygoteError",

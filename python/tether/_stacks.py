@@ -1,0 +1,43 @@
+"""Stacks on demand from Python: what ``ProcessContext.stacks``, ``Pool.stacks`` and a
+timed-out spawn ask of tether-core (``_native.stacks``), and where py-spy is found for the
+native frames."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import shutil
+import sys
+from typing import Any, List, Optional, Sequence, Tuple
+
+from . import _native
+
+#: How long a request waits for the stacks by default.
+DEFAULT_TIMEOUT = 5.0
+
+
+def py_spy() -> Optional[str]:
+    """The py-spy program: on ``PATH``, or beside this interpreter (a virtual environment
+    that is not activated); None when it is not installed."""
+    return shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+
+
+def check_timeout(value: Any, name: str = "timeout") -> float:
+    """A positive number of seconds (``inf`` allowed); anything else is an error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    return seconds
+
+
+def ask(
+    targets: Sequence[Tuple[_native.Group, int]], timeout: Any, native: bool
+) -> List[Tuple[int, bool, str]]:
+    """Asks every ``(group, index)`` at once; ``(pid, answered, text)`` for each, in order.
+    With ``native``, py-spy's view is added when py-spy is installed (and silently left
+    out when it is not)."""
+    seconds = check_timeout(timeout)
+    return _native.stacks(list(targets), seconds, py_spy() if native else None)
