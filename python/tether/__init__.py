@@ -7,6 +7,9 @@ parent, is watched from a Rust supervisor thread through a pidfd, and reports it
 
 from typing import Any
 
+# Binds the compiled module as an attribute of the package even when it was loaded first
+# on its own (see _tether_stacks).
+from . import _native
 from ._native import __version__
 from .errors import (
     ProcessException,

@@ -4,6 +4,7 @@
 use std::os::fd::RawFd;
 use std::path::PathBuf;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tether_core::stacks::{self as core_stacks, Request};
@@ -13,9 +14,14 @@ use crate::{core_error, os_error, timeout_of};
 
 /// In a child: registers `faulthandler` to dump every thread's stack to `fd` (the sending
 /// end of the parent's stacks channel) on the stack signal, wrapped in the handler that
-/// marks where each dump begins and ends.
+/// marks where each dump begins and ends. A ValueError when `fd` is no such channel.
 #[pyfunction]
 fn install_stack_handler(py: Python<'_>, fd: RawFd) -> PyResult<()> {
+    if !core_stacks::handler::is_channel(fd) {
+        return Err(PyValueError::new_err(format!(
+            "fd {fd} is not a tether stacks channel"
+        )));
+    }
     let kwargs = PyDict::new(py);
     kwargs.set_item("file", fd)?;
     kwargs.set_item("all_threads", true)?;

@@ -89,6 +89,20 @@ impl QueuedInfo {
     }
 }
 
+/// Whether `fd` is a stacks channel: a Unix datagram socket (so that a stray
+/// `TETHER_STACKS_FD` never makes a process write its stacks into some other file).
+pub fn is_channel(fd: RawFd) -> bool {
+    use rustix::net::{sockopt, AddressFamily, SocketType};
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: the fd is only inspected for the duration of this call; an fd that is not open
+    // makes the calls fail.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    sockopt::socket_type(fd) == Ok(SocketType::DGRAM)
+        && sockopt::socket_domain(fd) == Ok(AddressFamily::UNIX)
+}
+
 /// Wraps the handler `faulthandler.register` installed for `signal` (writing to `fd`) in one
 /// that writes the markers around each dump. Calling it again only changes the fd.
 pub fn wrap(signal: i32, fd: RawFd) -> io::Result<()> {
