@@ -10,7 +10,6 @@ from typing import Any
 # Binds the compiled module as an attribute of the package even when it was loaded first
 # on its own (see _tether_stacks).
 from . import _native
-from ._native import __version__
 from .errors import (
     ProcessException,
     ProcessExitedException,
@@ -18,6 +17,8 @@ from .errors import (
     ProcessTimeoutError,
 )
 from .spawn import ProcessContext, spawn, start_processes
+
+__version__ = _native.__version__
 
 #: Imported on first use, so that a child's start-up does not pay for them.
 _LAZY = {

@@ -41,3 +41,40 @@ def ask(
     out when it is not)."""
     seconds = check_timeout(timeout)
     return _native.stacks(list(targets), seconds, py_spy() if native else None)
+
+
+def _mask(pid: int, field: str) -> int:
+    """A signal mask of /proc/PID/status (``SigBlk``, ``SigCgt``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def _is_launcher(pid: int) -> bool:
+    """Whether ``pid`` is a running ``tether run`` (its keeper or its supervisor): such a
+    process reads the stack signal from a signalfd, so it keeps it blocked."""
+    try:
+        blocked = _mask(pid, "SigBlk")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    named = any(os.path.basename(a).startswith(b"tether") for a in argv) and b"run" in argv
+    return named and bool(blocked & (1 << (_native.STACKS_SIGNAL - 1)))
+
+
+def stacks_main(argv: List[str]) -> int:
+    """``tether stacks PID``: asks the ``tether run`` whose pid is PID to print every rank's
+    stack on its stderr (as ``kill -USR1 PID`` does); the run goes on."""
+    if len(argv) != 1 or not argv[0].isdigit():
+        print("usage: tether stacks PID  (PID: the pid of a running `tether run`)", flush=True)
+        return 0 if argv in (["-h"], ["--help"]) else 2
+    pid = int(argv[0])
+    if not _is_launcher(pid):
+        print(f"tether stacks: pid {pid} is not a running `tether run`", file=sys.stderr)
+        return 1
+    os.kill(pid, _native.STACKS_SIGNAL)
+    print(f"tether stacks: asked `tether run` (pid {pid}); the stacks appear on its stderr")
+    return 0
