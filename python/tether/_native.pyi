@@ -15,6 +15,7 @@ MAX_BLANKS: int
 ZYGOTE_FDS_ENV: str
 STACKS_SIGNAL: int
 STACKS_FD_ENV: str
+PY_SPY_ENV: str
 
 class ExitStatus:
     """How a child ended: the one typed exit status, from the supervisor."""

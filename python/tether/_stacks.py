@@ -18,8 +18,12 @@ DEFAULT_TIMEOUT = 5.0
 
 
 def py_spy() -> Optional[str]:
-    """The py-spy program: on ``PATH``, or beside this interpreter (a virtual environment
-    that is not activated); None when it is not installed."""
+    """The py-spy program: the one ``TETHER_PY_SPY`` names (none when it is empty), else
+    the one on ``PATH`` or beside this interpreter (a virtual environment that is not
+    activated); None when it is not installed."""
+    chosen = os.environ.get(_native.PY_SPY_ENV)
+    if chosen is not None:
+        return chosen or None
     return shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
 
 

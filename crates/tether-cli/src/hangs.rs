@@ -191,13 +191,19 @@ pub fn print_stacks_in_background(ranks: &Ranks, sig: i32) {
 /// Shows every rank's stack (native frames too when py-spy is installed) because the run
 /// went past `limit`. `python` is the ranks' interpreter, if they run Python.
 pub fn print_stacks_at_limit(ranks: &Ranks, limit: Limit, python: Option<&OsString>) {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let py_spy = find_py_spy(&path, python.map(Path::new));
+    let py_spy = match std::env::var_os(stacks::PY_SPY_ENV) {
+        Some(chosen) => Some(PathBuf::from(chosen)).filter(|p| !p.as_os_str().is_empty()),
+        None => {
+            let path = std::env::var_os("PATH").unwrap_or_default();
+            find_py_spy(&path, python.map(Path::new))
+        }
+    };
     let then = ", then every rank is stopped";
     print_stacks(ranks, &limit.describe(), then, py_spy);
 }
 
-/// `py-spy` on `path`, or beside the ranks' Python (a virtual environment not activated).
+/// `py-spy` on `path`, or beside the ranks' Python (a virtual environment not activated);
+/// `TETHER_PY_SPY` names another one, or none when empty.
 fn find_py_spy(path: &OsStr, python: Option<&Path>) -> Option<PathBuf> {
     let beside = python.and_then(Path::parent).map(Path::to_path_buf);
     std::env::split_paths(path)

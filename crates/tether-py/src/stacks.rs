@@ -74,6 +74,7 @@ fn stacks(
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STACKS_SIGNAL", core_stacks::signal())?;
     m.add("STACKS_FD_ENV", core_stacks::FD_ENV)?;
+    m.add("PY_SPY_ENV", core_stacks::PY_SPY_ENV)?;
     m.add_function(wrap_pyfunction!(install_stack_handler, m)?)?;
     m.add_function(wrap_pyfunction!(stacks_fd, m)?)?;
     m.add_function(wrap_pyfunction!(stacks, m)?)?;

@@ -37,6 +37,10 @@ use crate::{Error, Group};
 /// The environment variable that names, in a child, the fd of its parent's stacks channel.
 pub const FD_ENV: &str = "TETHER_STACKS_FD";
 
+/// The environment variable that chooses the py-spy program for native frames (empty: none),
+/// instead of the one found on `PATH`.
+pub const PY_SPY_ENV: &str = "TETHER_PY_SPY";
+
 /// The signal that asks for a dump: `SIGRTMIN+4`.
 pub fn signal() -> i32 {
     libc::SIGRTMIN() + 4
