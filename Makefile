@@ -16,7 +16,7 @@ all: build
 $(DEPS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch numpy pytest pytest-timeout maturin ruff loky
+	$(PY) -m pip install --quiet torch numpy pytest pytest-timeout maturin ruff loky py-spy
 	touch $(DEPS)
 
 # The `tether` command line is compiled into the extension module (tether._native), which
@@ -59,6 +59,7 @@ bench: build
 	$(PY) bench/launcher.py
 	$(PY) bench/loaders.py
 	$(PY) bench/executor.py
+	$(PY) bench/stacks.py
 
 clean:
 	rm -rf target dist $(VENV) python/tether/*.so

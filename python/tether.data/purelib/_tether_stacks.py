@@ -38,10 +38,14 @@ def _native() -> object:
     import _frozen_importlib_external
 
     finder = _frozen_importlib_external.PathFinder
-    package = finder.find_spec("tether")
-    if package is None or not package.submodule_search_locations:
-        raise ImportError("tether is not installed")
-    spec = finder.find_spec("tether._native", list(package.submodule_search_locations))
+    # Installed from a wheel, the package sits beside this module: no search of sys.path.
+    beside = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tether")
+    spec = finder.find_spec("tether._native", [beside])
+    if spec is None:
+        package = finder.find_spec("tether")
+        if package is None or not package.submodule_search_locations:
+            raise ImportError("tether is not installed")
+        spec = finder.find_spec("tether._native", list(package.submodule_search_locations))
     if spec is None or spec.loader is None:
         raise ImportError("tether._native is not installed")
     module = _frozen_importlib.module_from_spec(spec)
