@@ -965,6 +965,49 @@ mod tests {
     }
 
     #[test]
+    fn time_limits_are_positive_seconds_and_python_ranks_answer_for_stacks() {
+        let c = args(&["--timeout", "1.5", "--stall-timeout=60", "x.py"]);
+        let err = c.unwrap_err().to_string();
+        assert!(err.contains("cannot find the script"), "{err}");
+        let c = args(&["--timeout", "1.5", "--stall_timeout=60", "--no-python", "x"]).unwrap();
+        assert_eq!(c.timeout, Some(Duration::from_millis(1500)));
+        assert_eq!(c.stall_timeout, Some(Duration::from_secs(60)));
+        assert!(!c.python_ranks);
+        let c = args(&["-m", "pkg.train"]).unwrap();
+        assert_eq!(
+            (c.timeout, c.stall_timeout, c.python_ranks),
+            (None, None, true)
+        );
+        for (option, value) in [
+            ("--timeout", "0"),
+            ("--stall-timeout", "-1"),
+            ("--timeout", "inf"),
+        ] {
+            let err = args(&[option, value, "--no-python", "x"]).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::ValueValidation);
+            assert!(
+                err.to_string()
+                    .contains(&format!("invalid {option} {}", value)),
+                "{err}"
+            );
+        }
+        assert!(args(&["--timeout", "soon", "--no-python", "x"]).is_err());
+    }
+
+    #[test]
+    fn sigusr1_asks_for_stacks_unless_it_is_made_a_stop_signal() {
+        let c = args(&["--no-python", "x"]).unwrap();
+        assert!(!c.stop_signals.contains(&libc::SIGUSR1));
+        assert!(c.notes.is_empty());
+        let c = args(&["--signals-to-handle", "SIGUSR1", "--no-python", "x"]).unwrap();
+        assert!(
+            c.notes.iter().any(|n| n.contains("SIGUSR1 stops this run")),
+            "{:?}",
+            c.notes
+        );
+    }
+
+    #[test]
     fn stop_signals_always_include_the_usual_three() {
         let c = args(&[
             "--signals-to-handle",
