@@ -15,7 +15,7 @@ all: build
 
 # The versions the tests and linters were last run with (torch and numpy are test
 # dependencies only: tether itself never imports them).
-TEST_DEPS := torch==2.15.0 numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 loky==3.7.0
+TEST_DEPS := torch==2.15.0 numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 loky==3.7.0 py-spy==0.4.3
 TOOLS     := maturin==1.16.0 ruff==0.17.6 mypy==2.4.1
 
 $(DEPS): pyproject.toml Makefile
@@ -91,6 +91,7 @@ bench: build
 	$(PY) bench/launcher.py
 	$(PY) bench/loaders.py
 	$(PY) bench/executor.py
+	$(PY) bench/stacks.py
 
 clean:
 	rm -rf target dist $(VENV) python/tether/*.so

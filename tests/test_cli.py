@@ -5,6 +5,7 @@ run`` reports a failing torch program through the error file of ``@record``."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -88,7 +89,8 @@ def test_python_subcommands_dispatch_before_the_launcher_and_are_listed() -> Non
         timeout=30,
     )
     assert listed.returncode == 0, listed.stderr
-    assert "hello  Say hello" in listed.stdout and "run " in listed.stdout, listed.stdout
+    assert re.search(r"\n  hello +Say hello\n", listed.stdout), listed.stdout
+    assert "run " in listed.stdout, listed.stdout
 
 
 def test_record_error_file_is_the_report(tmp_path: Path) -> None:

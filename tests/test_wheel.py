@@ -76,6 +76,9 @@ def test_one_abi3_wheel_per_platform_with_the_launcher_inside(wheels: Dict[str, 
         assert {"tether/_cli.py", "tether/__main__.py"} <= set(names)
         assert "tether=tether._cli:main" in scripts.replace(" ", "")
         assert not any(n.startswith("tether/bin/") for n in names), names
+        # Installed at site-packages' root: the hook that lets tether run's ranks answer.
+        data = re.compile(r"tether-[\d.]+\.data/purelib/(tether_stacks\.pth|_tether_stacks\.py)")
+        assert len([n for n in names if data.fullmatch(n)]) == 2, names
 
 
 def fresh_venv(where: Path, wheel: Path) -> Path:
@@ -121,3 +124,14 @@ def test_tether_run_from_a_fresh_venv_with_only_the_wheel(
         ], proc.stdout
     help_text = run([str(python.with_name("tether")), "run", "--help"], tmp_path)
     assert help_text.returncode == 0 and "SCRIPT.py" in help_text.stdout
+    # A rank of the installed wheel answers for its stack (tether_stacks.pth).
+    (tmp_path / "stuck.py").write_text(
+        "import time\ndef stuck_here():\n    time.sleep(60)\n"
+        "print('ready', flush=True)\nstuck_here()\n"
+    )
+    timed_out = run(
+        [str(python.with_name("tether")), "run", "--timeout", "3", "stuck.py"], tmp_path
+    )
+    assert timed_out.returncode == 124, timed_out.stderr
+    assert '[rank 0]:   File "' in timed_out.stderr, timed_out.stderr
+    assert 'stuck.py", line 3 in stuck_here' in timed_out.stderr, timed_out.stderr

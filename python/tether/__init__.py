@@ -7,9 +7,18 @@ parent, is watched from a Rust supervisor thread through a pidfd, and reports it
 
 from typing import Any
 
-from ._native import __version__
-from .errors import ProcessException, ProcessExitedException, ProcessRaisedException
+# Binds the compiled module as an attribute of the package even when it was loaded first
+# on its own (see _tether_stacks).
+from . import _native
+from .errors import (
+    ProcessException,
+    ProcessExitedException,
+    ProcessRaisedException,
+    ProcessTimeoutError,
+)
 from .spawn import ProcessContext, spawn, start_processes
+
+__version__ = _native.__version__
 
 #: Imported on first use, so that a child's start-up does not pay for them.
 _LAZY = {
@@ -37,6 +46,7 @@ __all__ = [
     "ProcessException",
     "ProcessExitedException",
     "ProcessRaisedException",
+    "ProcessTimeoutError",
     "__version__",
     "set_preload",
     "ZygoteError",

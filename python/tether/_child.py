@@ -5,7 +5,11 @@ A spawn child reads its payload from the socket named by ``TETHER_PAYLOAD_FD``: 
 (rank, two lengths), the preparation data (what multiprocessing's spawn needs to rebuild
 ``__main__``, ``sys.path``, the working directory...) and the pickled ``(fn, args)``.
 On an exception (``KeyboardInterrupt`` included) it writes a report to the pipe named by
-``TETHER_REPORT_FD`` and exits 1."""
+``TETHER_REPORT_FD`` and exits 1.
+
+Every child registers its stack dump handler first of all (``install_stacks``) on its
+parent's stacks channel: named by ``TETHER_STACKS_FD`` for a spawn child, carried in the
+preparation data for a zygote's child, known to a fork child."""
 
 from __future__ import annotations
 
@@ -105,6 +109,20 @@ def set_title(title: Optional[Title], rank: int) -> None:
         pass  # a name is a courtesy: never a reason to fail
 
 
+def install_stacks(fd: Optional[int]) -> None:
+    """Makes this process answer its parent's requests for its stacks: ``faulthandler``
+    dumps every thread to ``fd`` (the parent's stacks channel, made close-on-exec here) on
+    tether's stack signal. Without it the process only cannot answer: never a reason to
+    fail."""
+    if fd is None:
+        return
+    try:
+        _native.install_stack_handler(fd)
+        os.set_inheritable(fd, False)
+    except Exception:  # noqa: BLE001 - a debugging aid must never stop a rank
+        pass
+
+
 def run_payload(
     prep: bytes,
     work: bytes,
@@ -121,6 +139,7 @@ def run_payload(
             raise OSError(*setup_error)
         data = pickle.loads(prep)
         set_title(data.pop("tether_title", None), rank)
+        install_stacks(data.pop("tether_stacks_fd", None))
         _prepare(data)
         fn, args = pickle.loads(work)
         fn(rank, *args)
@@ -145,6 +164,8 @@ def make_payload(rank: int, prep: bytes, work: bytes) -> bytes:
 
 def main() -> None:
     """Entry point of a spawn child: ``python -c 'from tether._child import main; main()'``."""
+    stacks_fd = os.environ.pop(_native.STACKS_FD_ENV, None)
+    install_stacks(None if stacks_fd is None else int(stacks_fd))
     payload_fd = int(os.environ.pop("TETHER_PAYLOAD_FD"))
     report_fd = int(os.environ.pop("TETHER_REPORT_FD"))
     os.set_inheritable(report_fd, False)
@@ -185,11 +206,13 @@ def run_forked(
     parent_pid: int,
     from_main_thread: bool,
     title: Optional[Title] = None,
+    stacks_fd: Optional[int] = None,
 ) -> NoReturn:
     """Entry point of a fork child, right after ``os.fork()``; never returns."""
     code = 1
     try:
         _native.setup_forked_child(parent_pid, from_main_thread)
+        install_stacks(stacks_fd)
         set_title(title, rank)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -28,9 +28,16 @@ def _ps(args: List[str]) -> int:
     return ps_main(args)
 
 
+def _stacks(args: List[str]) -> int:
+    from ._stacks import stacks_main
+
+    return stacks_main(args)
+
+
 #: Python subcommands by name.
 COMMANDS: Dict[str, Command] = {
     "ps": Command("List the processes tether started for this user, as a tree", _ps),
+    "stacks": Command("Print every rank's stack in a running `tether run` (its PID)", _stacks),
 }
 
 

@@ -141,6 +141,9 @@ def start(
     popen = _SpawningPopen()
     data = _preparation_data(popen)
     data["tether_title"] = title
+    if method == "forkserver":
+        # A spawn child is given the stacks channel by the supervisor (TETHER_STACKS_FD).
+        data["tether_stacks_fd"] = popen.duplicate_for_child(_native.stacks_fd())
     prep = _dumps(data, popen)
     work = _dumps((fn, tuple(args)), popen)
     passed = list(dict.fromkeys([*popen.fds, *keep_fds]))
@@ -191,10 +194,12 @@ def _start_fork(
     """Forks one child per rank, then hands them all to the supervisor in one call."""
     parent = os.getpid()
     from_main = threading.current_thread() is threading.main_thread()
+    stacks_fd = _native.stacks_fd()
     children: List[Tuple[int, int]] = []  # (pid, read end of its report pipe)
     try:
         for rank in ranks:
-            children.append(_fork_one(fn, rank, args, close_in_child, parent, from_main, title))
+            child = _fork_one(fn, rank, args, close_in_child, parent, from_main, title, stacks_fd)
+            children.append(child)
     except BaseException:
         _stop_unsupervised(children)
         raise
@@ -211,6 +216,7 @@ def _fork_one(
     parent: int,
     from_main: bool,
     title: _child.Title,
+    stacks_fd: int,
 ) -> Tuple[int, int]:
     try:
         read_fd, write_fd = os.pipe()
@@ -231,7 +237,7 @@ def _fork_one(
                 os.close(fd)
             except OSError:
                 pass
-        _child.run_forked(fn, rank, args, write_fd, parent, from_main, title)
+        _child.run_forked(fn, rank, args, write_fd, parent, from_main, title, stacks_fd)
     os.close(write_fd)
     try:
         os.setpgid(pid, pid)

@@ -3,7 +3,7 @@ attributes (so code written against ``torch.multiprocessing`` keeps working)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 
 class ProcessException(Exception):
@@ -51,3 +51,21 @@ class ProcessExitedException(ProcessException):
             type(self),
             (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name),
         )
+
+
+class ProcessTimeoutError(TimeoutError):
+    """The job ran past its ``timeout``: every rank's stack was taken, then every rank was
+    stopped (SIGTERM, the grace period, SIGKILL). ``stacks`` maps each rank to the text of
+    its stack (or why there is none); ``timeout`` is the limit in seconds."""
+
+    def __init__(self, msg: str, stacks: Dict[int, str], timeout: float) -> None:
+        super().__init__(msg)
+        self.msg = msg
+        self.stacks = stacks
+        self.timeout = timeout
+
+    def __str__(self) -> str:
+        return self.msg
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        return type(self), (self.msg, self.stacks, self.timeout)

@@ -950,6 +950,16 @@ class Pool(concurrent.futures.Executor):
         """The pids of the current workers (a replaced worker has a new pid)."""
         return self._core.pids()
 
+    def stacks(self, timeout: float = 5.0, native: bool = False) -> Dict[int, str]:
+        """Where every worker is: ``{pid: text}``, as ``ProcessContext.stacks`` has it."""
+        from . import _stacks
+
+        core = self._core
+        with core.lock:
+            live = [w for w in core.workers if w is not None and not w.dead]
+            targets = [(w.group, 0) for w in live if w.group is not None]
+        return {pid: text for pid, _, text in _stacks.ask(targets, timeout, native)}
+
     def submit(
         self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
     ) -> concurrent.futures.Future:

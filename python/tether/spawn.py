@@ -16,20 +16,27 @@ import numbers
 import signal
 import sys
 import threading
+import time
 import warnings
 import weakref
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from . import _launch, _native, _report
+from . import _launch, _native, _report, _stacks
 from ._launch import DEFAULT_START_METHOD
 from ._log import logger
-from .errors import ProcessException, ProcessExitedException, ProcessRaisedException
+from .errors import (
+    ProcessException,
+    ProcessExitedException,
+    ProcessRaisedException,
+    ProcessTimeoutError,
+)
 
 __all__ = [
     "ProcessContext",
     "ProcessException",
     "ProcessExitedException",
     "ProcessRaisedException",
+    "ProcessTimeoutError",
     "spawn",
     "start_processes",
 ]
@@ -115,13 +122,23 @@ _live_lock = threading.Lock()
 
 class ProcessContext:
     """The children of one ``start_processes`` call. ``join`` waits for them, and on the first
-    failure stops the others and raises with the failed child's error."""
+    failure stops the others and raises with the failed child's error; past the job's
+    ``timeout`` it takes every rank's stack, stops them and raises ``ProcessTimeoutError``.
+    ``stacks()`` shows where each rank is, at any time."""
 
     def __init__(
-        self, group: _native.Group, daemon: bool, start_method: str = "", what: str = ""
+        self,
+        group: _native.Group,
+        daemon: bool,
+        start_method: str = "",
+        what: str = "",
+        timeout: Optional[float] = None,
     ) -> None:
         self._group = group
         self._daemon = daemon
+        #: The job's time limit in seconds, counted from now, or None.
+        self.timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
         #: How the children were started and what they run (for ``tether.status()``).
         self.start_method = start_method
         self.what = what
@@ -133,20 +150,35 @@ class ProcessContext:
     def pids(self) -> List[int]:
         return [p.pid for p in self.processes]
 
+    def stacks(
+        self, timeout: float = _stacks.DEFAULT_TIMEOUT, native: bool = False
+    ) -> Dict[int, str]:
+        """Where every rank is: ``{rank: text}``, the Python stack of each of its threads
+        (most recent call first), asked of all ranks at once without stopping them and
+        without ptrace. A rank that cannot answer within ``timeout`` seconds (stopped, in
+        the kernel, no longer running, or running no Python of tether's) gets a line that
+        says so, with its pid and state; it never holds up the others. With ``native`` and
+        py-spy installed, py-spy's native frames follow each stack."""
+        ranks = range(len(self.processes))
+        answers = _stacks.ask([(self._group, i) for i in ranks], timeout, native)
+        return {rank: text for rank, (_, _, text) in zip(ranks, answers)}
+
     def join(self, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> bool:
         """Waits for the children. Returns True once all of them have exited 0 (and on every
         later call), False if ``timeout`` passes with some still running (a negative timeout
         only looks; inf waits for ever). On the first failure (first in time): waits
         ``grace_period`` for the others if given, SIGTERMs the rest, waits ``grace_period``
         (30 s when None), SIGKILLs what is left, and raises ``ProcessRaisedException`` or
-        ``ProcessExitedException`` for that child. Bad arguments raise before anything
-        else happens, and never stop the children."""
+        ``ProcessExitedException`` for that child. Past the job's ``timeout`` (given to
+        ``start_processes``), takes every rank's stack, stops them the same way and raises
+        ``ProcessTimeoutError``. Bad arguments raise before anything else happens, and never
+        stop the children."""
         wait = _seconds(timeout, "timeout")
         grace = _seconds(grace_period, "grace_period")
         if self._done:
             return True
         try:
-            settled = self._group.wait(None, "all_or_failure", wait)
+            settled = self._group.wait(None, "all_or_failure", self._bounded(wait))
         except BaseException:
             # Ctrl-C (or any interruption) while waiting: nothing may be left running.
             self._stop(grace)
@@ -156,6 +188,8 @@ class ProcessContext:
             if settled:
                 self._done = True
                 self._warn_unavailable()
+            elif self._deadline is not None and time.monotonic() >= self._deadline:
+                raise self._time_out(grace)
             return settled
         if grace is not None:
             self._group.wait(None, "all", grace)
@@ -163,6 +197,31 @@ class ProcessContext:
         self._done = True
         # Those stopped now fail later in time: the first failure stays the root cause.
         raise self._error(failed)
+
+    def _bounded(self, wait: Optional[float]) -> Optional[float]:
+        """``wait`` cut at the job's deadline."""
+        if self._deadline is None:
+            return wait
+        left = max(0.0, self._deadline - time.monotonic())
+        return left if wait is None else min(wait, left)
+
+    def _time_out(self, grace: Optional[float]) -> ProcessTimeoutError:
+        """The job ran past its timeout: takes every rank's stack, stops every rank, and
+        returns the error that shows them."""
+        stacks = self.stacks()
+        self._stop(grace)
+        self._done = True
+        assert self.timeout is not None
+        shown = "".join(
+            f"\n\n-- rank {rank} (pid {self.processes[rank].pid}):\n{text}"
+            for rank, text in stacks.items()
+        )
+        msg = (
+            f"the processes ran past their timeout of {self.timeout:g} s and were stopped; "
+            f"where each rank was:{shown}"
+        )
+        logger.info("timeout of %g s: stopped %d process(es)", self.timeout, len(stacks))
+        return ProcessTimeoutError(msg, stacks, self.timeout)
 
     def _stop(self, grace: Optional[float]) -> None:
         """Stops every live child: SIGTERM to its process group (once any failure report in
@@ -211,8 +270,9 @@ class ProcessContext:
     def _at_exit(self, interrupted: bool) -> None:
         if self._daemon or interrupted:
             self._stop(1.0)
-        else:
-            self._group.wait(None, "all", None)
+        elif not self._group.wait(None, "all", self._bounded(None)):
+            # Past the job's timeout: nobody is left to raise to.
+            print(f"tether: {self._time_out(None)}", file=sys.stderr)
 
 
 def _add_note(error: BaseException, note: str) -> None:
@@ -252,14 +312,20 @@ def start_processes(
     start_method: str = DEFAULT_START_METHOD,
     *,
     preload: Optional[Sequence[str]] = None,
+    timeout: Optional[float] = None,
 ) -> Optional[ProcessContext]:
     """Starts ``nprocs`` processes running ``fn(i, *args)`` with ``start_method``:
     "forkserver" (the default: a fork of tether's warm zygote, as clean as "spawn" but
     without the interpreter start and the heavy imports; ``preload`` names the modules the
     zygote imports, see ``tether.set_preload``), "spawn" (a fresh interpreter) or "fork" (a
     copy of this process). With ``join`` (the default) waits for all of them and raises on
-    the first failure; otherwise returns the ``ProcessContext``."""
+    the first failure; otherwise returns the ``ProcessContext``. A ``timeout`` (seconds,
+    counted from the start of the processes) bounds the whole job: once it has passed,
+    ``join`` takes every rank's stack, stops them all and raises ``ProcessTimeoutError``
+    (a ``TimeoutError``) whose ``stacks`` shows where each rank was."""
     _launch.check_start_method(start_method, "tether")
+    if timeout is not None:
+        timeout = _stacks.check_timeout(timeout)
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 0:
         raise ValueError(f"nprocs must be a non-negative int, got {nprocs!r}")
     if getattr(multiprocessing.process.current_process(), "_inheriting", False):
@@ -270,7 +336,7 @@ def start_processes(
         )
     group = _launch.start(fn, args, range(nprocs), start_method, preload=preload)
     what = getattr(fn, "__qualname__", None) or repr(fn)
-    context = ProcessContext(group, daemon, start_method, what)
+    context = ProcessContext(group, daemon, start_method, what, timeout)
     logger.debug(
         "started %d process(es) of %s with %s: %s", nprocs, what, start_method, group.pids()
     )
@@ -290,6 +356,7 @@ def spawn(
     start_method: str = DEFAULT_START_METHOD,
     *,
     preload: Optional[Sequence[str]] = None,
+    timeout: Optional[float] = None,
 ) -> Optional[ProcessContext]:
     """Like ``start_processes``, for a fresh-process start method: "forkserver" (the
     default) or "spawn". As in torch, another ``start_method`` ("fork") gives a
@@ -303,4 +370,6 @@ def spawn(
             stacklevel=2,
         )
         start_method = DEFAULT_START_METHOD
-    return start_processes(fn, args, nprocs, join, daemon, start_method, preload=preload)
+    return start_processes(
+        fn, args, nprocs, join, daemon, start_method, preload=preload, timeout=timeout
+    )

@@ -40,9 +40,12 @@ const RUN_AFTER: &str =
      the\nrank's own prefix already (\"[rank N]\", or \"[rankN]\" as torch prints). When \
      tether's stdout\nand stderr are one file (a terminal, `2>&1`), a rank's two streams share \
      one pipe and\nkeep the order it wrote them in.\n\n\
+     Stacks: `kill -USR1 PID` (or `tether stacks PID`) prints every rank's Python stack, \
+     rank\nby rank, to tether's stderr, and the run goes on; PID is tether's own.\n\n\
      Exit status: 0 when every rank exits 0; the first failing rank's exit code (128+signal\n\
-     when a signal killed it); 128+signal when tether got a stop signal; 2 for bad usage;\n\
-     127/126 when the command cannot be started.";
+     when a signal killed it); 128+signal when tether got a stop signal; 124 past \
+     --timeout or\n--stall-timeout; 2 for bad usage; 127/126 when the command cannot be \
+     started.";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -332,6 +335,19 @@ pub struct StopArgs {
         hide_env = true
     )]
     pub signals: String,
+    /// End the run after SECONDS: print every rank's stack (with py-spy's native frames
+    /// when py-spy is installed), then stop the ranks (SIGTERM, the grace period, SIGKILL);
+    /// exit status 124, as timeout(1).
+    #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
+    pub timeout: Option<f64>,
+    /// End the run the same way when no rank has printed anything for SECONDS.
+    #[arg(
+        long = "stall-timeout",
+        visible_alias = "stall_timeout",
+        value_name = "SECONDS",
+        allow_negative_numbers = true
+    )]
+    pub stall_timeout: Option<f64>,
 }
 
 #[derive(Debug, Args)]

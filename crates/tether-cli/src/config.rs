@@ -140,8 +140,15 @@ pub struct Config {
     pub virtual_devices: Option<VirtualDevices>,
     /// Signals that stop the run (forwarded to the ranks).
     pub stop_signals: Vec<i32>,
+    /// `--timeout`: the run's time limit.
+    pub timeout: Option<Duration>,
+    /// `--stall-timeout`: the longest time without output from any rank.
+    pub stall_timeout: Option<Duration>,
     /// The argv every rank runs.
     pub command: Vec<OsString>,
+    /// Whether the ranks run tether's Python (a script or a module), which answers requests
+    /// for its stacks; false with `--no-python`.
+    pub python_ranks: bool,
     /// Warnings about options accepted but not applied, printed at start.
     pub notes: Vec<String>,
 }
@@ -190,7 +197,7 @@ fn conflict(message: impl std::fmt::Display) -> clap::Error {
 
 /// Resolves the parsed options (with SLURM's environment and the host's) into a [`Config`].
 pub fn resolve(args: RunArgs, ctx: &Context) -> Result<Config, clap::Error> {
-    let notes = accepted(&args.accepted, &args.rdzv.conf)?;
+    let mut notes = accepted(&args.accepted, &args.rdzv.conf)?;
     let c10d = backend_is_c10d(args.rdzv.backend.as_deref(), args.nodes.standalone)?;
     let slurm = ctx.slurm.clone().unwrap_or_default();
     let nproc = nproc(args.nodes.nproc_per_node.as_deref(), ctx)?;
@@ -210,6 +217,14 @@ pub fn resolve(args: RunArgs, ctx: &Context) -> Result<Config, clap::Error> {
             stop.grace_period
         )));
     }
+    let stop_signals = stop_signals(&stop.signals)?;
+    if stop_signals.contains(&libc::SIGUSR1) {
+        notes.push(
+            "tether: SIGUSR1 stops this run (--signals-to-handle); `tether stacks PID` still \
+             prints the ranks' stacks"
+                .into(),
+        );
+    }
     Ok(Config {
         nproc,
         nnodes,
@@ -222,8 +237,11 @@ pub fn resolve(args: RunArgs, ctx: &Context) -> Result<Config, clap::Error> {
         run_id: run_id(args.rdzv.id.as_deref(), &slurm)?,
         role: args.program.role.clone(),
         virtual_devices: virtual_devices(args.program.virtual_local_rank, nproc, ctx)?,
-        stop_signals: stop_signals(&stop.signals)?,
+        stop_signals,
+        timeout: limit("--timeout", stop.timeout)?,
+        stall_timeout: limit("--stall-timeout", stop.stall_timeout)?,
         command: program(&args.program, &args.command, &ctx.python)?,
+        python_ranks: !args.program.no_python || args.program.run_path,
         notes,
     })
 }
@@ -621,6 +639,19 @@ pub fn random_id() -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// A time limit in seconds: positive and finite.
+fn limit(option: &str, seconds: Option<f64>) -> Result<Option<Duration>, clap::Error> {
+    let Some(seconds) = seconds else {
+        return Ok(None);
+    };
+    match Duration::try_from_secs_f64(seconds) {
+        Ok(limit) if !limit.is_zero() => Ok(Some(limit)),
+        _ => Err(invalid(format!(
+            "invalid {option} {seconds}: expected a number of seconds > 0"
+        ))),
+    }
+}
+
 /// The signals that stop the run: SIGINT, SIGTERM and SIGHUP, and those listed.
 fn stop_signals(list: &str) -> Result<Vec<i32>, clap::Error> {
     let mut signals = vec![libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
@@ -931,6 +962,49 @@ mod tests {
         assert_eq!(c.output.prefix.as_deref(), Some("${rank}> "));
         assert_eq!(filter_list(Some("a,b,,c")), ["a", "b,c"]);
         assert!(filter_list(Some("")).is_empty());
+    }
+
+    #[test]
+    fn time_limits_are_positive_seconds_and_python_ranks_answer_for_stacks() {
+        let c = args(&["--timeout", "1.5", "--stall-timeout=60", "x.py"]);
+        let err = c.unwrap_err().to_string();
+        assert!(err.contains("cannot find the script"), "{err}");
+        let c = args(&["--timeout", "1.5", "--stall_timeout=60", "--no-python", "x"]).unwrap();
+        assert_eq!(c.timeout, Some(Duration::from_millis(1500)));
+        assert_eq!(c.stall_timeout, Some(Duration::from_secs(60)));
+        assert!(!c.python_ranks);
+        let c = args(&["-m", "pkg.train"]).unwrap();
+        assert_eq!(
+            (c.timeout, c.stall_timeout, c.python_ranks),
+            (None, None, true)
+        );
+        for (option, value) in [
+            ("--timeout", "0"),
+            ("--stall-timeout", "-1"),
+            ("--timeout", "inf"),
+        ] {
+            let err = args(&[option, value, "--no-python", "x"]).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::ValueValidation);
+            assert!(
+                err.to_string()
+                    .contains(&format!("invalid {option} {}", value)),
+                "{err}"
+            );
+        }
+        assert!(args(&["--timeout", "soon", "--no-python", "x"]).is_err());
+    }
+
+    #[test]
+    fn sigusr1_asks_for_stacks_unless_it_is_made_a_stop_signal() {
+        let c = args(&["--no-python", "x"]).unwrap();
+        assert!(!c.stop_signals.contains(&libc::SIGUSR1));
+        assert!(c.notes.is_empty());
+        let c = args(&["--signals-to-handle", "SIGUSR1", "--no-python", "x"]).unwrap();
+        assert!(
+            c.notes.iter().any(|n| n.contains("SIGUSR1 stops this run")),
+            "{:?}",
+            c.notes
+        );
     }
 
     #[test]

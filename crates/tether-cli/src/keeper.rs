@@ -45,6 +45,8 @@ pub fn abandoned() -> bool {
 pub fn run(cfg: Config) -> i32 {
     let mut handled = cfg.stop_signals.clone();
     handled.push(libc::SIGCHLD);
+    // Forwarded to the supervisor, which prints the ranks' stacks.
+    handled.extend(crate::hangs::stack_signals(&cfg));
     let saved = match signals::block(&handled) {
         Ok(saved) => saved,
         Err(err) => {

@@ -12,6 +12,7 @@ mod args;
 mod clock;
 mod config;
 mod env;
+mod hangs;
 mod keeper;
 mod output;
 mod reaper;

@@ -161,6 +161,11 @@ impl Prefix {
         }
     }
 
+    /// The rendered prefix.
+    pub fn text(&self) -> &[u8] {
+        &self.text
+    }
+
     /// Whether `line` starts with this rank's own prefix: the rendered prefix (without its
     /// trailing blanks), `[rank N]` or `[rankN]`.
     pub fn is_own(&self, line: &[u8]) -> bool {
@@ -209,6 +214,8 @@ pub struct Pump {
     pub file: Option<File>,
     pub tail: Option<SharedTail>,
     pub filter: Option<FilterSink>,
+    /// Where the time of the last output is kept (for `--stall-timeout`).
+    pub activity: Option<crate::hangs::Activity>,
 }
 
 impl Pump {
@@ -239,6 +246,9 @@ impl Pump {
                 Err(_) => break,
             };
             let chunk = &buf[..n];
+            if let Some(activity) = &self.activity {
+                crate::hangs::touch(activity);
+            }
             if let Some(file) = &mut self.file {
                 if file.write_all(chunk).is_err() {
                     self.file = None;

@@ -19,6 +19,7 @@ use tether_core::{signal_name, Group, LaunchSpec, WaitFor};
 use crate::clock;
 use crate::config::{Config, Streams};
 use crate::env::rank_env;
+use crate::hangs::{self, Limit, Ranks, Watchdog};
 use crate::output::{self, FilterSink, Prefix, Pump, RankNames, SharedTail, Stream, Tail};
 use crate::reaper;
 use crate::report::{oom_kills, ErrorFile, Failure, RankEnd};
@@ -155,6 +156,7 @@ fn supervisor(cfg: Config, tmp: PathBuf, keeper: i32) -> i32 {
     }
     let mut handled = cfg.stop_signals.clone();
     handled.push(libc::SIGCHLD);
+    handled.extend(hangs::stack_signals(&cfg));
     let signals = match SignalFd::new(&handled) {
         Ok(fd) => fd,
         Err(err) => {
@@ -207,6 +209,14 @@ enum AttemptEnd {
     Failed(Box<Failure>),
     /// The launcher got this signal and stopped the ranks.
     Interrupted(i32),
+    /// The run went past `--timeout` or `--stall-timeout`; the ranks were stopped.
+    TimedOut(Limit),
+}
+
+/// Why the launcher stopped the ranks of an attempt itself.
+enum Stop {
+    Signal(i32),
+    Limit(Limit),
 }
 
 /// The pipes and files of one rank, ready for its launch.
@@ -235,6 +245,9 @@ pub struct Launcher {
     omp_unset: bool,
     one_console: bool,
     hostname: String,
+    watchdog: Watchdog,
+    /// The signals that ask for the ranks' stacks.
+    stack_signals: Vec<i32>,
 }
 
 impl Launcher {
@@ -244,6 +257,8 @@ impl Launcher {
             omp_unset: std::env::var_os("OMP_NUM_THREADS").is_none(),
             one_console: output::console_is_one_file(),
             hostname: hostname(),
+            watchdog: Watchdog::new(&cfg),
+            stack_signals: hangs::stack_signals(&cfg),
             cfg,
             signals,
             tmp,
@@ -262,6 +277,14 @@ impl Launcher {
             match self.attempt(attempt) {
                 Ok(AttemptEnd::Success) => return 0,
                 Ok(AttemptEnd::Interrupted(sig)) => return 128 + sig,
+                Ok(AttemptEnd::TimedOut(limit)) => {
+                    output::message(&format!(
+                        "tether: every rank was stopped: {}; exit status {}",
+                        limit.describe(),
+                        hangs::TIMED_OUT
+                    ));
+                    return hangs::TIMED_OUT;
+                }
                 Ok(AttemptEnd::Failed(failure)) if attempt < max => {
                     output::message(&format!(
                         "tether: attempt {attempt} failed at {}: rank {} (pid {}) ended with \
@@ -293,7 +316,7 @@ impl Launcher {
         while let Some(sig) = self.signals.next() {
             if sig == libc::SIGCHLD {
                 reaper::reap_orphans(&HashSet::new());
-            } else {
+            } else if !self.stack_signals.contains(&sig) {
                 return Some(sig);
             }
         }
@@ -328,6 +351,7 @@ impl Launcher {
             .map(|w| std::mem::take(&mut w.spec))
             .collect();
         let oom_before = oom_kills();
+        self.watchdog.restart();
         let group = Group::new();
         let launched = group.launch(specs);
         // The ranks hold their own copies now; the pumps see EOF once the ranks (and what
@@ -355,9 +379,11 @@ impl Launcher {
         }
         let oom = oom_before.zip(oom_kills());
         self.cleanup(&group, &done_rx, pumps);
-        let (stop_mono, interrupted) = supervised?;
-        if let Some(sig) = interrupted {
-            return Ok(AttemptEnd::Interrupted(sig));
+        let (stop_mono, stopped) = supervised?;
+        match stopped {
+            Some(Stop::Signal(sig)) => return Ok(AttemptEnd::Interrupted(sig)),
+            Some(Stop::Limit(limit)) => return Ok(AttemptEnd::TimedOut(limit)),
+            None => {}
         }
         Ok(self.conclude(&group, attempt, stop_mono, &wired, oom, logs))
     }
@@ -402,6 +428,7 @@ impl Launcher {
         let error_file = self.error_file(attempt, rank)?;
         let mut spec = LaunchSpec::new(cfg.command.clone());
         spec.env = rank_env(cfg, local, attempt, &error_file, self.omp_unset);
+        spec.stacks = cfg.python_ranks;
         let console = cfg.output.console(local);
         let merged = logs.is_none() && console == Streams::BOTH && self.one_console;
         let mut wired = Wired {
@@ -420,6 +447,7 @@ impl Launcher {
                 file: None,
                 tail: Some(wired.tail.clone()),
                 filter: None,
+                activity: Some(self.watchdog.activity.clone()),
             };
             plumb(&mut wired, pump, &[Stream::Stdout, Stream::Stderr], done)?;
             return Ok(wired);
@@ -451,6 +479,7 @@ impl Launcher {
                 file,
                 tail,
                 filter: filter.clone(),
+                activity: Some(self.watchdog.activity.clone()),
             };
             plumb(&mut wired, pump, &[stream], done)?;
         }
@@ -468,19 +497,26 @@ impl Launcher {
     /// Local rank `local`'s console prefix (`None` for `--no-prefix`).
     fn prefix(&self, local: usize) -> Option<Prefix> {
         let template = self.cfg.output.prefix.as_ref()?;
+        Some(self.render_prefix(template, local))
+    }
+
+    fn render_prefix(&self, template: &str, local: usize) -> Prefix {
         let names = RankNames {
             rank: self.cfg.global_rank(local),
             local_rank: local,
             role: &self.cfg.role,
             hostname: &self.hostname,
         };
-        Some(Prefix::render(template, &names))
+        Prefix::render(template, &names)
     }
 
-    /// Waits until every rank has exited. On the first failure, or on a stop signal to the
-    /// launcher, stops the others (the signal, the grace period, SIGKILL). Returns when the
-    /// stopping began (monotonic clock) and the signal that interrupted the run, if any.
-    fn supervise(&mut self, group: &Group) -> Result<(Option<Duration>, Option<i32>), RunError> {
+    /// Waits until every rank has exited. On the first failure, on a stop signal to the
+    /// launcher, or past a limit (after every rank's stack is shown), stops the others (the
+    /// signal, the grace period, SIGKILL). A stack signal prints every rank's stack and the
+    /// run goes on. Returns when the stopping began (monotonic clock) and why the launcher
+    /// stopped the ranks itself, if it did.
+    fn supervise(&mut self, group: &Group) -> Result<(Option<Duration>, Option<Stop>), RunError> {
+        let ranks = self.ranks(group);
         loop {
             if let Some(first) = group.first_failure() {
                 log::info!(target: "tether::run", "rank {first} failed: stopping the others");
@@ -492,10 +528,23 @@ impl Launcher {
             if live.is_empty() {
                 return Ok((None, None));
             }
+            if let Some(limit) = self.watchdog.passed() {
+                log::info!(target: "tether::run", "past a limit: {limit:?}");
+                let python = self.cfg.command.first().filter(|_| self.cfg.python_ranks);
+                hangs::print_stacks_at_limit(&ranks, limit, python);
+                return Ok((
+                    Some(self.stop(group, libc::SIGTERM)),
+                    Some(Stop::Limit(limit)),
+                ));
+            }
             let (ready, signals) = self.poll(group, &live)?;
             for sig in signals {
                 if sig == libc::SIGCHLD {
                     reaper::reap_orphans(&Self::live_pids(group));
+                    continue;
+                }
+                if self.stack_signals.contains(&sig) {
+                    hangs::print_stacks_in_background(&ranks, sig);
                     continue;
                 }
                 output::message(&format!(
@@ -504,7 +553,7 @@ impl Launcher {
                     live.len(),
                     self.cfg.grace,
                 ));
-                return Ok((Some(self.stop(group, sig)), Some(sig)));
+                return Ok((Some(self.stop(group, sig)), Some(Stop::Signal(sig))));
             }
             if !ready.is_empty() {
                 // The pidfd is readable once the rank exited; the supervisor thread records
@@ -515,6 +564,20 @@ impl Launcher {
                     Some(Duration::from_secs(1)),
                 );
             }
+        }
+    }
+
+    /// The ranks of `group` with the prefix of each (the default one under `--no-prefix`).
+    fn ranks(&self, group: &Group) -> Ranks {
+        let prefixes = (0..self.cfg.nproc)
+            .map(|local| {
+                self.prefix(local)
+                    .unwrap_or_else(|| self.render_prefix(crate::config::DEFAULT_PREFIX, local))
+            })
+            .collect();
+        Ranks {
+            group: group.clone(),
+            prefixes: Arc::new(prefixes),
         }
     }
 
@@ -538,8 +601,8 @@ impl Launcher {
         began
     }
 
-    /// Polls the signalfd and the pidfds of the `live` ranks until one is ready; returns the
-    /// ranks that exited and the signals that arrived.
+    /// Polls the signalfd and the pidfds of the `live` ranks until one is ready or a limit
+    /// may have been reached; returns the ranks that exited and the signals that arrived.
     fn poll(&self, group: &Group, live: &[usize]) -> Result<(Vec<usize>, Vec<i32>), RunError> {
         let sentinels: Vec<(usize, i32)> = live
             .iter()
@@ -552,7 +615,15 @@ impl Launcher {
             let fd = unsafe { BorrowedFd::borrow_raw(raw) };
             fds.push(PollFd::from_borrowed_fd(fd, PollFlags::IN));
         }
-        match rustix::event::poll(&mut fds, None) {
+        // A limit is checked at most 10 ms late, and never in a busy loop.
+        let timeout = self.watchdog.next_check().map(|left| {
+            let left = left.max(Duration::from_millis(10));
+            rustix::event::Timespec {
+                tv_sec: left.as_secs() as _,
+                tv_nsec: left.subsec_nanos() as _,
+            }
+        });
+        match rustix::event::poll(&mut fds, timeout.as_ref()) {
             Ok(_) | Err(rustix::io::Errno::INTR) => {}
             Err(e) => return Err(io_err("poll")(e.into())),
         }

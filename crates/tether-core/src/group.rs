@@ -292,6 +292,15 @@ impl Group {
         }
     }
 
+    /// Every member's stacks, asked at once (see [`crate::stacks::ask`]), in member order.
+    pub fn stacks(
+        &self,
+        request: &crate::stacks::Request,
+    ) -> Result<Vec<crate::stacks::Answer>, Error> {
+        let members: Vec<(&Group, usize)> = (0..self.len()).map(|i| (self, i)).collect();
+        crate::stacks::ask(&members, request)
+    }
+
     /// [`Group::terminate_with`] with no interruption.
     pub fn terminate(&self, signal: i32, grace: Duration) {
         self.terminate_with(signal, grace, &mut || false);

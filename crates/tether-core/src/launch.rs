@@ -38,6 +38,9 @@ pub struct LaunchSpec {
     /// frame (a little-endian u64 length, then the body); once it is whole, the child counts
     /// as failed (see `Member::failed_at`).
     pub report: bool,
+    /// Give the child this process's stacks channel (see [`crate::stacks`]): the fd named by
+    /// `TETHER_STACKS_FD`, on which a Python child registers its stack dump handler.
+    pub stacks: bool,
     /// Replaces stdout and stderr with these fds (for a launcher that captures output).
     pub stdout: Option<RawFd>,
     pub stderr: Option<RawFd>,

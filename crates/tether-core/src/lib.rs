@@ -11,6 +11,7 @@
 //! - [`zygote`]: the fork server's protocol, both sides: the warm process that forks
 //!   children on request, and its client in the parent.
 //! - [`report`]: a child's failure report as it arrives.
+//! - [`stacks`]: every Python child's stacks on demand, through one channel per process.
 //! - [`status`]: exit statuses and signal names.
 //! - [`channel`]: message channels with fds between running processes.
 //! - [`title`]: a process's title in `ps` and its name in `/proc/PID/comm`.
@@ -22,6 +23,7 @@ pub mod group;
 pub mod launch;
 pub mod logging;
 pub mod report;
+pub mod stacks;
 pub mod status;
 pub mod supervisor;
 pub mod title;

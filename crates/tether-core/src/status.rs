@@ -189,6 +189,28 @@ pub fn signal_hint(signal: i32) -> Option<&'static str> {
     }
 }
 
+/// The state letter of a process in /proc (R, S, D, T, t, Z, ...).
+pub fn process_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+}
+
+pub fn describe_state(state: Option<char>) -> String {
+    let name = match state {
+        Some('R') => "running",
+        Some('S') => "sleeping",
+        Some('D') => "in uninterruptible sleep",
+        Some('T') => "stopped",
+        Some('t') => "stopped by a debugger",
+        Some('Z') => "zombie",
+        _ => "unknown",
+    };
+    match state {
+        Some(c) => format!("{c}: {name}"),
+        None => name.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -24,6 +24,7 @@ use crate::channel::{Endpoint, Recv};
 use crate::group::{signal_tree, Exit, Group, GroupInner, Member, WaitFor};
 use crate::launch::{self, LaunchSpec, PAYLOAD_FD_ENV, REPORT_FD_ENV};
 use crate::report::Report;
+use crate::stacks::{self, Channel};
 use crate::status::ExitStatus;
 use crate::zygote::Notice;
 use crate::Error;
@@ -189,6 +190,8 @@ enum Request {
 struct Supervisor {
     pid: u32,
     wake: OwnedFd,
+    /// The stacks channel of this process: its children's dumps arrive here.
+    stacks: Channel,
     queue: Mutex<Vec<Request>>,
     /// Set when its thread could not be started: requests are refused (their callers get
     /// `SupervisorGone`) and the next call makes a new supervisor.
@@ -209,6 +212,7 @@ fn supervisor() -> Result<&'static Supervisor, Error> {
     let fresh = Box::into_raw(Box::new(Supervisor {
         pid,
         wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
+        stacks: Channel::new()?,
         queue: Mutex::new(Vec::new()),
         failed: AtomicBool::new(false),
     }));
@@ -243,6 +247,12 @@ impl Supervisor {
             epoll::EventData::new_u64(WAKE),
             epoll::EventFlags::IN,
         )?;
+        epoll::add(
+            &epoll,
+            self.stacks.receiver(),
+            epoll::EventData::new_u64(STACKS),
+            epoll::EventFlags::IN,
+        )?;
         std::thread::Builder::new()
             .name("tether-supervisor".into())
             .spawn(move || Loop::new(self, epoll).run())?;
@@ -270,6 +280,13 @@ impl Supervisor {
 }
 
 const WAKE: u64 = 0;
+/// The token of the stacks channel.
+const STACKS: u64 = 1;
+
+/// This process's stacks channel (the supervisor's, started if need be).
+pub(crate) fn stacks_channel() -> Result<&'static Channel, Error> {
+    Ok(&supervisor()?.stacks)
+}
 
 enum Watch {
     /// The pidfd of member `index`; `report` and `payload` are the tokens of its pipes.
@@ -308,7 +325,7 @@ impl Loop {
             sup,
             epoll,
             watches: HashMap::new(),
-            next_token: WAKE + 1,
+            next_token: STACKS + 1,
         }
     }
 
@@ -324,6 +341,8 @@ impl Loop {
                 let token = event.data.u64();
                 if token == WAKE {
                     self.serve_requests();
+                } else if token == STACKS {
+                    self.sup.stacks.drain();
                 } else {
                     self.on_ready(token);
                 }
@@ -395,6 +414,12 @@ impl Loop {
         } else {
             None
         };
+        if spec.stacks {
+            let sender = self.sup.stacks.sender().as_raw_fd();
+            spec.env
+                .push((stacks::FD_ENV.into(), sender.to_string().into()));
+            extra_keep.push(sender);
+        }
         let payload = match spec.payload.take() {
             Some(data) => {
                 let (ours, theirs) = rustix::net::socketpair(

@@ -35,6 +35,7 @@ use crate::attrs::{Attributes, ThreadAttributes};
 use crate::channel::{self, Endpoint, Recv};
 use crate::group::{signal_tree, Exit, Group, WaitFor};
 use crate::launch::{self, LaunchSpec};
+use crate::status::{describe_state, process_state};
 use crate::supervisor::{Adoption, Reserve};
 use crate::Error;
 
@@ -1267,28 +1268,6 @@ fn report_pipes(ranks: &[u32]) -> Result<Vec<(OwnedFd, OwnedFd)>, Error> {
             })
         })
         .collect()
-}
-
-/// The state letter of a process in /proc (R, S, D, T, t, Z, ...).
-fn process_state(pid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
-}
-
-fn describe_state(state: Option<char>) -> String {
-    let name = match state {
-        Some('R') => "running",
-        Some('S') => "sleeping",
-        Some('D') => "in uninterruptible sleep",
-        Some('T') => "stopped",
-        Some('t') => "stopped by a debugger",
-        Some('Z') => "zombie",
-        _ => "unknown",
-    };
-    match state {
-        Some(c) => format!("{c}: {name}"),
-        None => name.to_string(),
-    }
 }
 
 #[cfg(test)]

@@ -136,8 +136,9 @@ impl Group {
     }
 
     /// Starts one child per `(argv, env, keep_fds, payload)`; returns their indices. `argv`
-    /// and `env` items are bytes (`os.fsencode`); each child gets a report pipe, and the
-    /// CPU affinity and nice value of the calling thread.
+    /// and `env` items are bytes (`os.fsencode`); each child gets a report pipe, the stacks
+    /// channel (`TETHER_STACKS_FD`), and the CPU affinity and nice value of the calling
+    /// thread.
     fn launch(&self, py: Python<'_>, specs: Vec<PySpec>) -> PyResult<Vec<usize>> {
         let thread = ThreadAttributes::of_calling_thread().map_err(os_error)?;
         let specs: Vec<LaunchSpec> = specs
@@ -151,6 +152,7 @@ impl Group {
                 keep_fds,
                 payload,
                 report: true,
+                stacks: true,
                 thread: Some(thread.clone()),
                 ..LaunchSpec::default()
             })

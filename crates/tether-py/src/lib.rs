@@ -11,6 +11,7 @@ use pyo3::types::PyBytes;
 mod channel;
 mod cli;
 mod group;
+mod stacks;
 mod zygote;
 
 create_exception!(
@@ -128,6 +129,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_BLANKS", tether_core::zygote::MAX_BLANKS)?;
     m.add("ZYGOTE_FDS_ENV", tether_core::zygote::FDS_ENV)?;
     cli::register(m)?;
+    stacks::register(m)?;
     m.add_function(wrap_pyfunction!(setup_forked_child, m)?)?;
     m.add_function(wrap_pyfunction!(signal_name, m)?)?;
     m.add_function(wrap_pyfunction!(signal_hint, m)?)?;

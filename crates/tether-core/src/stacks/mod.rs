@@ -1,0 +1,336 @@
+//! Stacks on demand: every Python process tether starts can be asked for the Python stack
+//! of each of its threads, without being stopped and without ptrace.
+//!
+//! - The request is a real-time signal, [`signal`] (`SIGRTMIN+4`), so that SIGUSR1 and
+//!   SIGUSR2 stay the program's own. It goes out queued through the process's pidfd and
+//!   carries the request's id.
+//! - A child registers `faulthandler` for it on the sending end of its parent's stacks
+//!   channel (the fd named by [`FD_ENV`], or passed another way), which dumps every
+//!   thread from a C signal handler without taking the GIL: it answers while the program
+//!   blocks in a system call or spins in C holding the GIL. [`handler::wrap`] puts a
+//!   handler around it that brackets each dump with markers carrying the request's id.
+//! - The channel is one `SOCK_DGRAM` socket pair per parent process (one fd there, one in
+//!   each child, whatever the number of children). The supervisor thread drains the
+//!   receiving end; the kernel tags each datagram with its sender's pid (`SO_PASSCRED`),
+//!   so the dumps of many processes at once are told apart. Nothing goes through the
+//!   child's stdout or stderr, nor through a file.
+//! - [`ask`] asks every target at once and waits for all of them in parallel, up to a
+//!   timeout; a process that cannot answer (no handler, stopped, too slow) is reported as
+//!   such with its state, and never holds up the others. With py-spy, the native frames
+//!   are added ([`Request::py_spy`]).
+
+mod collect;
+pub mod handler;
+mod native;
+
+use std::collections::HashMap;
+use std::os::fd::{BorrowedFd, RawFd};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub(crate) use collect::Channel;
+
+use crate::status::{process_state, ExitStatus};
+use crate::{Error, Group};
+
+/// The environment variable that names, in a child, the fd of its parent's stacks channel.
+pub const FD_ENV: &str = "TETHER_STACKS_FD";
+
+/// The environment variable that chooses the py-spy program for native frames (empty: none),
+/// instead of the one found on `PATH`.
+pub const PY_SPY_ENV: &str = "TETHER_PY_SPY";
+
+/// The signal that asks for a dump: `SIGRTMIN+4`.
+pub fn signal() -> i32 {
+    libc::SIGRTMIN() + 4
+}
+
+/// The fd number of this process's stacks channel (its sending end, close-on-exec), for a
+/// child this process forks or hands to the zygote.
+pub fn channel_fd() -> Result<RawFd, Error> {
+    use std::os::fd::AsRawFd;
+    Ok(crate::supervisor::stacks_channel()?.sender().as_raw_fd())
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// What to ask for.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// How long to wait for the Python stacks (and then for py-spy).
+    pub timeout: Duration,
+    /// py-spy's path, for the native frames too.
+    pub py_spy: Option<PathBuf>,
+}
+
+/// What one process answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// Its whole dump.
+    Stack(String),
+    /// The start of a dump that did not end within the timeout, and its state then.
+    Cut { text: String, state: Option<char> },
+    /// Nothing within the timeout, and its state then.
+    Silent { state: Option<char> },
+    /// It handles no stack request: not a Python process started by tether's Python (or
+    /// one still starting up).
+    NoHandler,
+    /// It had exited (with this status, when known).
+    Exited(Option<ExitStatus>),
+    /// The request could not be sent.
+    Unreachable(String),
+}
+
+/// One process's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    pub pid: i32,
+    pub reply: Reply,
+    /// py-spy's view (or why there is none), when it was asked for.
+    pub native: Option<String>,
+}
+
+impl Answer {
+    /// Whether the whole Python stack arrived.
+    pub fn answered(&self) -> bool {
+        matches!(self.reply, Reply::Stack(_))
+    }
+
+    /// The stack as text, or a line saying why there is none (naming the pid, the timeout
+    /// and the process's state), then py-spy's view if any.
+    pub fn text(&self, timeout: Duration) -> String {
+        let pid = self.pid;
+        let within = seconds(timeout);
+        let mut text = match &self.reply {
+            Reply::Stack(text) => text.trim_end().to_string(),
+            Reply::Cut { text, state } => format!(
+                "{}\n(the dump was cut short: pid {pid} did not finish it within {within}; it \
+                 is {})",
+                text.trim_end(),
+                state_words(*state)
+            ),
+            Reply::Silent { state } => format!(
+                "(no Python stack: pid {pid} did not answer within {within}; it is {})",
+                state_words(*state)
+            ),
+            Reply::NoHandler => format!(
+                "(no Python stack: pid {pid} cannot answer: it is not a Python process started \
+                 by tether's Python, or it is still starting up)"
+            ),
+            Reply::Exited(Some(status)) => {
+                format!("(no Python stack: pid {pid} has exited with {status})")
+            }
+            Reply::Exited(None) => format!("(no Python stack: pid {pid} has exited)"),
+            Reply::Unreachable(why) => format!("(no Python stack: cannot ask pid {pid}: {why})"),
+        };
+        if let Some(native) = &self.native {
+            text.push_str("\n\nNative stack (py-spy dump --native):\n");
+            text.push_str(native.trim_end());
+        }
+        text
+    }
+}
+
+/// `5 s`, `0.5 s`.
+fn seconds(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{s:.0} s")
+    } else {
+        format!("{} s", format!("{s:.3}").trim_end_matches('0'))
+    }
+}
+
+/// A process's state in words, with a hint where the state explains the silence.
+fn state_words(state: Option<char>) -> String {
+    match state {
+        Some('T') => "stopped (state T): a stopped process answers only once continued \
+                      (SIGCONT)"
+            .into(),
+        Some('t') => "stopped by a debugger (state t)".into(),
+        Some('D') => "in uninterruptible sleep in the kernel (state D), where no signal \
+                      handler runs"
+            .into(),
+        Some('Z') => "a zombie (state Z): it has exited".into(),
+        Some('R') => "running (state R): it may block the signal, or be too busy".into(),
+        Some('S') => "sleeping (state S): it may block the signal".into(),
+        Some(c) => format!("in state {c}"),
+        None => "gone".into(),
+    }
+}
+
+/// Whether `pid` catches `signal` (`SigCgt` in /proc/PID/status): only then may it be
+/// sent, since the signal's default action ends a process.
+fn catches(pid: i32, signal: i32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    let mask = status
+        .lines()
+        .find_map(|line| line.strip_prefix("SigCgt:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok());
+    mask.is_some_and(|m| (1..=64).contains(&signal) && m & (1u64 << (signal - 1)) != 0)
+}
+
+/// Sends `signal` queued with `id` through `pidfd`.
+fn send(pidfd: BorrowedFd<'_>, signal: i32, id: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let info = handler::QueuedInfo::new(signal, id);
+    // SAFETY: pidfd_send_signal with a pidfd of ours and a siginfo of the right size.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            signal,
+            &info as *const handler::QueuedInfo,
+            0u32,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Asks member `index` of `group`; `None` once asked (the answer will come), else the
+/// reply already known.
+fn ask_one(channel: &Channel, group: &Group, index: usize, id: u64) -> (i32, Option<Reply>) {
+    let found = group.with_member(index, |m| (m.pid, m.exit, m.sentinel()));
+    let Some((pid, exit, sentinel)) = found else {
+        return (0, Some(Reply::Unreachable(format!("no member {index}"))));
+    };
+    if let Some(exit) = exit {
+        return (pid, Some(Reply::Exited(Some(exit.status))));
+    }
+    let signal = signal();
+    if !catches(pid, signal) {
+        return (pid, Some(Reply::NoHandler));
+    }
+    channel.expect(pid, id);
+    // SAFETY: a live member's sentinel is its pidfd, open as long as the group.
+    let pidfd = unsafe { BorrowedFd::borrow_raw(sentinel) };
+    match send(pidfd, signal, id) {
+        Ok(()) => (pid, None),
+        Err(err) => {
+            channel.forget(pid, id);
+            match err.raw_os_error() {
+                Some(libc::ESRCH) => (pid, Some(Reply::Exited(None))),
+                _ => (pid, Some(Reply::Unreachable(crate::strerror(&err)))),
+            }
+        }
+    }
+}
+
+/// Asks every member in `members` (`(group, index)`) for its stacks at once, and waits for
+/// the answers up to `request.timeout`; returns them in order.
+pub fn ask(members: &[(&Group, usize)], request: &Request) -> Result<Vec<Answer>, Error> {
+    let channel = crate::supervisor::stacks_channel()?;
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let start = Instant::now();
+    let deadline = start.checked_add(request.timeout).unwrap_or(start);
+    let asked: Vec<(i32, Option<Reply>)> = members
+        .iter()
+        .map(|&(group, index)| ask_one(channel, group, index, id))
+        .collect();
+    let waiting: Vec<i32> = asked
+        .iter()
+        .filter(|(_, reply)| reply.is_none())
+        .map(|&(pid, _)| pid)
+        .collect();
+    let by_pid: HashMap<i32, (&Group, usize)> = asked
+        .iter()
+        .zip(members)
+        .map(|(&(pid, _), &member)| (pid, member))
+        .collect();
+    let mut gone = |pid: i32| by_pid.get(&pid).is_some_and(|(g, i)| g.exit(*i).is_some());
+    let mut dumps = channel.collect(id, &waiting, deadline, &mut gone);
+    log::info!(
+        target: "tether::stacks",
+        "asked {} process(es) for their stacks: {} answered in {:?}",
+        waiting.len(),
+        dumps.values().filter(|d| d.done).count(),
+        start.elapsed()
+    );
+    let mut answers: Vec<Answer> = asked
+        .into_iter()
+        .map(|(pid, known)| {
+            let reply = known.unwrap_or_else(|| {
+                let member = by_pid.get(&pid).copied();
+                reply_of(pid, dumps.remove(&pid), member)
+            });
+            Answer {
+                pid,
+                reply,
+                native: None,
+            }
+        })
+        .collect();
+    if let Some(py_spy) = &request.py_spy {
+        add_native(&mut answers, py_spy, request.timeout);
+    }
+    Ok(answers)
+}
+
+/// The reply of a process that was asked, from what arrived.
+fn reply_of(pid: i32, dump: Option<collect::Dump>, member: Option<(&Group, usize)>) -> Reply {
+    let dump = dump.unwrap_or_default();
+    let text = || String::from_utf8_lossy(&dump.text).into_owned();
+    if dump.done {
+        return Reply::Stack(text());
+    }
+    if let Some(exit) = member.and_then(|(g, i)| g.exit(i)) {
+        return Reply::Exited(Some(exit.status));
+    }
+    let state = process_state(pid);
+    match dump.started {
+        true => Reply::Cut {
+            text: text(),
+            state,
+        },
+        false => Reply::Silent { state },
+    }
+}
+
+/// Adds py-spy's view of every process still running.
+fn add_native(answers: &mut [Answer], py_spy: &std::path::Path, timeout: Duration) {
+    let live: Vec<usize> = (0..answers.len())
+        .filter(|&i| !matches!(answers[i].reply, Reply::Exited(_) | Reply::Unreachable(_)))
+        .collect();
+    let pids: Vec<i32> = live.iter().map(|&i| answers[i].pid).collect();
+    let views = native::dump(py_spy, &pids, timeout);
+    for (i, view) in live.into_iter().zip(views) {
+        answers[i].native = Some(view);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_read_as_seconds() {
+        assert_eq!(seconds(Duration::from_secs(5)), "5 s");
+        assert_eq!(seconds(Duration::from_millis(500)), "0.5 s");
+        assert_eq!(seconds(Duration::from_millis(1250)), "1.25 s");
+    }
+
+    #[test]
+    fn this_process_does_not_catch_the_stack_signal_by_default() {
+        assert!(!catches(std::process::id() as i32, signal()));
+        assert!(!catches(-1, signal()));
+    }
+
+    #[test]
+    fn silent_and_stopped_processes_are_described() {
+        let answer = Answer {
+            pid: 42,
+            reply: Reply::Silent { state: Some('T') },
+            native: None,
+        };
+        let text = answer.text(Duration::from_secs(2));
+        assert!(text.contains("pid 42 did not answer within 2 s"), "{text}");
+        assert!(text.contains("stopped (state T)"), "{text}");
+        assert!(!answer.answered());
+    }
+}

@@ -1,0 +1,54 @@
+"""tether's stack dump handler in the Python processes that ``tether run`` starts, loaded at
+interpreter start-up by ``tether_stacks.pth`` only when ``TETHER_STACKS_FD`` is set (in
+every other process the ``.pth`` line costs one lookup in ``os.environ``).
+
+``tether run`` starts a rank as ``python -u SCRIPT`` or ``python -u -m MODULE``, as torchrun
+does, and leaves that command line as it is. It passes its stacks channel instead: an fd
+named by ``TETHER_STACKS_FD``, on which this module registers the handler that answers the
+launcher's requests for the rank's stacks, as ``tether._child`` does in tether's own
+children. The variable is removed, so that the rank's own Python children do not take an
+fd they do not hold. Only tether's compiled module is loaded: importing the ``tether``
+package would cost every rank tens of milliseconds."""
+
+import os
+import sys
+
+_VARIABLE = "TETHER_STACKS_FD"
+
+
+def install() -> None:
+    """Registers the handler on the fd that ``TETHER_STACKS_FD`` names; any failure leaves
+    the process as it was (it only cannot show its stacks)."""
+    value = os.environ.pop(_VARIABLE, None)
+    try:
+        fd = int(value or "")
+        _native().install_stack_handler(fd)  # type: ignore[attr-defined]
+        os.set_inheritable(fd, False)
+    except Exception:  # noqa: BLE001 - a debugging aid must never stop a program's start
+        pass
+
+
+def _native() -> object:
+    """``tether._native``, loaded without running the package's ``__init__`` (with the
+    import system's own functions: ``importlib.util`` alone would cost milliseconds)."""
+    module = sys.modules.get("tether._native")
+    if module is not None:
+        return module
+    import _frozen_importlib
+    import _frozen_importlib_external
+
+    finder = _frozen_importlib_external.PathFinder
+    # Installed from a wheel, the package sits beside this module: no search of sys.path.
+    beside = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tether")
+    spec = finder.find_spec("tether._native", [beside])
+    if spec is None:
+        package = finder.find_spec("tether")
+        if package is None or not package.submodule_search_locations:
+            raise ImportError("tether is not installed")
+        spec = finder.find_spec("tether._native", list(package.submodule_search_locations))
+    if spec is None or spec.loader is None:
+        raise ImportError("tether._native is not installed")
+    module = _frozen_importlib.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
