@@ -7,11 +7,13 @@
 //!   with epoll, drains their reports, records their exits and reaps them; [`Group`] is the
 //!   handle to a set of children.
 //! - [`status`]: exit statuses and signal names.
+//! - [`workers`]: a pool's worker set: its table of workers, task scheduling, deaths.
 
 pub mod channel;
 pub mod launch;
 pub mod status;
 pub mod supervisor;
+pub mod workers;
 
 pub use launch::LaunchSpec;
 pub use status::{signal_name, ExitStatus};
