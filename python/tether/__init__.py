@@ -12,7 +12,15 @@ from .errors import ProcessException, ProcessExitedException, ProcessRaisedExcep
 from .spawn import ProcessContext, spawn, start_processes
 
 #: Imported on first use, so that a child's start-up does not pay for them.
-_LAZY = {"Pool": ".pool", "set_preload": "._zygote", "warm_up": "._zygote"}
+_LAZY = {
+    "BrokenPool": ".pool",
+    "NoFreeWorkerError": ".pool",
+    "Pool": ".pool",
+    "RemoteError": ".pool",
+    "WorkerCrashedError": ".pool",
+    "set_preload": "._zygote",
+    "warm_up": "._zygote",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -26,11 +34,15 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BrokenPool",
+    "NoFreeWorkerError",
     "Pool",
     "ProcessContext",
     "ProcessException",
     "ProcessExitedException",
     "ProcessRaisedException",
+    "RemoteError",
+    "WorkerCrashedError",
     "__version__",
     "set_preload",
     "spawn",

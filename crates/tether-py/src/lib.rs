@@ -12,6 +12,7 @@ use pyo3::types::PyBytes;
 use tether_core::{ExitStatus, LaunchSpec, WaitFor};
 
 mod channel;
+mod workers;
 
 /// How often a wait wakes to let Python run its signal handlers (Ctrl-C).
 const SIGNAL_CHECK: Duration = Duration::from_millis(50);
@@ -256,6 +257,7 @@ fn signal_hint(signal: i32) -> Option<&'static str> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Group>()?;
     channel::register(m)?;
+    workers::register(m)?;
     m.add_function(wrap_pyfunction!(setup_forked_child, m)?)?;
     m.add_function(wrap_pyfunction!(signal_name, m)?)?;
     m.add_function(wrap_pyfunction!(zygote_fork, m)?)?;

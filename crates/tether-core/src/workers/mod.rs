@@ -11,7 +11,7 @@
 //! its exit status and the tasks it held). Replacing a dead worker is the caller's choice,
 //! made outside this lock: [`WorkerSet::add`] puts a new one in its slot.
 //!
-//! Tasks go to the free workers with the fewest messages in flight, at most `window`
+//! Tasks go to the free, ready workers with the fewest messages in flight, at most `window`
 //! messages per worker (one running, the next waiting in its socket), in batches sized to
 //! the backlog: one task when the pool is idle, up to `max_batch` under a long queue.
 //! A worker's death is seen on its pidfd. The tasks it held are sorted by their claim words:
@@ -215,6 +215,7 @@ struct Worker {
     pidfd: OwnedFd,
     gate: Gate,
     group: Group,
+    member: usize,
     ready: bool,
     lease: Option<Arc<Lease>>,
     reserved: bool,
@@ -239,8 +240,21 @@ fn pidfd_token(generation: u64) -> u64 {
 pub struct WorkerSet {
     config: Config,
     state: Mutex<State>,
+    /// The epoll set and its wake-up; dropped at close (a `poll` under way keeps its own
+    /// reference until it returns).
+    poller: Mutex<Option<Arc<Poller>>>,
+}
+
+#[derive(Debug)]
+struct Poller {
     epoll: OwnedFd,
     wake: OwnedFd,
+}
+
+impl Poller {
+    fn wake(&self) {
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
 }
 
 #[derive(Debug, Default)]
@@ -267,8 +281,7 @@ impl WorkerSet {
         Ok(WorkerSet {
             config: Config { window, max_batch },
             state: Mutex::new(State::default()),
-            epoll,
-            wake,
+            poller: Mutex::new(Some(Arc::new(Poller { epoll, wake }))),
         })
     }
 
@@ -281,12 +294,23 @@ impl WorkerSet {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Puts the worker started over `link` (the only member of `group`) in `slot`. The
+    fn poller(&self) -> Result<Arc<Poller>, WorkersError> {
+        let poller = self.poller.lock().unwrap_or_else(|e| e.into_inner());
+        poller.clone().ok_or(WorkersError::Closed)
+    }
+
+    /// Puts the worker started over `link` (member `member` of `group`) in `slot`. The
     /// link's worker ends are closed here (the worker has its copies).
-    pub fn add(&self, slot: usize, link: Link, group: Group) -> Result<i32, WorkersError> {
-        let pid = group.pid(0).ok_or(WorkersError::NoWorker(slot))?;
+    pub fn add(
+        &self,
+        slot: usize,
+        link: Link,
+        group: Group,
+        member: usize,
+    ) -> Result<i32, WorkersError> {
+        let pid = group.pid(member).ok_or(WorkersError::NoWorker(slot))?;
         let pidfd = group
-            .with_member(0, |m| {
+            .with_member(member, |m| {
                 // SAFETY: the member's pidfd is open while the group lives (we hold it).
                 unsafe { BorrowedFd::borrow_raw(m.sentinel()) }.try_clone_to_owned()
             })
@@ -301,9 +325,10 @@ impl WorkerSet {
         }
         let generation = state.next_generation;
         state.next_generation += 1;
-        self.watch(parent.as_fd(), ctl_token(generation))?;
-        if let Err(err) = self.watch(pidfd.as_fd(), pidfd_token(generation)) {
-            let _ = epoll::delete(&self.epoll, &parent);
+        let poller = self.poller()?;
+        watch(&poller.epoll, parent.as_fd(), ctl_token(generation))?;
+        if let Err(err) = watch(&poller.epoll, pidfd.as_fd(), pidfd_token(generation)) {
+            let _ = epoll::delete(&poller.epoll, &parent);
             return Err(err);
         }
         if state.workers.len() <= slot {
@@ -317,6 +342,7 @@ impl WorkerSet {
             pidfd,
             gate,
             group,
+            member,
             ready: false,
             lease: None,
             reserved: false,
@@ -327,16 +353,6 @@ impl WorkerSet {
         state.by_generation.insert(generation, slot);
         state.dispatch(&self.config);
         Ok(pid)
-    }
-
-    fn watch(&self, fd: BorrowedFd<'_>, token: u64) -> Result<(), WorkersError> {
-        epoll::add(
-            &self.epoll,
-            fd,
-            epoll::EventData::new_u64(token),
-            epoll::EventFlags::IN,
-        )?;
-        Ok(())
     }
 
     /// Queues tasks (sending what the free workers can take now).
@@ -500,7 +516,7 @@ impl WorkerSet {
         let state = self.lock();
         match state.workers.get(lease.slot()).and_then(Option::as_ref) {
             Some(w) if w.lease.as_ref().is_some_and(|l| l.id() == lease.id()) => {
-                w.group.signal(0, signal)
+                w.group.signal(w.member, signal)
             }
             _ => Ok(false),
         }
@@ -508,7 +524,9 @@ impl WorkerSet {
 
     /// Makes a current or the next [`WorkerSet::poll`] return at once.
     pub fn wake(&self) {
-        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+        if let Ok(poller) = self.poller() {
+            poller.wake();
+        }
     }
 
     /// Waits up to `timeout` (for ever when None; after spinning `spin` without sleeping)
@@ -519,58 +537,18 @@ impl WorkerSet {
         timeout: Option<Duration>,
         spin: Duration,
     ) -> Result<Vec<Event>, WorkersError> {
-        let tokens = self.ready_tokens(timeout, spin)?;
+        let poller = self.poller()?;
+        let tokens = ready_tokens(&poller, timeout, spin)?;
         let mut state = self.lock();
         if state.closed {
             return Err(WorkersError::Closed);
         }
         let mut events = Vec::new();
         for token in tokens {
-            state.on_ready(token, &self.epoll, &mut events);
+            state.on_ready(token, &poller.epoll, &mut events);
         }
         state.dispatch(&self.config);
         Ok(events)
-    }
-
-    fn ready_tokens(
-        &self,
-        timeout: Option<Duration>,
-        spin: Duration,
-    ) -> Result<Vec<u64>, WorkersError> {
-        let start = Instant::now();
-        let mut events = Vec::with_capacity(64);
-        loop {
-            let spinning = start.elapsed() < spin;
-            let wait = if spinning {
-                Some(Duration::ZERO)
-            } else {
-                timeout
-            };
-            let ts = wait.map(|t| Timespec {
-                tv_sec: t.as_secs() as i64,
-                tv_nsec: t.subsec_nanos() as i64,
-            });
-            events.clear();
-            match epoll::wait(&self.epoll, spare_capacity(&mut events), ts.as_ref()) {
-                Ok(_) | Err(Errno::INTR) => {}
-                Err(e) => return Err(e.into()),
-            }
-            if !events.is_empty() || !spinning {
-                break;
-            }
-            std::hint::spin_loop();
-        }
-        let mut tokens = Vec::with_capacity(events.len());
-        for event in events {
-            let token = event.data.u64();
-            if token == WAKE {
-                let mut buf = [0u8; 8];
-                let _ = rustix::io::read(&self.wake, &mut buf);
-            } else {
-                tokens.push(token);
-            }
-        }
-        Ok(tokens)
     }
 
     /// Closes the set: no more tasks or leases, every worker's socket closed (so it exits),
@@ -589,15 +567,15 @@ impl WorkerSet {
             state.by_generation.clear();
             (workers, closing)
         };
-        self.wake();
+        let poller = self.poller.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(poller) = &poller {
+            poller.wake();
+        }
+        drop(poller);
         let mut waiting = Vec::with_capacity(workers.len());
         for w in workers {
-            let _ = epoll::delete(&self.epoll, &w.pidfd);
-            if w.ctl_open {
-                let _ = epoll::delete(&self.epoll, &w.ctl);
-            }
             if kill || w.lease.is_some() {
-                let _ = w.group.signal(0, libc::SIGKILL);
+                let _ = w.group.signal(w.member, libc::SIGKILL);
             }
             closing.tasks.extend(
                 w.unanswered()
@@ -607,25 +585,78 @@ impl WorkerSet {
             let Worker {
                 pidfd,
                 group,
+                member,
                 lease,
                 ..
             } = w;
-            waiting.push((pidfd, group, lease));
+            waiting.push((pidfd, group, member, lease));
         }
         let deadline = Instant::now() + grace;
-        for (pidfd, group, lease) in waiting {
+        for (pidfd, group, member, lease) in waiting {
             if !wait_exit(pidfd.as_fd(), Some(deadline)) {
-                let _ = group.signal(0, libc::SIGKILL);
+                let _ = group.signal(member, libc::SIGKILL);
                 wait_exit(pidfd.as_fd(), Some(Instant::now() + Duration::from_secs(5)));
             }
             if let Some(lease) = lease {
-                let code = exit_status(&pidfd, &group).as_exitcode();
+                let code = exit_status(&pidfd, &group, member).as_exitcode();
                 lease.finish(LeaseEnd { code, died: true });
                 closing.leases.push(lease);
             }
         }
         closing
     }
+}
+
+/// The tokens of the fds that are ready (waking up on the wake-up eventfd too).
+fn ready_tokens(
+    poller: &Poller,
+    timeout: Option<Duration>,
+    spin: Duration,
+) -> Result<Vec<u64>, WorkersError> {
+    let start = Instant::now();
+    let mut events = Vec::with_capacity(64);
+    loop {
+        let spinning = start.elapsed() < spin;
+        let wait = if spinning {
+            Some(Duration::ZERO)
+        } else {
+            timeout
+        };
+        let ts = wait.map(|t| Timespec {
+            tv_sec: t.as_secs() as i64,
+            tv_nsec: t.subsec_nanos() as i64,
+        });
+        events.clear();
+        match epoll::wait(&poller.epoll, spare_capacity(&mut events), ts.as_ref()) {
+            Ok(_) | Err(Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+        if !events.is_empty() || !spinning {
+            break;
+        }
+        std::hint::spin_loop();
+    }
+    let mut tokens = Vec::with_capacity(events.len());
+    for event in events {
+        let token = event.data.u64();
+        if token == WAKE {
+            let mut buf = [0u8; 8];
+            let _ = rustix::io::read(&poller.wake, &mut buf);
+        } else {
+            tokens.push(token);
+        }
+    }
+    Ok(tokens)
+}
+
+fn watch(epoll_fd: &OwnedFd, fd: BorrowedFd<'_>, token: u64) -> Result<(), WorkersError> {
+    epoll::add(
+        epoll_fd,
+        fd,
+        epoll::EventData::new_u64(token),
+        epoll::EventFlags::IN,
+    )?;
+    Ok(())
 }
 
 /// Waits until the process behind `pidfd` has exited, or `deadline` passes.
@@ -651,13 +682,13 @@ fn wait_exit(pidfd: BorrowedFd<'_>, deadline: Option<Instant>) -> bool {
 /// The status of an exited worker: its group's record, else a look without reaping it
 /// (the supervisor reaps it), else the record again (it reaped it meanwhile, under the
 /// group's lock, so the record is there).
-fn exit_status(pidfd: &OwnedFd, group: &Group) -> ExitStatus {
-    if let Some(exit) = group.exit(0) {
+fn exit_status(pidfd: &OwnedFd, group: &Group, member: usize) -> ExitStatus {
+    if let Some(exit) = group.exit(member) {
         return exit.status;
     }
     match waitid(pidfd, libc::WNOWAIT) {
         Ok(Some(status)) => status,
-        _ => group.exit(0).map_or(ExitStatus::Unknown, |e| e.status),
+        _ => group.exit(member).map_or(ExitStatus::Unknown, |e| e.status),
     }
 }
 
@@ -666,8 +697,10 @@ impl Worker {
         self.lease.is_none() && !self.reserved
     }
 
+    /// Whether tasks may go to it now: free, ready (a worker still starting would hold
+    /// them while the others idle), with room in its window.
     fn schedulable(&self, window: usize) -> bool {
-        self.is_free() && !self.congested && self.inflight.len() < window
+        self.is_free() && self.ready && !self.congested && self.inflight.len() < window
     }
 
     /// The tasks sent and not answered, with their sequence numbers.
@@ -733,6 +766,9 @@ impl Worker {
                     self.on_message(slot, message, events);
                 }
                 Ok(Recv::Timeout) => return true,
+                // A worker that died with messages unread makes the kernel report
+                // ECONNRESET once, before the results it sent: read on.
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => {}
                 Ok(Recv::Closed) | Err(_) => return false,
             }
         }
@@ -810,7 +846,7 @@ impl Worker {
 
     /// Sorts what a dead worker held; the tasks it never started are returned.
     fn bury(self, slot: usize) -> (Death, Vec<Task>) {
-        let status = exit_status(&self.pidfd, &self.group);
+        let status = exit_status(&self.pidfd, &self.group, self.member);
         let (running, item) = self.gate.running();
         let (mut crashed, mut lost, mut requeue) = (None, Vec::new(), Vec::new());
         for sent in self.inflight {
@@ -836,7 +872,7 @@ impl Worker {
         }
         let report = self
             .group
-            .with_member(0, |m| m.report().to_vec())
+            .with_member(self.member, |m| m.report().to_vec())
             .unwrap_or_default();
         let death = Death {
             slot,

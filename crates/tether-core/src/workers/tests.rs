@@ -95,7 +95,7 @@ fn start_worker(set: &WorkerSet, slot: usize) -> Result<i32, WorkersError> {
     group
         .launch(vec![spec])
         .map_err(|e| io::Error::other(e.to_string()))?;
-    set.add(slot, link, group)
+    set.add(slot, link, group, 0)
 }
 
 fn pool(n: usize) -> Result<WorkerSet, WorkersError> {
@@ -206,6 +206,27 @@ fn a_death_fails_the_running_task_and_requeues_the_unstarted() -> Result<(), Wor
 }
 
 #[test]
+fn results_sent_before_a_death_arrive_though_the_worker_left_messages_unread(
+) -> Result<(), WorkersError> {
+    let set = pool(1)?;
+    collect(&set, |e| e.iter().any(|e| matches!(e, Event::Ready { .. })))?;
+    // Two messages in flight: [1, 2, abort] and [4, 5, 6], the second never read. The
+    // kernel then reports ECONNRESET ahead of the results 1 and 2.
+    let texts = ["echo:1", "echo:2", "abort", "echo:4", "echo:5", "echo:6"];
+    set.submit((1..=6).zip(texts).map(|(i, t)| task(i, t)).collect())?;
+    // Nobody reads meanwhile: the results wait in the socket when the worker dies.
+    std::thread::sleep(Duration::from_millis(300));
+    let events = collect(&set, |e| !deaths(e).is_empty())?;
+    assert_eq!(answers(&events), vec![(1, "1".into()), (2, "2".into())]);
+    assert_eq!(deaths(&events)[0].crashed.map(|c| c.id), Some(3));
+    start_worker(&set, 0)?;
+    let events = collect(&set, |e| answers(e).len() == 3)?;
+    assert_eq!(answers(&events).len(), 3);
+    set.close(false, Duration::from_secs(5));
+    Ok(())
+}
+
+#[test]
 fn a_death_tells_the_item_reached_and_the_results_lost() -> Result<(), WorkersError> {
     let set = pool(1)?;
     set.submit(vec![
@@ -247,7 +268,7 @@ fn unstarted_tasks_are_cancelled_wherever_they_wait() -> Result<(), WorkersError
     let deadline = Instant::now() + Duration::from_secs(20);
     while !set.started(1) {
         assert!(Instant::now() < deadline);
-        std::thread::sleep(Duration::from_millis(5));
+        set.poll(Some(Duration::from_millis(5)), Duration::ZERO)?;
     }
     set.submit((2..=6).map(|i| task(i, &format!("echo:{i}"))).collect())?;
     assert!(
