@@ -35,6 +35,11 @@ def sleep_then(seconds: float, value: Any = None) -> Any:
     return value
 
 
+def hold(channel: Any, seconds: float) -> None:
+    """Keeps ``channel`` (a queue received with the process) for ``seconds``."""
+    time.sleep(seconds)
+
+
 def raise_value_error(message: str) -> None:
     raise ValueError(message)
 

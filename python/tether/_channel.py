@@ -176,6 +176,8 @@ def dumps(obj: Any, collector: _FdCollector) -> bytes:
 def loads(data: bytes, fds: Sequence[int]) -> Any:
     """Unpickles a message whose fds arrived as ``fds`` (this process owns them): the fds
     its objects claim are theirs, the rest are closed."""
+    if not fds:
+        return pickle.loads(data)  # nothing in it can claim an fd
     previous = getattr(_tls, "incoming", None)
     incoming = _Incoming(fds)
     _tls.incoming = incoming

@@ -44,9 +44,6 @@ CHUNK = 1
 OK = 0
 ERROR = 1
 SKIPPED = 2
-#: After a message, poll the link this long before sleeping (the next task often comes
-#: that soon, and a wake-up costs more).
-SPIN = 0.0002
 #: After a leased process ends, the garbage collector runs once the worker is this idle.
 IDLE_GC = 0.2
 
@@ -224,13 +221,13 @@ def serve(rank: int, links: Dict[int, Tuple[int, int]], config: Dict[str, Any]) 
     for slot, fds in links.items():
         if slot != rank:
             _channel._close_all(fds)
-    end = _native.WorkerEnd(*links[rank])
+    end = _native.WorkerEnd(*links[rank], config.get("spin", 0.0))
     _initialize(config)
     end.hello(os.getpid())
     idle_gc = False
     while True:
         try:
-            got = end.recv(IDLE_GC if idle_gc else None, spin=SPIN)
+            got = end.recv(IDLE_GC if idle_gc else None)
         except EOFError:
             return
         if got is None:

@@ -58,9 +58,11 @@ WINDOW = 2
 MAX_BATCH = 256
 #: The most items of one ``map`` that travel as one task.
 MAX_CHUNK = 256
-#: After an event, the hub polls this long before sleeping: the next answer is often that
-#: close, and a sleeping thread costs a wake-up (tens of microseconds).
-SPIN = 0.0002
+#: The most a wait (the hub's, a waiting caller's, a worker's) polls before it sleeps: a
+#: sleeping thread costs a wake-up when its message comes. Polling stops for a while when
+#: it keeps finding nothing (a busy machine), where it would only take a core from the
+#: process that answers.
+SPIN = 0.0001
 #: How long closing waits for workers to exit after closing their links, before SIGKILL.
 EXIT_GRACE = 2.0
 
@@ -207,6 +209,22 @@ class _TaskFuture(concurrent.futures.Future):
             return False
         self.set_running_or_notify_cancel()  # tells wait() and as_completed() at once
         return True
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        return super().result(self._take_here(timeout))
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        return super().exception(self._take_here(timeout))
+
+    def _take_here(self, timeout: Optional[float]) -> Optional[float]:
+        """Takes this task's result from its worker in this thread, when it can (saving
+        the hub's wake-up); returns what is left of ``timeout``."""
+        core = self._tether_core
+        if core is None or self.done():
+            return timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        core.take(self)
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def running(self) -> bool:
         core = self._tether_core
@@ -355,8 +373,9 @@ class _Core:
             "preload": self.preload,
             "initializer": initializer,
             "initargs": tuple(initargs),
+            "spin": SPIN,
         }
-        self.workers = _native.WorkerSet(WINDOW, MAX_BATCH)
+        self.workers = _native.WorkerSet(WINDOW, MAX_BATCH, SPIN)
         self.lock = threading.Lock()
         self.ids = itertools.count(1)
         self.sinks: Dict[int, Sink] = {}
@@ -499,6 +518,26 @@ class _Core:
         tasks.append((task_id, blob, collector.fds))
         sinks.append((task_id, _Chunk(run, indices, fn, calls)))
 
+    def take(self, future: _TaskFuture, timeout: Optional[float] = None) -> None:
+        """Waits for ``future``'s result in this thread and delivers it (see
+        ``WorkerSet.wait_for``); leaves it to the hub when that cannot be done here."""
+        got = self.workers.wait_for(future._tether_id, timeout)
+        if got is None:
+            return
+        ok, data, fds = got
+        sink = self.sinks.pop(future._tether_id, None)
+        if sink is None:
+            _channel._close_all(fds)
+            return
+        was = getattr(_delivery, "active", False)
+        _delivery.active = True
+        try:
+            self._deliver(sink, ok, data, fds)
+        finally:
+            _delivery.active = was
+        if self.state != "running":
+            self.workers.wake()  # the hub closes the pool once no work is left
+
     def withdraw(self, ids: List[int]) -> List[int]:
         """Cancels those of the tasks ``ids`` not started yet (their sinks are dropped)."""
         cancelled = self.workers.cancel(ids)
@@ -602,7 +641,7 @@ class _Core:
         """Takes the worker set's events and delivers them, until the pool is closed."""
         _delivery.active = True
         while True:
-            events = self.workers.poll(None, SPIN)
+            events = self.workers.poll(None)
             if events is None:
                 return
             try:
@@ -636,19 +675,25 @@ class _Core:
             sink = self.sinks.pop(task_id, None)
             if sink is None:
                 _channel._close_all(fds)
-                continue
-            try:
-                value = _channel.loads(data, fds)
-            except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling too
-                self._fail(sink, exc)
-                continue
-            if isinstance(sink, _Chunk):
-                sink.run.deliver(_entries(sink.indices, value))
-            elif ok:
-                _settle(sink, True, value)
             else:
-                _settle(sink, False, _rebuild(value))
-            del value
+                self._deliver(sink, ok, data, fds)
+
+    def _deliver(self, sink: Sink, ok: bool, data: bytes, fds: List[int]) -> None:
+        """Unpickles a task's outcome and hands it to its future or map."""
+        try:
+            value = _channel.loads(data, fds)
+        except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling too
+            self._fail(sink, exc)
+            return
+        if isinstance(sink, _Chunk):
+            if ok:
+                sink.run.deliver(_entries(sink.indices, value))
+            else:  # the chunk itself failed (it did not unpickle)
+                self._fail(sink, _rebuild(value))
+        elif ok:
+            _settle(sink, True, value)
+        else:
+            _settle(sink, False, _rebuild(value))
 
     def _fail(self, sink: Sink, error: BaseException) -> None:
         if isinstance(sink, _Chunk):

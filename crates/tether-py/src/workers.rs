@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use pyo3::exceptions::{PyEOFError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
-use tether_core::workers::{self, wire::Kind, Event, Incoming, WorkersError};
+use tether_core::workers::{self, wire::Kind, Event, Incoming, Waited, WorkersError};
 
 use crate::channel::{deadline, into_raw, os_error, sliced};
 use crate::Group;
@@ -53,6 +53,9 @@ fn seconds(value: Option<f64>) -> PyResult<Option<Duration>> {
         None => Ok(None),
     }
 }
+
+/// A task's result as Python gets it: `(ok, data, fds)`.
+type PyOutcome = (bool, Py<PyBytes>, Vec<RawFd>);
 
 /// The link of a worker about to start: pass `child_fds()` to it, then `WorkerSet.add`.
 #[pyclass(module = "tether._native", frozen)]
@@ -171,9 +174,14 @@ fn event<'py>(py: Python<'py>, event: Event) -> PyResult<Bound<'py, PyTuple>> {
 #[pymethods]
 impl WorkerSet {
     #[new]
-    #[pyo3(signature = (window=2, max_batch=256))]
-    fn new(window: usize, max_batch: usize) -> PyResult<WorkerSet> {
-        let config = workers::Config { window, max_batch };
+    #[pyo3(signature = (window=2, max_batch=256, spin=0.0001))]
+    fn new(window: usize, max_batch: usize, spin: f64) -> PyResult<WorkerSet> {
+        let spin = seconds(Some(spin))?.unwrap_or_default();
+        let config = workers::Config {
+            window,
+            max_batch,
+            spin,
+        };
         let inner = workers::WorkerSet::new(config).map_err(workers_error)?;
         Ok(WorkerSet {
             inner: Arc::new(inner),
@@ -283,19 +291,17 @@ impl WorkerSet {
             .map_err(os_error)
     }
 
-    /// Waits (without the GIL) up to `timeout` seconds, spinning `spin` seconds first, and
-    /// returns the events; None once the set is closed.
-    #[pyo3(signature = (timeout=None, spin=0.0))]
+    /// Waits (without the GIL) up to `timeout` seconds and returns the events; None once
+    /// the set is closed.
+    #[pyo3(signature = (timeout=None))]
     fn poll<'py>(
         &self,
         py: Python<'py>,
         timeout: Option<f64>,
-        spin: f64,
     ) -> PyResult<Option<Vec<Bound<'py, PyTuple>>>> {
         let timeout = seconds(timeout)?;
-        let spin = Duration::from_secs_f64(spin.clamp(0.0, 0.01));
         let set = self.inner.clone();
-        match py.allow_threads(move || set.poll(timeout, spin)) {
+        match py.allow_threads(move || set.poll(timeout)) {
             Ok(events) => Ok(Some(
                 events
                     .into_iter()
@@ -305,6 +311,31 @@ impl WorkerSet {
             Err(WorkersError::Closed) => Ok(None),
             Err(err) => Err(workers_error(err)),
         }
+    }
+
+    /// Waits up to `timeout` seconds for task `id`'s result `(ok, data, fds)`, taken from
+    /// its worker by this thread; None when the timeout passed or the result comes through
+    /// `poll` instead. Ctrl-C raises here in the main thread.
+    #[pyo3(signature = (id, timeout=None))]
+    fn wait_for(
+        &self,
+        py: Python<'_>,
+        id: u64,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<PyOutcome>> {
+        let until = deadline(timeout)?;
+        let set = self.inner.clone();
+        let got = sliced(py, until, |slice| match set.wait_for(id, Some(slice)) {
+            Ok(Waited::Outcome(outcome)) => Ok(Some(Some(outcome))),
+            Ok(Waited::Timeout) => Ok(None),
+            Ok(Waited::Elsewhere) | Err(WorkersError::Closed) => Ok(Some(None)),
+            Err(WorkersError::Io(io)) => Err(io),
+            Err(other) => Err(std::io::Error::other(other.to_string())),
+        })?;
+        Ok(got.flatten().map(|o| {
+            let data = PyBytes::new(py, &o.data).unbind();
+            (o.kind == Kind::Ok, data, into_raw(o.fds))
+        }))
     }
 
     /// Makes the current or next `poll` return at once.
@@ -329,14 +360,17 @@ pub struct WorkerEnd {
 
 #[pymethods]
 impl WorkerEnd {
-    /// Takes the control socket and gate fds the pool passed.
+    /// Takes the control socket and gate fds the pool passed; a receive polls up to `spin`
+    /// seconds before it sleeps (less when polling does not pay).
     #[new]
-    fn new(ctl_fd: RawFd, gate_fd: RawFd) -> PyResult<WorkerEnd> {
+    #[pyo3(signature = (ctl_fd, gate_fd, spin=0.0001))]
+    fn new(ctl_fd: RawFd, gate_fd: RawFd, spin: f64) -> PyResult<WorkerEnd> {
+        let spin = seconds(Some(spin))?.unwrap_or_default();
         let mut fds = owned(vec![ctl_fd, gate_fd])?.into_iter();
         let (Some(ctl), Some(gate)) = (fds.next(), fds.next()) else {
             return Err(PyValueError::new_err("invalid fds"));
         };
-        let inner = workers::WorkerEnd::new(ctl, gate).map_err(os_error)?;
+        let inner = workers::WorkerEnd::new(ctl, gate, spin).map_err(os_error)?;
         Ok(WorkerEnd {
             inner: Arc::new(inner),
         })
@@ -347,38 +381,27 @@ impl WorkerEnd {
     }
 
     /// The next message: `("batch", [(id, seq, data, fds)])` or `("lease", id, data, fds)`,
-    /// or None after `timeout` seconds (for ever when None; polling `spin` seconds without
-    /// sleeping first). Raises EOFError once the pool closed the link.
-    #[pyo3(signature = (timeout=None, spin=0.0))]
+    /// or None after `timeout` seconds (for ever when None). Raises EOFError once the pool
+    /// closed the link.
+    #[pyo3(signature = (timeout=None))]
     fn recv<'py>(
         &self,
         py: Python<'py>,
         timeout: Option<f64>,
-        spin: f64,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let until = deadline(timeout)?;
         let end = self.inner.clone();
         let mut got = end.recv(Some(Duration::ZERO)).map_err(workers_error)?;
-        if matches!(got, Incoming::Timeout)
-            && spin > 0.0
-            && !until.is_some_and(|d| d <= Instant::now())
-        {
-            let spin = Duration::from_secs_f64(spin.min(0.01));
-            let end = end.clone();
+        let waiting = |got: &Incoming| {
+            matches!(got, Incoming::Timeout) && !until.is_some_and(|d| d <= Instant::now())
+        };
+        if waiting(&got) {
+            let polling = end.clone();
             got = py
-                .allow_threads(move || {
-                    let start = Instant::now();
-                    loop {
-                        let got = end.recv(Some(Duration::ZERO))?;
-                        if !matches!(got, Incoming::Timeout) || start.elapsed() >= spin {
-                            return Ok::<_, WorkersError>(got);
-                        }
-                        std::hint::spin_loop();
-                    }
-                })
+                .allow_threads(move || polling.recv_polling())
                 .map_err(workers_error)?;
         }
-        if matches!(got, Incoming::Timeout) && !until.is_some_and(|d| d <= Instant::now()) {
+        if waiting(&got) {
             let waited = sliced(py, until, |slice| match end.recv(Some(slice)) {
                 Ok(Incoming::Timeout) => Ok(None),
                 Ok(other) => Ok(Some(other)),

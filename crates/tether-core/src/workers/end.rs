@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use crate::channel::{Endpoint, Message, Recv};
 use crate::workers::gate::Gate;
+use crate::workers::spin::Spin;
 use crate::workers::wire::{self, Kind};
 use crate::workers::WorkersError;
 
@@ -40,6 +41,7 @@ pub enum Incoming {
 pub struct WorkerEnd {
     ctl: Endpoint,
     gate: Gate,
+    spin: Spin,
 }
 
 /// Splits a message's fds into the consecutive runs its records name.
@@ -49,13 +51,15 @@ pub(crate) fn split_fds(fds: Vec<OwnedFd>, runs: impl Iterator<Item = usize>) ->
 }
 
 impl WorkerEnd {
-    /// Takes the control socket and the gate's memfd that the pool passed to this worker.
-    pub fn new(ctl: OwnedFd, gate: OwnedFd) -> io::Result<WorkerEnd> {
+    /// Takes the control socket and the gate's memfd that the pool passed to this worker;
+    /// a receive polls up to `spin` before it sleeps (see [`crate::workers::spin`]).
+    pub fn new(ctl: OwnedFd, gate: OwnedFd, spin: Duration) -> io::Result<WorkerEnd> {
         let mut gate = Gate::from_fd(gate)?;
         gate.close_fd();
         Ok(WorkerEnd {
             ctl: Endpoint::from_fd(ctl),
             gate,
+            spin: Spin::new(spin),
         })
     }
 
@@ -73,6 +77,16 @@ impl WorkerEnd {
             Recv::Closed => Ok(Incoming::Closed),
             Recv::Message(message) => decode(message),
         }
+    }
+
+    /// Polls for the next message for as long as the spin policy allows (see
+    /// [`crate::workers::spin`]); `Incoming::Timeout` when none came meanwhile.
+    pub fn recv_polling(&self) -> Result<Incoming, WorkersError> {
+        let got = self.spin.poll(|| match self.recv(Some(Duration::ZERO))? {
+            Incoming::Timeout => Ok::<_, WorkersError>(None),
+            other => Ok(Some(other)),
+        })?;
+        Ok(got.unwrap_or(Incoming::Timeout))
     }
 
     /// Claims task `seq` (id `id`) to run it now; false when the pool cancelled it.

@@ -21,6 +21,8 @@
 pub mod end;
 pub mod gate;
 mod lease;
+pub mod spin;
+mod wait;
 pub mod wire;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -37,10 +39,12 @@ use crate::channel::{Endpoint, Message, Recv};
 use crate::status::ExitStatus;
 use crate::supervisor::{waitid, Group};
 use gate::{Claim, Gate};
+use spin::Spin;
 use wire::Kind;
 
 pub use end::{Incoming, IncomingTask, WorkerEnd};
 pub use lease::{Lease, LeaseEnd};
+pub use wait::Waited;
 
 /// Errors of the worker set.
 #[derive(Debug, thiserror::Error)]
@@ -63,13 +67,16 @@ impl From<Errno> for WorkersError {
     }
 }
 
-/// How tasks are spread.
+/// How tasks are spread, and how long a wait polls before it sleeps.
 #[derive(Debug, Clone, Copy)]
 pub struct Config {
     /// Messages of tasks in flight per worker.
     pub window: usize,
     /// The most tasks one message carries.
     pub max_batch: usize,
+    /// The most a wait ([`WorkerSet::poll`], [`WorkerSet::wait_for`]) polls before it
+    /// sleeps (see [`spin`]).
+    pub spin: Duration,
 }
 
 impl Default for Config {
@@ -77,6 +84,7 @@ impl Default for Config {
         Config {
             window: 2,
             max_batch: 256,
+            spin: Duration::from_micros(100),
         }
     }
 }
@@ -221,6 +229,8 @@ struct Worker {
     reserved: bool,
     /// A send found its socket full: no more until the worker answers.
     congested: bool,
+    /// A waiting thread reads its socket (see [`wait`]).
+    lent: bool,
     inflight: VecDeque<Sent>,
     seq: u32,
 }
@@ -243,6 +253,9 @@ pub struct WorkerSet {
     /// The epoll set and its wake-up; dropped at close (a `poll` under way keeps its own
     /// reference until it returns).
     poller: Mutex<Option<Arc<Poller>>>,
+    /// The polling policies of `poll` and of `wait_for`.
+    poll_spin: Spin,
+    wait_spin: Spin,
 }
 
 #[derive(Debug)]
@@ -263,6 +276,8 @@ struct State {
     by_generation: HashMap<u64, usize>,
     next_generation: u64,
     pending: VecDeque<Task>,
+    /// Events read by a thread waiting on a lent socket (see [`wait`]), for `poll`.
+    deferred: Vec<Event>,
     closed: bool,
 }
 
@@ -279,9 +294,15 @@ impl WorkerSet {
         let window = config.window.max(1);
         let max_batch = config.max_batch.clamp(1, gate::max_in_flight() / window);
         Ok(WorkerSet {
-            config: Config { window, max_batch },
+            config: Config {
+                window,
+                max_batch,
+                spin: config.spin,
+            },
             state: Mutex::new(State::default()),
             poller: Mutex::new(Some(Arc::new(Poller { epoll, wake }))),
+            poll_spin: Spin::new(config.spin),
+            wait_spin: Spin::new(config.spin),
         })
     }
 
@@ -347,6 +368,7 @@ impl WorkerSet {
             lease: None,
             reserved: false,
             congested: false,
+            lent: false,
             inflight: VecDeque::new(),
             seq: 0,
         });
@@ -529,21 +551,17 @@ impl WorkerSet {
         }
     }
 
-    /// Waits up to `timeout` (for ever when None; after spinning `spin` without sleeping)
-    /// for something to happen, handles it and returns the events. Fails with `Closed` once
+    /// Waits up to `timeout` (for ever when None; polling first, see [`spin`]) for
+    /// something to happen, handles it and returns the events. Fails with `Closed` once
     /// the set is closed. Meant for one thread.
-    pub fn poll(
-        &self,
-        timeout: Option<Duration>,
-        spin: Duration,
-    ) -> Result<Vec<Event>, WorkersError> {
+    pub fn poll(&self, timeout: Option<Duration>) -> Result<Vec<Event>, WorkersError> {
         let poller = self.poller()?;
-        let tokens = ready_tokens(&poller, timeout, spin)?;
+        let tokens = ready_tokens(&poller, timeout, &self.poll_spin)?;
         let mut state = self.lock();
         if state.closed {
             return Err(WorkersError::Closed);
         }
-        let mut events = Vec::new();
+        let mut events = std::mem::take(&mut state.deferred);
         for token in tokens {
             state.on_ready(token, &poller.epoll, &mut events);
         }
@@ -607,34 +625,30 @@ impl WorkerSet {
     }
 }
 
-/// The tokens of the fds that are ready (waking up on the wake-up eventfd too).
+/// The tokens of the fds that are ready (the wake-up eventfd is read, not returned).
 fn ready_tokens(
     poller: &Poller,
     timeout: Option<Duration>,
-    spin: Duration,
+    spin: &Spin,
 ) -> Result<Vec<u64>, WorkersError> {
-    let start = Instant::now();
     let mut events = Vec::with_capacity(64);
-    loop {
-        let spinning = start.elapsed() < spin;
-        let wait = if spinning {
-            Some(Duration::ZERO)
-        } else {
-            timeout
-        };
-        let ts = wait.map(|t| Timespec {
+    let wait = |timeout: Option<Duration>, events: &mut Vec<epoll::Event>| {
+        let ts = timeout.map(|t| Timespec {
             tv_sec: t.as_secs() as i64,
             tv_nsec: t.subsec_nanos() as i64,
         });
         events.clear();
-        match epoll::wait(&poller.epoll, spare_capacity(&mut events), ts.as_ref()) {
-            Ok(_) | Err(Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
+        match epoll::wait(&poller.epoll, spare_capacity(events), ts.as_ref()) {
+            Ok(_) | Err(Errno::INTR) => Ok(()),
+            Err(e) => Err(WorkersError::from(e)),
         }
-        if !events.is_empty() || !spinning {
-            break;
-        }
-        std::hint::spin_loop();
+    };
+    let polled = spin.poll(|| {
+        wait(Some(Duration::ZERO), &mut events)?;
+        Ok::<_, WorkersError>((!events.is_empty()).then_some(()))
+    })?;
+    if polled.is_none() && timeout != Some(Duration::ZERO) {
+        wait(timeout, &mut events)?;
     }
     let mut tokens = Vec::with_capacity(events.len());
     for event in events {
@@ -889,6 +903,14 @@ impl Worker {
 }
 
 impl State {
+    /// The slot of the worker that holds task `id` unanswered.
+    fn holder_of(&self, id: u64) -> Option<usize> {
+        self.workers.iter().position(|w| {
+            w.as_ref()
+                .is_some_and(|w| w.unanswered().any(|(_, task)| task.id == id))
+        })
+    }
+
     fn on_ready(&mut self, token: u64, epoll_fd: &OwnedFd, events: &mut Vec<Event>) {
         let Some(&slot) = self.by_generation.get(&(token >> 1)) else {
             return;
@@ -897,6 +919,9 @@ impl State {
             return;
         };
         if token & 1 == 0 {
+            if w.lent {
+                return; // a waiting thread reads it (a readiness seen before it was lent)
+            }
             if !w.read(slot, events) {
                 // The worker closed its end (it is exiting): its pidfd tells the rest.
                 w.ctl_open = false;

@@ -24,7 +24,7 @@ fn worker_main() {
     };
     // SAFETY: the pool passed these fds to this process, which owns them from now on.
     let (ctl, gate) = unsafe { (OwnedFd::from_raw_fd(ctl), OwnedFd::from_raw_fd(gate)) };
-    let Ok(end) = WorkerEnd::new(ctl, gate) else {
+    let Ok(end) = WorkerEnd::new(ctl, gate, Duration::from_micros(100)) else {
         std::process::exit(3);
     };
     let _ = end.hello(std::process::id() as i32);
@@ -126,7 +126,7 @@ fn collect(
             Instant::now() < deadline,
             "timed out; events so far: {all:?}"
         );
-        all.extend(set.poll(Some(Duration::from_millis(100)), Duration::ZERO)?);
+        all.extend(set.poll(Some(Duration::from_millis(100)))?);
     }
     Ok(all)
 }
@@ -159,6 +159,12 @@ fn deaths(events: &[Event]) -> Vec<&Death> {
 #[test]
 fn tasks_are_spread_and_answered() -> Result<(), WorkersError> {
     let set = pool(2)?;
+    let ready = |e: &[Event]| {
+        e.iter()
+            .filter(|e| matches!(e, Event::Ready { .. }))
+            .count()
+    };
+    collect(&set, |e| ready(e) == 2)?;
     set.submit((1..=500).map(|i| task(i, &format!("echo:{i}"))).collect())?;
     let events = collect(&set, |e| answers(e).len() == 500)?;
     let got = answers(&events);
@@ -268,7 +274,7 @@ fn unstarted_tasks_are_cancelled_wherever_they_wait() -> Result<(), WorkersError
     let deadline = Instant::now() + Duration::from_secs(20);
     while !set.started(1) {
         assert!(Instant::now() < deadline);
-        set.poll(Some(Duration::from_millis(5)), Duration::ZERO)?;
+        set.poll(Some(Duration::from_millis(5)))?;
     }
     set.submit((2..=6).map(|i| task(i, &format!("echo:{i}"))).collect())?;
     assert!(
@@ -284,7 +290,7 @@ fn unstarted_tasks_are_cancelled_wherever_they_wait() -> Result<(), WorkersError
     let deadline = Instant::now() + Duration::from_secs(20);
     while set.busy() {
         assert!(Instant::now() < deadline);
-        set.poll(Some(Duration::from_millis(50)), Duration::ZERO)?;
+        set.poll(Some(Duration::from_millis(50)))?;
     }
     set.close(false, Duration::from_secs(5));
     Ok(())
@@ -350,12 +356,33 @@ fn close_returns_what_was_never_answered_and_stops_every_worker() -> Result<(), 
         Err(WorkersError::Closed)
     ));
     assert!(matches!(
-        set.poll(Some(Duration::ZERO), Duration::ZERO),
+        set.poll(Some(Duration::ZERO)),
         Err(WorkersError::Closed)
     ));
     assert!(
         wait_exit(pidfd.as_fd(), Some(Instant::now())),
         "the worker has exited"
     );
+    Ok(())
+}
+
+#[test]
+fn a_waiting_thread_takes_its_result_and_leaves_the_rest_to_poll() -> Result<(), WorkersError> {
+    let set = pool(1)?;
+    collect(&set, |e| e.iter().any(|e| matches!(e, Event::Ready { .. })))?;
+    set.submit(vec![task(1, "sleep:100"), task(2, "echo:b")])?;
+    assert!(matches!(
+        set.wait_for(99, Some(Duration::ZERO))?,
+        Waited::Elsewhere
+    ));
+    let Waited::Outcome(outcome) = set.wait_for(2, Some(Duration::from_secs(20)))? else {
+        panic!("no outcome for task 2");
+    };
+    assert_eq!((outcome.id, outcome.data.as_slice()), (2, &b"b"[..]));
+    // Task 1's result came on the same socket: poll hands it out.
+    let events = set.poll(Some(Duration::ZERO))?;
+    assert_eq!(answers(&events), vec![(1, "sleep:100".into())]);
+    assert!(!set.busy());
+    set.close(false, Duration::from_secs(5));
     Ok(())
 }
