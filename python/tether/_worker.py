@@ -21,8 +21,11 @@ its result) travels as ``(type name, message, traceback text, pickled exception 
 so that the pool can rebuild the exception, or describe it when it cannot cross.
 
 Whatever a task leaves is cleaned up before the next: the channels it received are closed,
-torch's DataLoader worker info is reset, the random generators are reseeded, and after a
-short idle time the garbage collector runs."""
+torch's DataLoader worker info is reset, and after a short idle time the garbage collector
+runs. The random generators a leased process seeded are reseeded before the next task that
+does not seed them itself (an executor task, a process other than torch's DataLoader worker
+loop), or once the worker is idle: reseeding torch and numpy costs a few hundred
+microseconds, which a DataLoader started right after would otherwise wait for."""
 
 from __future__ import annotations
 
@@ -46,6 +49,9 @@ ERROR = 1
 SKIPPED = 2
 #: After a leased process ends, the garbage collector runs once the worker is this idle.
 IDLE_GC = 0.2
+
+#: Whether a leased process left the random generators seeded as it chose.
+_seeded_by_lease = False
 
 #: An exception as it travels: type name, message, traceback text, pickled exception.
 ErrorInfo = Tuple[str, str, str, Optional[bytes]]
@@ -131,6 +137,7 @@ def _run_task(
 def _run_batch(end: _native.WorkerEnd, tasks: List[Tuple[int, int, bytes, List[int]]]) -> None:
     """Runs a batch; each result goes back before the next task starts (so a crash loses
     no finished result)."""
+    _reseed_if_needed()
     _channel.begin_task_scope()
     try:
         while tasks:
@@ -150,15 +157,20 @@ def _run_batch(end: _native.WorkerEnd, tasks: List[Tuple[int, int, bytes, List[i
 
 def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int]) -> None:
     """Runs a leased process's target as ``multiprocessing.Process.run`` would: exit code 0
-    on return, the code of a ``SystemExit``, 1 (with the traceback on stderr) otherwise."""
+    on return, the code of a ``SystemExit``, 1 (with the traceback on stderr) otherwise.
+    The call is ``(target, args, kwargs, seeds)``, ``seeds`` telling whether the target
+    seeds the random generators itself (torch's DataLoader worker loop does)."""
+    global _seeded_by_lease
     _channel.begin_task_scope()
     code = 0
     try:
-        call: Optional[Tuple[Callable[..., Any], Tuple[Any, ...], Dict[str, Any]]]
+        call: Optional[Tuple[Callable[..., Any], Tuple[Any, ...], Dict[str, Any], bool]]
         call = _channel.loads(blob, fds)
         del blob
-        target, args, kwargs = call  # type: ignore[misc]
+        target, args, kwargs, seeds = call  # type: ignore[misc]
         call = None
+        if not seeds:
+            _reseed_if_needed()
         try:
             target(*args, **kwargs)
         finally:
@@ -172,6 +184,7 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
     finally:
         _channel.end_task_scope()
         _reset_after_lease()
+        _seeded_by_lease = True
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -181,10 +194,19 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
 
 
 def _reset_after_lease() -> None:
-    """What a DataLoader worker loop leaves behind that the next task must not see."""
+    """What a DataLoader worker loop leaves behind that the next task must not see (but
+    the seeds: see ``_reseed_if_needed``)."""
     worker = sys.modules.get("torch.utils.data._utils.worker")
     if worker is not None:
         worker._worker_info = None  # type: ignore[attr-defined]
+
+
+def _reseed_if_needed() -> None:
+    """Reseeds the random generators a leased process seeded as it chose."""
+    global _seeded_by_lease
+    if not _seeded_by_lease:
+        return
+    _seeded_by_lease = False
     random.seed()
     np = sys.modules.get("numpy")
     if np is not None:
@@ -232,6 +254,7 @@ def serve(rank: int, links: Dict[int, Tuple[int, int]], config: Dict[str, Any]) 
             return
         if got is None:
             gc.collect()
+            _reseed_if_needed()
             idle_gc = False
             continue
         if got[0] == "batch":

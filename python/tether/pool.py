@@ -557,9 +557,10 @@ class _Core:
             raise BrokenPool(self.broken)
         if self.state == "closed":
             raise RuntimeError("the tether.Pool is shut down")
-        collector = _channel._FdCollector()
-        blob = _channel.dumps((target, args, kwargs), collector)
         loader = _dataloader_call(target, args, kwargs)
+        collector = _channel._FdCollector()
+        # torch's worker loop seeds the random generators itself (see _worker._run_lease).
+        blob = _channel.dumps((target, args, kwargs, loader is not None), collector)
         lease_id = next(self.ids)
         try:
             slot = self._take_slot(loader)
