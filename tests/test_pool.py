@@ -271,6 +271,21 @@ def test_join_waits_on_the_lease_and_the_sentinel_is_its_event(pool):
     assert p.exitcode == 0 and not p.is_alive()
 
 
+def test_a_pool_process_copied_into_a_fork_does_nothing_there(pool):
+    ctx = pool.context()
+    p = ctx.Process(target=helpers.sleep_then, args=(0.5,))
+    p.start()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the fork
+        p.terminate()
+        p.kill()
+        p.join(5)
+        os._exit(0 if not p.is_alive() else 1)
+    assert os.waitpid(child, 0)[1] == 0
+    p.join(10)
+    assert p.exitcode == 0  # the worker was not signalled
+
+
 def test_the_pool_stores_nothing_on_a_dataloaders_objects(pool):
     torch_data = pytest.importorskip("torch.utils.data")
     it = iter(

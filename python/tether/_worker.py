@@ -240,6 +240,9 @@ def serve(rank: int, links: Dict[int, Tuple[int, int]], config: Dict[str, Any]) 
     """The worker's main loop (called by tether's child bootstrap as ``fn(rank, *args)``,
     ``rank`` being the worker's slot): ``links[rank]`` are its fds; the others belong to
     workers started alongside."""
+    # What this process inherited (all of the parent's heap, for a fork) is never collected
+    # here: the finalizers of the parent's garbage must not run in a worker.
+    gc.freeze()
     for slot, fds in links.items():
         if slot != rank:
             _channel._close_all(fds)

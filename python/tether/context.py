@@ -19,6 +19,7 @@ the other way round."""
 from __future__ import annotations
 
 import multiprocessing.context
+import os
 import signal
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
@@ -85,6 +86,8 @@ class PoolProcess:
         self._lease: Optional[_native.Lease] = None
         self._dataloader = False
         self._reported = False
+        #: The process that made this one; a copy in another process (a fork) is inert.
+        self._owner = os.getpid()
 
     # -- what multiprocessing.Process offers -----------------------------------------------
 
@@ -120,25 +123,30 @@ class PoolProcess:
         end = None if self._lease is None else self._lease.end()
         return None if end is None else end[0]
 
+    def _ours(self) -> bool:
+        """Started, and by this process (not a copy inherited through a fork)."""
+        return self._lease is not None and self._owner == os.getpid()
+
     def is_alive(self) -> bool:
-        return self._lease is not None and self._lease.end() is None
+        return self._ours() and self._lease.end() is None  # type: ignore[union-attr]
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Waits until the target has returned (or its worker died), up to ``timeout``."""
         if self._lease is None:
             raise AssertionError("can only join a started process")
-        self._lease.wait(timeout)
+        if self._ours():
+            self._lease.wait(timeout)
 
     def terminate(self) -> None:
         """Stops the target by killing its worker with SIGTERM (the pool replaces it).
         Does nothing once the target has returned: the worker may serve someone else."""
-        if self._lease is not None:
-            self._leaser.signal(self._lease, signal.SIGTERM)
+        if self._ours():
+            self._leaser.signal(self._lease, signal.SIGTERM)  # type: ignore[arg-type]
 
     def kill(self) -> None:
         """As ``terminate`` with SIGKILL."""
-        if self._lease is not None:
-            self._leaser.signal(self._lease, signal.SIGKILL)
+        if self._ours():
+            self._leaser.signal(self._lease, signal.SIGKILL)  # type: ignore[arg-type]
 
     def close(self) -> None:
         if self.is_alive():

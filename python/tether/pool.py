@@ -367,6 +367,8 @@ class _Core:
         initargs: Sequence[Any],
     ) -> None:
         self.size = processes
+        #: The process that made the pool (a copy inherited through a fork does nothing).
+        self.pid = os.getpid()
         self.start_method = start_method
         self.preload = list(preload)
         self.config = {
@@ -857,7 +859,8 @@ def _python_exit() -> None:
     """At interpreter exit, before threads are joined: every pool finishes the work it was
     given (as ``ProcessPoolExecutor`` does), then stops."""
     for core in list(_live):
-        core.shutdown(wait=True, cancel_futures=False)
+        if core.pid == os.getpid():
+            core.shutdown(wait=True, cancel_futures=False)
 
 
 try:

@@ -256,6 +256,9 @@ pub struct WorkerSet {
     /// The polling policies of `poll` and of `wait_for`.
     poll_spin: Spin,
     wait_spin: Spin,
+    /// The process that made the set. A copy inherited through a fork is inert: it must
+    /// not signal the workers or take their messages.
+    owner: u32,
 }
 
 #[derive(Debug)]
@@ -303,6 +306,7 @@ impl WorkerSet {
             poller: Mutex::new(Some(Arc::new(Poller { epoll, wake }))),
             poll_spin: Spin::new(config.spin),
             wait_spin: Spin::new(config.spin),
+            owner: std::process::id(),
         })
     }
 
@@ -315,7 +319,16 @@ impl WorkerSet {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether this is the process that made the set (see `owner`).
+    fn ours(&self) -> bool {
+        std::process::id() == self.owner
+    }
+
+    /// The epoll set; `Closed` once the set is closed, or in a process that is not ours.
     fn poller(&self) -> Result<Arc<Poller>, WorkersError> {
+        if !self.ours() {
+            return Err(WorkersError::Closed);
+        }
         let poller = self.poller.lock().unwrap_or_else(|e| e.into_inner());
         poller.clone().ok_or(WorkersError::Closed)
     }
@@ -380,7 +393,7 @@ impl WorkerSet {
     /// Queues tasks (sending what the free workers can take now).
     pub fn submit(&self, tasks: Vec<Task>) -> Result<(), WorkersError> {
         let mut state = self.lock();
-        if state.closed {
+        if state.closed || !self.ours() {
             return Err(WorkersError::Closed);
         }
         state.pending.extend(tasks);
@@ -512,7 +525,7 @@ impl WorkerSet {
         fds: &[BorrowedFd<'_>],
     ) -> Result<Arc<Lease>, WorkersError> {
         let mut state = self.lock();
-        if state.closed {
+        if state.closed || !self.ours() {
             return Err(WorkersError::Closed);
         }
         let w = state
@@ -535,6 +548,9 @@ impl WorkerSet {
 
     /// Sends `signal` to the worker running lease `id`; false when it no longer does.
     pub fn signal_lease(&self, lease: &Lease, signal: i32) -> io::Result<bool> {
+        if !self.ours() {
+            return Ok(false);
+        }
         let state = self.lock();
         match state.workers.get(lease.slot()).and_then(Option::as_ref) {
             Some(w) if w.lease.as_ref().is_some_and(|l| l.id() == lease.id()) => {
@@ -573,6 +589,9 @@ impl WorkerSet {
     /// leased workers (or all, with `kill`) sent SIGKILL, and up to `grace` for them to
     /// exit before SIGKILL. Returns the tasks never answered and the leases it ended.
     pub fn close(&self, kill: bool, grace: Duration) -> Closing {
+        if !self.ours() {
+            return Closing::default();
+        }
         let (workers, mut closing) = {
             let mut state = self.lock();
             if state.closed {
