@@ -416,6 +416,47 @@ def test_a_crash_in_map_fails_that_item(fresh):
         next(results)
 
 
+def test_a_crash_in_a_chunk_fails_the_items_it_ran_and_that_item(fresh):
+    # Six items travel together: the worker runs 0..4, dies in 5, never sends 0..4.
+    results = fresh.map(helpers.maybe_crash, range(12), [6] * 12, chunksize=6)
+    with pytest.raises(tether.WorkerCrashedError, match="after running this task"):
+        next(results)
+    assert list(fresh.map(helpers.square, range(8), chunksize=4)) == [i * i for i in range(8)]
+
+
+def test_ctrl_c_interrupts_a_wait_for_a_result():
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
+            import tether, pool_helpers
+            if __name__ == "__main__":
+                pool = tether.Pool(1)
+                future = pool.submit(pool_helpers.sleep_then, 1.0)
+                print("waiting", flush=True)
+                try:
+                    future.result()
+                except KeyboardInterrupt:
+                    print("interrupted", flush=True)
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=HERE),
+    )
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline().strip() == "interrupted"
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
 @pytest.mark.parametrize("workers", [1, 2, 5, 13])
 def test_crash_races(workers):
     with tether.Pool(workers) as pool:
