@@ -500,6 +500,18 @@ def test_starting_a_replacement_never_holds_up_the_other_workers(tmp_path):
         assert victim not in _healed(pool)
 
 
+def test_workers_retire_after_max_tasks_per_child():
+    with pytest.raises(ValueError, match="max_tasks_per_child"):
+        tether.Pool(1, max_tasks_per_child=0)
+    with tether.Pool(1, max_tasks_per_child=2) as pool:
+        pids = [pool.submit(helpers.pid_of).result(timeout=30) for _ in range(5)]
+        assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4]
+        # Tasks queued for a worker that retires run on the next one.
+        futures = [pool.submit(helpers.square, i) for i in range(7)]
+        assert [f.result(timeout=30) for f in futures] == [i * i for i in range(7)]
+        assert list(pool.map(helpers.square, range(5))) == [0, 1, 4, 9, 16]
+
+
 def test_a_failing_initializer_breaks_the_pool_clearly():
     with tether.Pool(1, initializer=helpers.raise_value_error, initargs=("no init",)) as pool:
         with pytest.raises(tether.BrokenPool, match="no init"):

@@ -134,18 +134,23 @@ def _run_task(
         return ERROR, _dump(describe(exc), _channel._FdCollector()), [], None
 
 
-def _run_batch(end: _native.WorkerEnd, tasks: List[Tuple[int, int, bytes, List[int]]]) -> None:
-    """Runs a batch; each result goes back before the next task starts (so a crash loses
-    no finished result)."""
+def _run_batch(
+    end: _native.WorkerEnd, tasks: List[Tuple[int, int, bytes, List[int]]], left: Optional[int]
+) -> int:
+    """Runs a batch, at most ``left`` tasks of it when that is not None (the tasks not
+    started go back to the pool when this worker exits); each result goes back before the
+    next task starts (so a crash loses no finished result). Returns how many it ran."""
     _reseed_if_needed()
     _channel.begin_task_scope()
+    ran = 0
     try:
-        while tasks:
+        while tasks and (left is None or ran < left):
             task_id, seq, blob, fds = tasks.pop(0)
             if not end.start(seq, task_id):
                 _channel._close_all(fds)
                 end.send_results([(task_id, SKIPPED, b"", [])])
                 continue
+            ran += 1
             kind, data, out_fds, keep = _run_task(end, blob, fds)
             del blob
             end.send_results([(task_id, kind, data, out_fds)])
@@ -153,6 +158,9 @@ def _run_batch(end: _native.WorkerEnd, tasks: List[Tuple[int, int, bytes, List[i
     finally:
         end.idle()
         _channel.end_task_scope()
+    for _, _, _, fds in tasks:
+        _channel._close_all(fds)
+    return ran
 
 
 def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int]) -> None:
@@ -239,7 +247,8 @@ def _initialize(config: Dict[str, Any]) -> None:
 def serve(rank: int, links: Dict[int, Tuple[int, int]], config: Dict[str, Any]) -> None:
     """The worker's main loop (called by tether's child bootstrap as ``fn(rank, *args)``,
     ``rank`` being the worker's slot): ``links[rank]`` are its fds; the others belong to
-    workers started alongside."""
+    workers started alongside. With ``config["max_tasks"]``, it exits after that many
+    executor tasks (the pool starts another)."""
     # What this process inherited (all of the parent's heap, for a fork) is never collected
     # here: the finalizers of the parent's garbage must not run in a worker.
     gc.freeze()
@@ -250,7 +259,8 @@ def serve(rank: int, links: Dict[int, Tuple[int, int]], config: Dict[str, Any]) 
     _initialize(config)
     end.hello(os.getpid())
     idle_gc = False
-    while True:
+    left: Optional[int] = config.get("max_tasks")
+    while left is None or left > 0:
         try:
             got = end.recv(IDLE_GC if idle_gc else None)
         except EOFError:
@@ -261,7 +271,8 @@ def serve(rank: int, links: Dict[int, Tuple[int, int]], config: Dict[str, Any]) 
             idle_gc = False
             continue
         if got[0] == "batch":
-            _run_batch(end, got[1])
+            ran = _run_batch(end, got[1], left)
+            left = None if left is None else left - ran
         else:
             _run_lease(end, got[1], got[2], got[3])
             idle_gc = True

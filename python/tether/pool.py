@@ -365,8 +365,10 @@ class _Core:
         preload: Sequence[str],
         initializer: Optional[Callable[..., Any]],
         initargs: Sequence[Any],
+        max_tasks_per_child: Optional[int] = None,
     ) -> None:
         self.size = processes
+        self.max_tasks_per_child = max_tasks_per_child
         #: The process that made the pool (a copy inherited through a fork does nothing).
         self.pid = os.getpid()
         self.start_method = start_method
@@ -376,6 +378,7 @@ class _Core:
             "initializer": initializer,
             "initargs": tuple(initargs),
             "spin": SPIN,
+            "max_tasks": max_tasks_per_child,
         }
         self.workers = _native.WorkerSet(WINDOW, MAX_BATCH, SPIN)
         self.lock = threading.Lock()
@@ -470,7 +473,9 @@ class _Core:
 
     def chunk_size(self, items: int) -> int:
         """Items per task for a ``map`` of ``items``: enough tasks to spread them, few
-        enough that each carries many."""
+        enough that each carries many (one, when workers retire after so many tasks)."""
+        if self.max_tasks_per_child is not None:
+            return 1
         return max(1, min(MAX_CHUNK, items // (self.size * 8)))
 
     def map(self, fn: Callable[..., Any], calls: List[Any], size: int, run: _MapRun) -> List[int]:
@@ -875,7 +880,8 @@ class Pool(concurrent.futures.Executor):
     ``processes`` workers (default: the CPU count) are started at once with
     ``start_method`` ("forkserver", the default: forks of tether's zygote, which preloads
     ``preload`` when given; "spawn"; or "fork"); each imports the modules in ``preload``
-    and runs ``initializer(*initargs)`` first. ``pool.context()`` is a
+    and runs ``initializer(*initargs)`` first. With ``max_tasks_per_child``, a worker exits
+    after that many executor tasks and a new one takes its place. ``pool.context()`` is a
     multiprocessing context for ``DataLoader(multiprocessing_context=...)`` whose processes
     are leased pool workers; ``submit`` / ``map`` run tasks on the free workers.
     ``shutdown()`` (or leaving a ``with`` block) stops everything once the work given is
@@ -889,6 +895,7 @@ class Pool(concurrent.futures.Executor):
         preload: Optional[Sequence[str]] = None,
         initializer: Optional[Callable[..., Any]] = None,
         initargs: Sequence[Any] = (),
+        max_tasks_per_child: Optional[int] = None,
     ) -> None:
         if processes is None:
             processes = os.cpu_count() or 1
@@ -898,7 +905,15 @@ class Pool(concurrent.futures.Executor):
         _launch.check_start_method(method, "tether.Pool")
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be callable")
-        self._core = _Core(processes, method, list(preload or ()), initializer, initargs)
+        if max_tasks_per_child is not None and (
+            not isinstance(max_tasks_per_child, int)
+            or isinstance(max_tasks_per_child, bool)
+            or max_tasks_per_child < 1
+        ):
+            raise ValueError("max_tasks_per_child must be >= 1")
+        self._core = _Core(
+            processes, method, list(preload or ()), initializer, initargs, max_tasks_per_child
+        )
         _live.add(self._core)
         self._finalizer = weakref.finalize(self, self._core.shutdown, False, False)
         self._context: Optional[PoolContext] = None
