@@ -190,15 +190,18 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
         traceback.print_exc()
         code = 1
     finally:
-        _channel.end_task_scope()
-        _reset_after_lease()
-        _seeded_by_lease = True
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:  # noqa: BLE001 - a closed stream must not kill the worker
                 pass
-    end.send_done(lease_id, code)
+    try:
+        # The process waiting for this one goes on now; what follows is this worker's own.
+        end.send_done(lease_id, code)
+    finally:
+        _channel.end_task_scope()
+        _reset_after_lease()
+        _seeded_by_lease = True
 
 
 def _reset_after_lease() -> None:
