@@ -429,8 +429,9 @@ class _Core:
         for member, (slot, link) in enumerate(zip(slots, links)):
             try:
                 self.workers.add(slot, link, group, member)
-            except RuntimeError:
-                group.signal(member, signal.SIGKILL)  # closed meanwhile: it must not outlive us
+            except (RuntimeError, OSError):
+                # Closed meanwhile (or it cannot be watched): it must not outlive the pool.
+                group.signal(member, signal.SIGKILL)
                 group.wait([member], "all", 5.0)
 
     def pids(self) -> List[int]:
