@@ -209,6 +209,16 @@ def test_wait_and_as_completed_see_pool_futures(pool):
     }
 
 
+def test_all_workers_start_with_the_pool_and_are_ready_when_it_returns():
+    with tether.Pool(3) as pool:
+        pids = pool.pids()
+        assert len(pids) == 3 == pool.processes
+        # Ready: one task each, all at once, on three different workers.
+        futures = [pool.submit(helpers.sleep_then, 0.5, i) for i in range(3)]
+        assert [f.result(timeout=30) for f in futures] == [0, 1, 2]
+        assert set(pool.map(helpers.pid_of, range(3))) <= set(pids)
+
+
 def test_workers_are_direct_children_and_reused(pool):
     pids = set(pool.pids())
     assert set(pool.map(helpers.parent_pid, range(20))) == {os.getpid()}
