@@ -55,6 +55,8 @@ pub enum WorkersError {
     NoWorker(usize),
     #[error("the worker in slot {0} is already leased")]
     Leased(usize),
+    #[error("slot {0} already has a worker")]
+    Occupied(usize),
     #[error("bad message on a worker link: {0}")]
     Wire(&'static str),
     #[error(transparent)]
@@ -355,7 +357,7 @@ impl WorkerSet {
             return Err(WorkersError::Closed);
         }
         if state.workers.get(slot).is_some_and(Option::is_some) {
-            return Err(WorkersError::Leased(slot));
+            return Err(WorkersError::Occupied(slot));
         }
         let generation = state.next_generation;
         state.next_generation += 1;
@@ -368,23 +370,13 @@ impl WorkerSet {
         if state.workers.len() <= slot {
             state.workers.resize_with(slot + 1, || None);
         }
-        state.workers[slot] = Some(Worker {
+        let process = Process {
             pid,
-            generation,
-            ctl: parent,
-            ctl_open: true,
             pidfd,
-            gate,
             group,
             member,
-            ready: false,
-            lease: None,
-            reserved: false,
-            congested: false,
-            lent: false,
-            inflight: VecDeque::new(),
-            seq: 0,
-        });
+        };
+        state.workers[slot] = Some(Worker::new(process, generation, parent, gate));
         state.by_generation.insert(generation, slot);
         state.dispatch(&self.config);
         Ok(pid)
@@ -609,39 +601,50 @@ impl WorkerSet {
             poller.wake();
         }
         drop(poller);
-        let mut waiting = Vec::with_capacity(workers.len());
-        for w in workers {
-            if kill || w.lease.is_some() {
-                let _ = w.group.signal(w.member, libc::SIGKILL);
-            }
+        for w in &workers {
             closing.tasks.extend(
                 w.unanswered()
                     .filter(|(seq, _)| w.gate.claim(*seq) != Claim::Cancelled)
                     .map(|(_, t)| t.id),
             );
-            let Worker {
-                pidfd,
-                group,
-                member,
-                lease,
-                ..
-            } = w;
-            waiting.push((pidfd, group, member, lease));
         }
-        let deadline = Instant::now() + grace;
-        for (pidfd, group, member, lease) in waiting {
-            if !wait_exit(pidfd.as_fd(), Some(deadline)) {
-                let _ = group.signal(member, libc::SIGKILL);
-                wait_exit(pidfd.as_fd(), Some(Instant::now() + Duration::from_secs(5)));
-            }
-            if let Some(lease) = lease {
-                let code = exit_status(&pidfd, &group, member).as_exitcode();
-                lease.finish(LeaseEnd { code, died: true });
-                closing.leases.push(lease);
-            }
-        }
+        closing.leases = stop(workers, kill, grace);
         closing
     }
+}
+
+/// Stops the workers of a closed set: their sockets close (so they exit), the leased ones
+/// (or all, with `kill`) get SIGKILL at once, the others up to `grace` to exit before it.
+/// Returns the leases it ended.
+fn stop(workers: Vec<Worker>, kill: bool, grace: Duration) -> Vec<Arc<Lease>> {
+    let mut waiting = Vec::with_capacity(workers.len());
+    for w in workers {
+        if kill || w.lease.is_some() {
+            let _ = w.group.signal(w.member, libc::SIGKILL);
+        }
+        let Worker {
+            pidfd,
+            group,
+            member,
+            lease,
+            ..
+        } = w;
+        waiting.push((pidfd, group, member, lease));
+    }
+    let deadline = Instant::now() + grace;
+    let mut ended = Vec::new();
+    for (pidfd, group, member, lease) in waiting {
+        if !wait_exit(pidfd.as_fd(), Some(deadline)) {
+            let _ = group.signal(member, libc::SIGKILL);
+            wait_exit(pidfd.as_fd(), Some(Instant::now() + Duration::from_secs(5)));
+        }
+        if let Some(lease) = lease {
+            let code = exit_status(&pidfd, &group, member).as_exitcode();
+            lease.finish(LeaseEnd { code, died: true });
+            ended.push(lease);
+        }
+    }
+    ended
 }
 
 /// The tokens of the fds that are ready (the wake-up eventfd is read, not returned).
@@ -725,7 +728,41 @@ fn exit_status(pidfd: &OwnedFd, group: &Group, member: usize) -> ExitStatus {
     }
 }
 
+/// A worker's process, as its launch left it.
+struct Process {
+    pid: i32,
+    pidfd: OwnedFd,
+    group: Group,
+    member: usize,
+}
+
 impl Worker {
+    fn new(process: Process, generation: u64, ctl: Endpoint, gate: Gate) -> Worker {
+        let Process {
+            pid,
+            pidfd,
+            group,
+            member,
+        } = process;
+        Worker {
+            pid,
+            generation,
+            ctl,
+            ctl_open: true,
+            pidfd,
+            gate,
+            group,
+            member,
+            ready: false,
+            lease: None,
+            reserved: false,
+            congested: false,
+            lent: false,
+            inflight: VecDeque::new(),
+            seq: 0,
+        }
+    }
+
     fn is_free(&self) -> bool {
         self.lease.is_none() && !self.reserved
     }
