@@ -1,20 +1,28 @@
 """tether.Pool as an Executor against concurrent.futures' ProcessPoolExecutor (fork) and
-loky's reusable executor, 2 workers each.
+loky's reusable executor, 2 workers each, in the same run.
 
-    python bench/executor.py [--reps N]
+    python bench/executor.py [--reps N] [--calls N] [--items N]
 
-Round trip: ``submit(noop).result()`` one after the other; map:
-``list(map(fn, range(20000), chunksize=1))``. Medians over repetitions."""
+1. Round trip: ``submit(noop, 1).result()`` one after the other, with the machine otherwise
+   idle, then again with a busy-looping process on every core.
+2. ``list(map(noop, range(items), chunksize=1))``, tasks per second.
+
+Each figure is the median of ``--reps`` runs; the executors take turns within each
+repetition, so that a busy moment of the machine hits them alike. Ratios are against
+tether."""
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import multiprocessing
 import os
 import statistics
+import subprocess
+import sys
 import time
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Iterator, List
 
 import tether
 
@@ -32,16 +40,61 @@ def round_trip(executor: concurrent.futures.Executor, calls: int) -> float:
 
 def map_rate(executor: concurrent.futures.Executor, items: int) -> float:
     start = time.perf_counter()
-    out = list(executor.map(noop, range(items), chunksize=1))
-    assert len(out) == items
+    count = sum(1 for _ in executor.map(noop, range(items), chunksize=1))
+    assert count == items
     return items / (time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def busy_cores() -> Iterator[None]:
+    """A process spinning on every core."""
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 1)
+    ]
+    try:
+        time.sleep(0.2)
+        yield
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+
+
+def measure(
+    makers: Dict[str, Callable[[], concurrent.futures.Executor]],
+    reps: int,
+    fn: Callable[[concurrent.futures.Executor], float],
+) -> Dict[str, float]:
+    """Median of ``fn(executor)`` per executor, the executors taking turns."""
+    executors = {name: make() for name, make in makers.items()}
+    try:
+        for executor in executors.values():
+            list(executor.map(noop, range(200)))  # warm
+        samples: Dict[str, List[float]] = {name: [] for name in makers}
+        for _ in range(reps):
+            for name, executor in executors.items():
+                samples[name].append(fn(executor))
+    finally:
+        for executor in executors.values():
+            executor.shutdown(wait=True)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def table(title: str, unit: str, rows: Dict[str, float], lower_is_better: bool) -> None:
+    ours = rows["tether.Pool"]
+    print(f"\n{title}")
+    print(f"  {'':28} {unit:>14} {'tether is':>12}")
+    for name, value in rows.items():
+        ratio = value / ours if lower_is_better else ours / value
+        print(f"  {name:28} {value:14.1f} {ratio:10.1f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--items", type=int, default=20000)
+    parser.add_argument("--items", type=int, default=100_000)
     args = parser.parse_args()
     import loky
 
@@ -52,23 +105,19 @@ def main() -> None:
         "loky reusable executor": lambda: loky.get_reusable_executor(max_workers=2),
         "tether.Pool": lambda: tether.Pool(2),
     }
-    rt: Dict[str, float] = {}
-    rate: Dict[str, float] = {}
-    for name, make in makers.items():
-        executor = make()
-        list(executor.map(noop, range(200)))  # warm
-        rt[name] = statistics.median(round_trip(executor, args.calls) for _ in range(args.reps))
-        rate[name] = statistics.median(map_rate(executor, args.items) for _ in range(args.reps))
-        executor.shutdown(wait=True)
-    print(f"{os.cpu_count()} CPUs, 2 workers, medians of {args.reps} runs")
-    print(
-        f"\n  {'':28} {'round trip us':>14} {'vs tether':>10} {'map tasks/s':>12} {'vs tether':>10}"
+    print(f"{os.cpu_count()} CPUs, 2 workers each, medians of {args.reps} runs")
+    idle = measure(makers, args.reps, lambda e: round_trip(e, args.calls))
+    table("Round trip, machine otherwise idle", "us", {k: v * 1e6 for k, v in idle.items()}, True)
+    with busy_cores():
+        busy = measure(makers, args.reps, lambda e: round_trip(e, max(200, args.calls // 10)))
+    table(
+        "Round trip, a busy-looping process on every core",
+        "us",
+        {k: v * 1e6 for k, v in busy.items()},
+        True,
     )
-    for name in makers:
-        print(
-            f"  {name:28} {rt[name] * 1e6:14.1f} {rt[name] / rt['tether.Pool']:9.1f}x "
-            f"{rate[name]:12.0f} {rate['tether.Pool'] / rate[name]:9.1f}x"
-        )
+    rates = measure(makers, args.reps, lambda e: map_rate(e, args.items))
+    table(f"map(noop, range({args.items}), chunksize=1)", "tasks/s", rates, False)
 
 
 if __name__ == "__main__":

@@ -1,33 +1,34 @@
-"""DataLoaders on tether.Pool against torch's own workers and the seed's pool context.
+"""DataLoaders on tether.Pool against torch's own workers, in the same run.
 
-    python bench/loaders.py [--reps N] [--spawn-reps N]
+    python bench/loaders.py [--reps N] [--spawn-reps N] [--batches N]
 
 1. Twenty DataLoaders (64 small items, batch 16, 2 workers) iterated one after the other:
-   torch fork, torch spawn, torch fork with persistent_workers, the seed's
-   ``reusable_pool_context`` over a ``torch.multiprocessing.Pool``, and ``tether.Pool``.
-   The pools are made (and warmed with one loader) before the clock starts.
+   torch fork, torch fork with persistent_workers, torch spawn (``--spawn-reps``, slow),
+   the seed's ``reusable_pool_context`` over a ``torch.multiprocessing.Pool`` when it is
+   there, and ``tether.Pool``. The pools are made (and warmed with one loader) before the
+   clock starts.
 2. Time to the first batch of a new loader.
-3. Steady-state throughput of one loader of 32 x 3x224x224 float batches (torch fork vs
-   tether).
-Medians over repetitions; ratios are against tether."""
+3. Steady-state throughput of one loader of 32 x 3x224x224 float batches.
+
+Each figure is the median over repetitions; within a repetition the contenders take
+turns, so that a busy moment of the machine hits them alike. Ratios are against tether."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 import tether
 
-SEEDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "seeds")
-sys.path.insert(0, os.path.normpath(SEEDS))
-sys.path.insert(0, "/work/shared/seeds")
+SEEDS = "/work/shared/seeds"
 
 
 class Small(Dataset):
@@ -49,19 +50,12 @@ class Images(Dataset):
         return torch.empty(3, 224, 224).fill_(float(i))
 
 
-def twenty(**kwargs) -> None:
+def twenty(**kwargs) -> float:
+    start = time.perf_counter()
     for _ in range(20):
         for _batch in DataLoader(Small(), batch_size=16, num_workers=2, **kwargs):
             pass
-
-
-def timed(fn: Callable[[], None], reps: int) -> float:
-    runs = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
+    return time.perf_counter() - start
 
 
 def first_batch(**kwargs) -> float:
@@ -86,17 +80,40 @@ def throughput(batches: int, **kwargs) -> float:
     return batches / elapsed
 
 
-def table(title: str, unit: str, rows: Dict[str, float], ours: str, lower_is_better: bool) -> None:
+def interleaved(contenders: Dict[str, Callable[[], float]], reps: int) -> Dict[str, float]:
+    samples: Dict[str, List[float]] = {name: [] for name in contenders}
+    for _ in range(reps):
+        for name, run in contenders.items():
+            samples[name].append(run())
+    return {name: statistics.median(values) for name, values in samples.items() if values}
+
+
+def table(title: str, unit: str, rows: Dict[str, float], lower_is_better: bool) -> None:
+    ours = rows["tether.Pool"]
     print(f"\n{title}")
-    print(f"  {'':34} {unit:>12} {'vs tether':>10}")
+    print(f"  {'':34} {unit:>12} {'tether is':>12}")
     for name, value in rows.items():
-        ratio = value / rows[ours] if lower_is_better else rows[ours] / value
-        print(f"  {name:34} {value:12.3f} {ratio:9.1f}x")
+        ratio = value / ours if lower_is_better else ours / value
+        print(f"  {name:34} {value:12.3f} {ratio:10.1f}x")
+
+
+@contextlib.contextmanager
+def seed_context() -> Iterator[Optional[object]]:
+    """The seed's reusable pool context, when the seeds are there."""
+    if not os.path.isdir(SEEDS):
+        yield None
+        return
+    sys.path.insert(0, SEEDS)
+    import reusable_pool_context as seed
+
+    with torch.multiprocessing.Pool(2) as mp_pool, seed.reusable_pool_context(mp_pool) as ctx:
+        twenty(multiprocessing_context=ctx)  # warm
+        yield ctx
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--spawn-reps", type=int, default=1)
     parser.add_argument("--batches", type=int, default=30)
     args = parser.parse_args()
@@ -104,66 +121,49 @@ def main() -> None:
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, medians of {args.reps} runs "
         f"(torch spawn: {args.spawn_reps})"
     )
-
-    import reusable_pool_context as seed
-
     pool = tether.Pool(2, preload=["torch"])
     ctx = pool.context()
     twenty(multiprocessing_context=ctx)  # warm: workers up, torch imported
-
-    scenario: Dict[str, float] = {}
-    scenario["torch fork"] = timed(lambda: twenty(multiprocessing_context="fork"), args.reps)
-    scenario["torch spawn"] = timed(
-        lambda: twenty(multiprocessing_context="spawn"), args.spawn_reps
-    )
-    scenario["torch fork, persistent_workers"] = timed(
-        lambda: twenty(multiprocessing_context="fork", persistent_workers=True), args.reps
-    )
-    with torch.multiprocessing.Pool(2) as mp_pool, seed.reusable_pool_context(mp_pool) as sctx:
-        twenty(multiprocessing_context=sctx)
-        scenario["seed reusable_pool_context"] = timed(
-            lambda: twenty(multiprocessing_context=sctx), args.reps
-        )
-        seed_first = statistics.median(first_batch(multiprocessing_context=sctx) for _ in range(5))
-    scenario["tether.Pool"] = timed(lambda: twenty(multiprocessing_context=ctx), max(args.reps, 5))
+    with seed_context() as seed:
+        loaders: Dict[str, Callable[[], float]] = {
+            "torch fork": lambda: twenty(multiprocessing_context="fork"),
+            "torch fork, persistent_workers": lambda: twenty(
+                multiprocessing_context="fork", persistent_workers=True
+            ),
+        }
+        if seed is not None:
+            loaders["seed reusable_pool_context"] = lambda: twenty(multiprocessing_context=seed)
+        loaders["tether.Pool"] = lambda: twenty(multiprocessing_context=ctx)
+        scenario = interleaved(loaders, args.reps)
+        if args.spawn_reps:
+            spawn = interleaved(
+                {"torch spawn": lambda: twenty(multiprocessing_context="spawn")}, args.spawn_reps
+            )
+            scenario = {**spawn, **scenario}
+        firsts: Dict[str, Callable[[], float]] = {
+            "torch fork": lambda: first_batch(multiprocessing_context="fork") * 1000,
+        }
+        if seed is not None:
+            firsts["seed reusable_pool_context"] = lambda: (
+                first_batch(multiprocessing_context=seed) * 1000
+            )
+        firsts["tether.Pool"] = lambda: first_batch(multiprocessing_context=ctx) * 1000
+        first = interleaved(firsts, max(args.reps, 5))
     table(
         "20 DataLoaders (64 items, batch 16, 2 workers), one after the other",
         "seconds",
         scenario,
-        "tether.Pool",
         True,
     )
-
-    first = {
-        "torch fork": statistics.median(
-            first_batch(multiprocessing_context="fork") for _ in range(5)
-        ),
-        "seed reusable_pool_context": seed_first,
-        "tether.Pool": statistics.median(
-            first_batch(multiprocessing_context=ctx) for _ in range(5)
-        ),
-    }
-    table(
-        "Time to the first batch of a new loader",
-        "ms",
-        {k: v * 1000 for k, v in first.items()},
-        "tether.Pool",
-        True,
+    table("Time to the first batch of a new loader", "ms", first, True)
+    rates = interleaved(
+        {
+            "torch fork": lambda: throughput(args.batches, multiprocessing_context="fork"),
+            "tether.Pool": lambda: throughput(args.batches, multiprocessing_context=ctx),
+        },
+        max(args.reps, 5),
     )
-
-    # Interleaved, so that a busy moment of the machine hits both alike.
-    samples: Dict[str, List[float]] = {"torch fork": [], "tether.Pool": []}
-    for _ in range(max(args.reps, 5)):
-        samples["torch fork"].append(throughput(args.batches, multiprocessing_context="fork"))
-        samples["tether.Pool"].append(throughput(args.batches, multiprocessing_context=ctx))
-    rates = {name: statistics.median(values) for name, values in samples.items()}
-    table(
-        "Steady state: batches of 32 x 3x224x224 float32, 2 workers",
-        "batches/s",
-        rates,
-        "tether.Pool",
-        False,
-    )
+    table("Steady state: batches of 32 x 3x224x224 float32, 2 workers", "batches/s", rates, False)
     pool.shutdown()
 
 

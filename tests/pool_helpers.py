@@ -35,6 +35,11 @@ def sleep_then(seconds: float, value: Any = None) -> Any:
     return value
 
 
+def hold(channel: Any, seconds: float) -> None:
+    """Keeps ``channel`` (a queue received with the process) for ``seconds``."""
+    time.sleep(seconds)
+
+
 def raise_value_error(message: str) -> None:
     raise ValueError(message)
 
@@ -236,3 +241,70 @@ def mark_init(worker_id: int) -> None:
 
 def pair_collate(batch: List[int]) -> Tuple[str, List[int]]:
     return "custom", list(batch)
+
+
+# -- the executor contract ---------------------------------------------------------------------
+
+
+def capture(*args: Any, **kwargs: Any) -> Tuple[Tuple[Any, ...], dict]:
+    return args, kwargs
+
+
+def raise_runtime_error() -> None:
+    raise RuntimeError(123)  # the line the remote traceback shows
+
+
+class NeedsTwoArguments(Exception):
+    """Pickles, but cannot be rebuilt (its __init__ wants two arguments, its args hold one)."""
+
+    def __init__(self, a: Any, b: Any) -> None:
+        super().__init__(a)
+        self.b = b
+
+
+class HoldsALock(Exception):
+    """Cannot even be pickled."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        import threading
+
+        self.lock = threading.Lock()
+
+
+def raise_needs_two() -> None:
+    raise NeedsTwoArguments("first", "second")
+
+
+def raise_holds_a_lock() -> None:
+    raise HoldsALock("locked out")
+
+
+def unpicklable_result() -> Any:
+    import threading
+
+    return threading.Lock()
+
+
+def write_after(path: str, seconds: float, text: str = "done") -> str:
+    """Writes ``text`` to ``path`` after ``seconds``."""
+    time.sleep(seconds)
+    with open(path, "w") as f:
+        f.write(text)
+    return text
+
+
+class Opaque:
+    """A result whose only references are the ones the caller keeps."""
+
+
+def make_opaque(_: Any = None) -> Opaque:
+    return Opaque()
+
+
+def wait_for_fifo(gate_dir: str) -> None:
+    """Initializer: once ``gate_dir/hold`` exists, a worker blocks until a line is written to
+    the FIFO ``gate_dir/fifo``."""
+    if os.path.exists(os.path.join(gate_dir, "hold")):
+        with open(os.path.join(gate_dir, "fifo")) as fifo:
+            fifo.read()

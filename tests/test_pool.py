@@ -131,15 +131,6 @@ def _init_mark():
     return helpers.INIT_MARK.get("id"), "json" in sys.modules
 
 
-def test_a_failing_initializer_breaks_the_pool_clearly():
-    with tether.Pool(1, initializer=helpers.raise_value_error, initargs=("no init",)) as pool:
-        future = pool.submit(helpers.square, 2)
-        with pytest.raises(tether.pool.BrokenPool, match="no init"):
-            future.result(timeout=30)
-        with pytest.raises(tether.pool.BrokenPool):
-            pool.submit(helpers.square, 2)
-
-
 def test_shutdown_leaves_no_thread_or_process():
     threads = threading.active_count()
     pool = tether.Pool(2)
@@ -158,28 +149,6 @@ def test_garbage_collected_pool_stops_its_workers():
     del pool
     gc.collect()
     assert wait_gone(pids, 5) == []
-
-
-def _run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    script = textwrap.dedent(body)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-def test_interpreter_exit_without_shutdown():
-    result = _run_script("""
-        import tether, pool_helpers
-        if __name__ == "__main__":
-            pool = tether.Pool(2)
-            print(*pool.pids(), flush=True)
-            pool.submit(pool_helpers.square, 2).result()
-            pool.submit(pool_helpers.sleep_then, 30)
-    """)
-    assert result.returncode == 0, result.stderr
-    pids = [int(p) for p in result.stdout.split()]
-    assert len(pids) == 2 and wait_gone(pids, 5) == []
 
 
 def test_parent_killed_takes_every_worker_with_it():
@@ -246,3 +215,102 @@ def test_dataloader_parent_killed_takes_leased_workers_with_it():
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+# -- leases: records the pool owns, waited for without polling ------------------------------
+
+
+def _calls_to(name, fn):
+    """How many times ``fn()`` calls a C function named ``name`` (a native wait)."""
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "c_call" and getattr(arg, "__name__", None) == name:
+            calls.append(arg)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return len(calls)
+
+
+def test_a_queue_notices_a_dead_feeder_in_the_same_wait_as_the_data():
+    with tether.Pool(1) as pool:
+        _dead_feeder(pool)
+
+
+def _dead_feeder(pool):
+    ctx = pool.context()
+    q = ctx.Queue()
+    p = ctx.Process(target=helpers.hold, args=(q, 30))
+    p.start()
+
+    def empty_get():
+        with pytest.raises(queue.Empty):
+            q.get(timeout=0.3)
+
+    assert _calls_to("recv_watching", empty_get) == 1  # one wait, no periodic wake-ups
+    p.kill()
+    with pytest.raises(RuntimeError, match=r"\(pid \d+\) was killed by signal SIGKILL"):
+        q.get(timeout=30)
+    p.join(10)
+    assert p.exitcode == -signal.SIGKILL and not p.is_alive()
+    q.close()
+
+
+def test_join_waits_on_the_lease_and_the_sentinel_is_its_event(pool):
+    import multiprocessing.connection
+
+    ctx = pool.context()
+    p = ctx.Process(target=helpers.sleep_then, args=(0.5,))
+    p.start()
+    assert _calls_to("wait", lambda: p.join(0.1)) == 1 and p.is_alive()
+    assert multiprocessing.connection.wait([p.sentinel], timeout=30) == [p.sentinel]
+    assert p.exitcode == 0 and not p.is_alive()
+
+
+def test_a_pool_process_copied_into_a_fork_does_nothing_there(pool):
+    ctx = pool.context()
+    p = ctx.Process(target=helpers.sleep_then, args=(0.5,))
+    p.start()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the fork
+        p.terminate()
+        p.kill()
+        p.join(5)
+        os._exit(0 if not p.is_alive() else 1)
+    assert os.waitpid(child, 0)[1] == 0
+    p.join(10)
+    assert p.exitcode == 0  # the worker was not signalled
+
+
+def test_the_pool_stores_nothing_on_a_dataloaders_objects(pool):
+    torch_data = pytest.importorskip("torch.utils.data")
+    it = iter(
+        torch_data.DataLoader(
+            helpers.Squares(8), num_workers=2, batch_size=2, multiprocessing_context=pool.context()
+        )
+    )
+    next(it)
+    assert set(vars(it._workers_done_event)) == {"_flag"}
+    assert all(set(vars(q)) == {"_tx", "_rx", "_maxsize", "_watched"} for q in it._index_queues)
+    del it
+    gc.collect()
+
+
+def test_pool_context_and_channel_import_in_one_direction():
+    import ast
+
+    def imports(module):
+        source = open(os.path.join(os.path.dirname(tether.__file__), module + ".py")).read()
+        found = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found |= {node.module} if node.module else {a.name for a in node.names}
+        return found
+
+    assert {"pool", "context"}.isdisjoint(imports("_channel"))
+    assert "pool" not in imports("context") and "_channel" in imports("context")
+    assert {"context", "_channel"} <= imports("pool")

@@ -22,7 +22,11 @@ __version__ = _native.__version__
 
 #: Imported on first use, so that a child's start-up does not pay for them.
 _LAZY = {
+    "BrokenPool": ".pool",
+    "NoFreeWorkerError": ".pool",
     "Pool": ".pool",
+    "RemoteError": ".pool",
+    "WorkerCrashedError": ".pool",
     "set_preload": "._zygote",
     "warm_up": "._zygote",
     "status": "._status",
@@ -41,12 +45,16 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BrokenPool",
+    "NoFreeWorkerError",
     "Pool",
     "ProcessContext",
     "ProcessException",
     "ProcessExitedException",
     "ProcessRaisedException",
     "ProcessTimeoutError",
+    "RemoteError",
+    "WorkerCrashedError",
     "__version__",
     "set_preload",
     "ZygoteError",

@@ -28,14 +28,24 @@ import threading
 import time
 from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd, ForkingPickler
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from . import _native
 
-__all__ = ["Event", "Queue", "dumps", "loads"]
+__all__ = ["Event", "Queue", "Watched", "dumps", "loads"]
 
-#: How often a waiting ``Queue.get`` in the main thread checks the processes that feed it.
-WATCH_INTERVAL = 0.1
+
+class Watched(Protocol):
+    """A process a queue watches (see ``Queue.watch``)."""
+
+    def watch_fds(self) -> List[int]:
+        """Fds that become readable when the process ends (none once its end was seen)."""
+        ...
+
+    def failure(self) -> Optional[BaseException]:
+        """The error to raise for how the process ended, or None (it ended well, or its
+        failure was reported already)."""
+        ...
 
 
 class _FdRef:
@@ -166,6 +176,8 @@ def dumps(obj: Any, collector: _FdCollector) -> bytes:
 def loads(data: bytes, fds: Sequence[int]) -> Any:
     """Unpickles a message whose fds arrived as ``fds`` (this process owns them): the fds
     its objects claim are theirs, the rest are closed."""
+    if not fds:
+        return pickle.loads(data)  # nothing in it can claim an fd
     previous = getattr(_tls, "incoming", None)
     incoming = _Incoming(fds)
     _tls.incoming = incoming
@@ -219,17 +231,23 @@ class Queue:
     """A multi-producer, multi-consumer queue between processes (the ``Queue`` of a pool
     context). ``put`` never needs a feeder thread: a message is in the channel when ``put``
     returns. ``get`` works from any thread and raises ``queue.Empty`` on timeout; in the main
-    thread it also notices when a pool process feeding it died (see ``_watch``)."""
+    thread it also notices when a process that feeds it died (see ``watch``)."""
 
     def __init__(self, maxsize: int = 0) -> None:
         self._tx, self._rx = _native.Endpoint.pair()
         self._maxsize = maxsize
-        #: Pool processes that received this queue (parent side); see ``get``.
-        self._watch: List[Any] = []
+        self._watched: List[Watched] = []
 
     def __reduce__(self) -> Tuple[Any, Tuple[Any, Any]]:
         _check_travel(self)
         return _rebuild_queue, (DupFd(self._tx.fileno()), DupFd(self._rx.fileno()))
+
+    def watch(self, process: Watched) -> None:
+        """Makes ``get`` in the main thread watch ``process`` (one that received this queue):
+        when it ends badly, the wait raises its failure (for a DataLoader worker, the
+        ``RuntimeError`` torch's SIGCHLD handler raises: "DataLoader worker (pid N) is killed
+        by signal: Killed."), so the DataLoader reports it at once."""
+        self._watched.append(process)
 
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         """Sends ``obj``; waits only while the channel's buffer is full (``queue.Full`` after
@@ -243,35 +261,40 @@ class Queue:
         self.put(obj, False)
 
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
-        """Receives one object, waiting up to ``timeout`` (for ever when None).
-
-        In the main thread a wait also watches the pool processes that hold this queue: when
-        one of them dies (or its target fails), ``get`` raises the ``RuntimeError`` that
-        torch's SIGCHLD handler raises for a DataLoader worker ("DataLoader worker (pid N) is
-        killed by signal: Killed."), so the DataLoader reports it at once."""
+        """Receives one object, waiting up to ``timeout`` (for ever when None). In the main
+        thread the same wait watches the processes given to ``watch`` (their pidfds and
+        end events, no polling) and raises the failure of one that ended badly."""
         if not block:
             timeout = 0.0
         elif timeout is not None and timeout < 0:
             raise ValueError("'timeout' must be a non-negative number")
-        watch = self._watch and threading.current_thread() is threading.main_thread()
-        if not watch:
-            got = self._rx.recv(timeout)
+        if self._watched and threading.current_thread() is threading.main_thread():
+            got = self._get_watching(timeout)
         else:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while True:
-                left = WATCH_INTERVAL if deadline is None else deadline - time.monotonic()
-                got = self._rx.recv(max(0.0, min(left, WATCH_INTERVAL)))
-                if got is not None:
-                    break
-                for process in self._watch:
-                    error = process._failure_error()
-                    if error is not None:
-                        raise error
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
+            got = self._rx.recv(timeout)
         if got is None:
             raise queue.Empty
         return loads(got[0], got[1])
+
+    def _get_watching(self, timeout: Optional[float]) -> Optional[Tuple[bytes, List[int]]]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            fds: List[int] = []
+            owners: List[Watched] = []
+            for process in self._watched:
+                for fd in process.watch_fds():
+                    fds.append(fd)
+                    owners.append(process)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            got = self._rx.recv_watching(left, fds)
+            if not isinstance(got, int):
+                return got
+            process = owners[got]
+            error = process.failure()
+            if error is not None:
+                raise error
+            # It ended well (or was reported): stop watching it.
+            self._watched = [p for p in self._watched if p is not process]
 
     def get_nowait(self) -> Any:
         return self.get(False)
@@ -309,7 +332,7 @@ def _rebuild_queue(tx: Any, rx: Any) -> Queue:
     queue_._tx = _adopt(_native.Endpoint.from_fd(tx.detach()))
     queue_._rx = _adopt(_native.Endpoint.from_fd(rx.detach()))
     queue_._maxsize = 0
-    queue_._watch = []
+    queue_._watched = []
     return queue_
 
 

@@ -1,255 +1,185 @@
-"""The pool worker: its main loop, and the wire format it shares with ``pool.py``.
+"""The pool worker: its main loop, and what its tasks and results hold.
 
-A worker is started once (a spawn child of the tether supervisor, or a fork) and then
-serves message after message from its control socket (one end of a ``_native.Endpoint``
-pair; the pool holds the other):
+A worker is started once (a zygote fork, a spawn child or a fork) and then serves message
+after message from its link to the pool (``_native.WorkerEnd``, whose wire format lives in
+Rust): a batch of executor tasks, or a leased process (``pool.context().Process``, e.g. a
+DataLoader's worker loop). It exits when the pool closes the link.
 
-- ``B`` a batch of executor tasks; each result (or exception) goes back in an ``R``
-  message, several per message, flushed at the end of the batch or every few milliseconds;
-- ``P`` a leased process (``pool.context().Process``, e.g. a DataLoader worker loop): its
-  target runs in this process's main thread, then ``D`` reports its exit code;
-- end of stream (the pool closed its end): the worker exits.
+Before each task it claims the task in the gate it shares with the pool: a task the pool
+cancelled meanwhile is skipped, and when the worker dies the pool knows which task (and
+which item of a ``map`` chunk) it was running.
 
-Before each task it writes the task's id to a shared "progress" word (a memfd page mapped by
-both sides), so when a worker dies the pool knows exactly which task it was running, which
-ones it finished without reporting, and which it never started (those run elsewhere).
+A task's bytes unpickle to one of:
+
+- ``(CALL, fn, args, kwargs)``: its result is ``fn(*args, **kwargs)``;
+- ``(CHUNK, fn, calls)``: items of a ``map``; its result is a list with one entry per item,
+  ``(True, value)`` or ``(False, error)``; when that list does not pickle whole, each entry
+  is pickled on its own and the list holds ``(None, bytes)`` entries.
+
+An error (an exception raised by the task, or met while unpickling the task or pickling
+its result) travels as ``(type name, message, traceback text, pickled exception or None)``,
+so that the pool can rebuild the exception, or describe it when it cannot cross.
 
 Whatever a task leaves is cleaned up before the next: the channels it received are closed,
-torch's DataLoader worker info is reset, the random generators are reseeded, and after a
-short idle time the garbage collector runs."""
+torch's DataLoader worker info is reset, and after a short idle time the garbage collector
+runs. The random generators a leased process seeded are reseeded before the next task that
+does not seed them itself (an executor task, a process other than torch's DataLoader worker
+loop), or once the worker is idle: reseeding torch and numpy costs a few hundred
+microseconds, which a DataLoader started right after would otherwise wait for."""
 
 from __future__ import annotations
 
 import gc
 import importlib
-import mmap
+import logging
 import os
 import random
-import struct
 import sys
-import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Final, List, Literal, Optional, Sequence, Tuple
 
 from . import _channel, _child, _native
 
-# Message kinds (first byte).
-BATCH = b"B"
-LEASE = b"P"
-RESULTS = b"R"
-DONE = b"D"
-HELLO = b"H"
-
-_COUNT = struct.Struct("<cI")
-_TASK = struct.Struct("<QII")  # id, blob length, fd count
-_RESULT = struct.Struct("<QBII")  # id, ok, blob length, fd count
-_LEASE = struct.Struct("<cQ")
-_DONE = struct.Struct("<cQi")
-_HELLO = struct.Struct("<cI")
-
-#: A batch's results are sent after each task (so a crash loses no finished result), or,
-#: when that is set above 1, every this many tasks or seconds.
-FLUSH_COUNT = 1
-FLUSH_INTERVAL = 0.002
-#: After a message, poll the control socket this long before sleeping (the next task often
-#: comes that soon, and a wake-up costs more).
-SPIN = 0.0002
+#: What a task's bytes hold (see the module's documentation).
+CALL = 0
+CHUNK = 1
+#: Result kinds of ``WorkerEnd.send_results``.
+ResultKind = Literal[0, 1, 2]
+OK: Final = 0
+ERROR: Final = 1
+SKIPPED: Final = 2
 #: After a leased process ends, the garbage collector runs once the worker is this idle.
 IDLE_GC = 0.2
 
+#: Whether a leased process left the random generators seeded as it chose.
+_seeded_by_lease = False
 
-def encode_batch(items: Sequence[Tuple[int, bytes, Sequence[int]]]) -> Tuple[bytes, List[int]]:
-    """``(id, blob, fds)`` per task -> one ``B`` message and its fds."""
-    head = [_COUNT.pack(BATCH, len(items))]
-    fds: List[int] = []
-    for task_id, blob, task_fds in items:
-        head.append(_TASK.pack(task_id, len(blob), len(task_fds)))
-        fds.extend(task_fds)
-    head.extend(blob for _, blob, _ in items)
-    return b"".join(head), fds
+#: An exception as it travels: type name, message, traceback text, pickled exception.
+ErrorInfo = Tuple[str, str, str, Optional[bytes]]
+Result = Tuple[int, int, bytes, List[int]]
 
 
-def _decode(data: bytes, fds: Sequence[int], record: struct.Struct) -> List[Tuple[Any, ...]]:
-    """The records of a message made by ``encode_batch`` or ``encode_results``: each
-    record's fields but the last two (size, fd count), its bytes and its fds."""
-    _, count = _COUNT.unpack_from(data)
-    offset = _COUNT.size + count * record.size
-    view = memoryview(data)
-    out = []
-    fd_at = 0
-    for n in range(count):
-        *fields, size, nfds = record.unpack_from(data, _COUNT.size + n * record.size)
-        out.append((*fields, view[offset : offset + size], list(fds[fd_at : fd_at + nfds])))
-        offset += size
-        fd_at += nfds
-    return out
-
-
-def decode_batch(data: bytes, fds: Sequence[int]) -> List[Tuple[int, memoryview, List[int]]]:
-    return _decode(data, fds, _TASK)  # type: ignore[return-value]
-
-
-def encode_results(
-    results: Sequence[Tuple[int, bool, bytes, Sequence[int]]],
-) -> Tuple[bytes, List[int]]:
-    head = [_COUNT.pack(RESULTS, len(results))]
-    fds: List[int] = []
-    for task_id, ok, blob, result_fds in results:
-        head.append(_RESULT.pack(task_id, ok, len(blob), len(result_fds)))
-        fds.extend(result_fds)
-    head.extend(r[2] for r in results)
-    return b"".join(head), fds
-
-
-def decode_results(
-    data: bytes, fds: Sequence[int]
-) -> List[Tuple[int, bool, memoryview, List[int]]]:
-    return [(t, bool(ok), blob, f) for t, ok, blob, f in _decode(data, fds, _RESULT)]
-
-
-def encode_lease(lease_id: int, blob: bytes) -> bytes:
-    return _LEASE.pack(LEASE, lease_id) + blob
-
-
-def decode_done(data: bytes) -> Tuple[int, int]:
-    _, lease_id, code = _DONE.unpack_from(data)
-    return lease_id, code
-
-
-class Progress:
-    """The id of the task a worker is running (0: none), in a memfd page both sides map."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd: Optional[int] = fd
-        self._map = mmap.mmap(fd, 8)
-
-    @classmethod
-    def create(cls) -> "Progress":
-        fd = os.memfd_create("tether-progress", os.MFD_CLOEXEC)
-        os.ftruncate(fd, 8)
-        return cls(fd)
-
-    def close_fd(self) -> None:
-        """Closes the fd (the mapping stays)."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def close(self) -> None:
-        self.close_fd()
-        self._map.close()
-
-    def set(self, task_id: int) -> None:
-        struct.pack_into("<Q", self._map, 0, task_id)
-
-    def get(self) -> int:
-        return struct.unpack_from("<Q", self._map, 0)[0]
-
-
-class TaskUnpicklingError(RuntimeError):
-    """A task could not be unpickled in the worker (its error is the ``__cause__``)."""
-
-
-class ResultPicklingError(RuntimeError):
-    """A task's result (or exception) could not be pickled in the worker."""
-
-
-class _RemoteError(Exception):
-    """Stands for an exception that could not be pickled: its type name and message."""
-
-    def __init__(self, type_name: str, message: str) -> None:
-        super().__init__(f"{type_name}: {message}")
-        self.type_name = type_name
-
-
-def _format(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-
-
-def _pickled_error(exc: BaseException, text: str, collector: _channel._FdCollector) -> bytes:
+def describe(exc: BaseException) -> ErrorInfo:
+    """``exc`` as it travels to the pool (its frames are dropped here)."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    exc.__traceback__ = None
     try:
-        return _channel.dumps((exc, text), collector)
-    except BaseException:  # noqa: BLE001 - any failure falls back to a plain description
-        return _channel.dumps((_RemoteError(type(exc).__name__, str(exc)), text), collector)
-
-
-def _run_task(blob: memoryview, fds: List[int]) -> Tuple[bool, Any]:
-    """Unpickles and runs one task; ``(True, result)`` or ``(False, (exception, text))``."""
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the error
+        message = "<message unavailable>"
     try:
-        fn, args, kwargs = _channel.loads(blob, fds)
-    except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling included
-        error = TaskUnpicklingError(
-            f"could not unpickle the task in worker (pid {os.getpid()}): {exc!r}"
-        )
-        error.__cause__ = exc
-        text = _format(exc)
-        exc.__traceback__ = None
-        return False, (error, text)
+        pickled: Optional[bytes] = _channel.dumps(exc, _channel._FdCollector())
+    except BaseException:  # noqa: BLE001 - SystemExit in a __reduce__ included
+        pickled = None
+    return type(exc).__qualname__, message, text, pickled
+
+
+def _call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[bool, Any]:
     try:
         return True, fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - the task's SystemExit is its result too
-        text = _format(exc)
-        exc.__traceback__ = None  # drop the frames (and the task's arguments) now
-        return False, (exc, text)
+        return False, describe(exc)
 
 
-def _dump_result(ok: bool, value: Any) -> Tuple[bool, bytes, List[int], Any]:
-    """Pickles a result; returns ``(ok, blob, fds, keep)`` where ``keep`` holds what the fds
-    belong to until the message is sent."""
+def _run_chunk(end: _native.WorkerEnd, fn: Callable[..., Any], calls: Sequence[Any]) -> List[Any]:
+    out = []
+    for index, args in enumerate(calls):
+        if index:
+            end.step(index)
+        out.append(_call(fn, args, {}))
+    return out
+
+
+def _dump(value: Any, collector: _channel._FdCollector) -> bytes:
+    return _channel.dumps(value, collector)
+
+
+def _dump_entries(entries: List[Any]) -> Tuple[bytes, List[int]]:
+    """A chunk's entries, pickled whole, or else one by one (an entry that does not pickle
+    becomes its pickling error)."""
     collector = _channel._FdCollector()
     try:
-        if ok:
-            return True, _channel.dumps(value, collector), collector.fds, value
-        return False, _pickled_error(value[0], value[1], collector), collector.fds, value
+        return _dump(entries, collector), collector.fds
+    except BaseException:  # noqa: BLE001 - SystemExit in a __reduce__ included
+        pass
+    collector = _channel._FdCollector()
+    single = []
+    for ok, value in entries:
+        try:
+            single.append((None, _dump((ok, value), collector)))
+        except BaseException as exc:  # noqa: BLE001
+            single.append((None, _dump((False, describe(exc)), collector)))
+    return _dump(single, collector), collector.fds
+
+
+def _run_task(
+    end: _native.WorkerEnd, blob: bytes, fds: List[int]
+) -> Tuple[ResultKind, bytes, List[int], Any]:
+    """Unpickles and runs one task; ``(kind, bytes, fds, keep)`` where ``keep`` holds what
+    the fds belong to until the result is sent."""
+    try:
+        task = _channel.loads(blob, fds)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling included
+        return ERROR, _dump(describe(exc), _channel._FdCollector()), [], None
+    if task[0] == CHUNK:
+        entries = _run_chunk(end, task[1], task[2])
+        del task
+        data, out_fds = _dump_entries(entries)
+        return OK, data, out_fds, entries
+    ok, value = _call(task[1], task[2], task[3])
+    del task
+    collector = _channel._FdCollector()
+    try:
+        return (OK if ok else ERROR), _dump(value, collector), collector.fds, value
     except BaseException as exc:  # noqa: BLE001 - SystemExit in a __reduce__ included
-        error = ResultPicklingError(
-            f"could not pickle the result of the task in worker (pid {os.getpid()}): {exc!r}"
-        )
-        collector = _channel._FdCollector()
-        return False, _pickled_error(error, _format(exc), collector), collector.fds, None
+        return ERROR, _dump(describe(exc), _channel._FdCollector()), [], None
 
 
-def _run_batch(ctl: Any, progress: Progress, data: bytes, fds: List[int]) -> None:
-    out: List[Tuple[int, bool, bytes, Sequence[int]]] = []
-    keep: List[Any] = []
-    last_flush = time.monotonic()
+def _run_batch(
+    end: _native.WorkerEnd, tasks: List[Tuple[int, int, bytes, List[int]]], left: Optional[int]
+) -> int:
+    """Runs a batch, at most ``left`` tasks of it when that is not None (the tasks not
+    started go back to the pool when this worker exits); each result goes back before the
+    next task starts (so a crash loses no finished result). Returns how many it ran."""
+    _reseed_if_needed()
     _channel.begin_task_scope()
-    for task_id, blob, task_fds in decode_batch(data, fds):
-        progress.set(task_id)
-        ok, value = _run_task(blob, task_fds)
-        ok, result_blob, result_fds, kept = _dump_result(ok, value)
-        del value  # the task's garbage goes now, while this task is still the one "running"
-        out.append((task_id, ok, result_blob, result_fds))
-        keep.append(kept)
-        del kept
-        if len(out) >= FLUSH_COUNT or time.monotonic() - last_flush >= FLUSH_INTERVAL:
-            # Results go back before the next task starts whenever the batch came from
-            # single submits (FLUSH_COUNT 1): a crash then loses no finished result.
-            _send(ctl, *encode_results(out))
-            out, keep, last_flush = [], [], time.monotonic()
-    if out:
-        _send(ctl, *encode_results(out))
-    del keep
-    _channel.end_task_scope()
-    progress.set(0)
+    ran = 0
+    try:
+        while tasks and (left is None or ran < left):
+            task_id, seq, blob, fds = tasks.pop(0)
+            if not end.start(seq, task_id):
+                _channel._close_all(fds)
+                end.send_results([(task_id, SKIPPED, b"", [])])
+                continue
+            ran += 1
+            kind, data, out_fds, keep = _run_task(end, blob, fds)
+            del blob
+            end.send_results([(task_id, kind, data, out_fds)])
+            del keep, data
+    finally:
+        end.idle()
+        _channel.end_task_scope()
+    for _, _, _, fds in tasks:
+        _channel._close_all(fds)
+    return ran
 
 
-def _send(ctl: Any, data: bytes, fds: List[int]) -> None:
-    ctl.send(data, fds)
-
-
-def _run_lease(ctl: Any, progress: Progress, data: bytes, fds: List[int]) -> None:
+def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int]) -> None:
     """Runs a leased process's target as ``multiprocessing.Process.run`` would: exit code 0
-    on return, the code of a ``SystemExit``, 1 (with the traceback on stderr) otherwise."""
-    _, lease_id = _LEASE.unpack_from(data)
-    progress.set(lease_id)
+    on return, the code of a ``SystemExit``, 1 (with the traceback on stderr) otherwise.
+    The call is ``(target, args, kwargs, seeds)``, ``seeds`` telling whether the target
+    seeds the random generators itself (torch's DataLoader worker loop does)."""
+    global _seeded_by_lease
     _channel.begin_task_scope()
     code = 0
     try:
-        call: Optional[Tuple[Callable[..., Any], Tuple[Any, ...], Dict[str, Any]]]
-        call = _channel.loads(memoryview(data)[_LEASE.size :], fds)
-        target, args, kwargs = call  # type: ignore[misc]
+        call: Optional[Tuple[Callable[..., Any], Tuple[Any, ...], Dict[str, Any], bool]]
+        call = _channel.loads(blob, fds)
+        del blob
+        target, args, kwargs, seeds = call
         call = None
+        if not seeds:
+            _reseed_if_needed()
         try:
             target(*args, **kwargs)
         finally:
@@ -261,22 +191,34 @@ def _run_lease(ctl: Any, progress: Progress, data: bytes, fds: List[int]) -> Non
         traceback.print_exc()
         code = 1
     finally:
-        _channel.end_task_scope()
-        _reset_after_lease()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:  # noqa: BLE001 - a closed stream must not kill the worker
                 pass
-    ctl.send(_DONE.pack(DONE, lease_id, code))
-    progress.set(0)
+    try:
+        # The process waiting for this one goes on now; what follows is this worker's own.
+        end.send_done(lease_id, code)
+    finally:
+        _channel.end_task_scope()
+        _reset_after_lease()
+        _seeded_by_lease = True
 
 
 def _reset_after_lease() -> None:
-    """What a DataLoader worker loop leaves behind that the next task must not see."""
+    """What a DataLoader worker loop leaves behind that the next task must not see (but
+    the seeds: see ``_reseed_if_needed``)."""
     worker = sys.modules.get("torch.utils.data._utils.worker")
     if worker is not None:
         worker._worker_info = None  # type: ignore[attr-defined]
+
+
+def _reseed_if_needed() -> None:
+    """Reseeds the random generators a leased process seeded as it chose."""
+    global _seeded_by_lease
+    if not _seeded_by_lease:
+        return
+    _seeded_by_lease = False
     random.seed()
     np = sys.modules.get("numpy")
     if np is not None:
@@ -292,35 +234,50 @@ def _reset_after_lease() -> None:
             pass
 
 
-def serve(slot: int, ctl_fd: int, progress_fd: int, config: Dict[str, Any]) -> None:
-    """The worker's main loop (called by tether's child bootstrap as ``fn(rank, *args)``)."""
-    ctl = _native.Endpoint.from_fd(ctl_fd)
-    progress = Progress(progress_fd)
-    progress.close_fd()
+def _initialize(config: Dict[str, Any]) -> None:
     for name in config.get("preload") or ():
         importlib.import_module(name)
     initializer = config.get("initializer")
-    if initializer is not None:
+    if initializer is None:
+        return
+    try:
         initializer(*config.get("initargs", ()))
-    ctl.send(_HELLO.pack(HELLO, os.getpid()))
+    except BaseException:
+        # As concurrent.futures' workers do; the pool then reports the pool as broken.
+        logging.getLogger("concurrent.futures").critical("Exception in initializer:", exc_info=True)
+        raise
+
+
+def serve(rank: int, links: Dict[int, Tuple[int, int]], config: Dict[str, Any]) -> None:
+    """The worker's main loop (called by tether's child bootstrap as ``fn(rank, *args)``,
+    ``rank`` being the worker's slot): ``links[rank]`` are its fds; the others belong to
+    workers started alongside. With ``config["max_tasks"]``, it exits after that many
+    executor tasks (the pool starts another)."""
+    # What this process inherited (all of the parent's heap, for a fork) is never collected
+    # here: the finalizers of the parent's garbage must not run in a worker.
+    gc.freeze()
+    for slot, fds in links.items():
+        if slot != rank:
+            _channel._close_all(fds)
+    end = _native.WorkerEnd(*links[rank], config.get("spin", 0.0))
+    _initialize(config)
+    end.hello(os.getpid())
     idle_gc = False
-    while True:
+    left: Optional[int] = config.get("max_tasks")
+    while left is None or left > 0:
         try:
-            got = ctl.recv(IDLE_GC if idle_gc else None, spin=SPIN)
+            got = end.recv(IDLE_GC if idle_gc else None)
         except EOFError:
             return
         if got is None:
             gc.collect()
+            _reseed_if_needed()
             idle_gc = False
             continue
-        data, fds = got
-        kind = data[:1]
-        if kind == BATCH:
-            _run_batch(ctl, progress, data, fds)
-        elif kind == LEASE:
-            _run_lease(ctl, progress, data, fds)
-            idle_gc = True
+        if got[0] == "batch":
+            ran = _run_batch(end, got[1], left)
+            left = None if left is None else left - ran
         else:
-            _channel._close_all(fds)
-            return
-        del data, fds, got
+            _run_lease(end, got[1], got[2], got[3])
+            idle_gc = True
+        del got

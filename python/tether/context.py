@@ -4,27 +4,58 @@ tether channels, so that an unmodified ``torch.utils.data.DataLoader`` runs on t
 
     loader = DataLoader(dataset, num_workers=2, multiprocessing_context=pool.context())
 
-A ``PoolProcess`` behaves as the DataLoader expects of a ``multiprocessing.Process``: its
-``pid`` is the worker's (a direct child of this process, so the worker loop's
-``os.getppid()`` check holds), ``is_alive()`` is true while the target runs in a live worker,
-``exitcode`` is the target's (0, a ``SystemExit`` code, 1 on an exception) or the worker's
-own status when the worker died (minus the signal number), ``join`` waits for the target to
-return, and ``terminate()`` / ``kill()`` kill the worker (the pool starts a new one)."""
+A ``PoolProcess`` wraps a lease, the record the pool keeps of a worker taken by one process
+(its id, the worker's pid, how it ended, an event set when it ends). It behaves as the
+DataLoader expects of a ``multiprocessing.Process``: its ``pid`` is the worker's (a direct
+child of this process, so the worker loop's ``os.getppid()`` check holds), ``is_alive()`` is
+true while the target runs in a live worker, ``exitcode`` is the target's (0, a
+``SystemExit`` code, 1 on an exception) or the worker's own status when the worker died
+(minus the signal number), ``join`` waits for the lease to end, and ``terminate()`` /
+``kill()`` kill the worker (the pool starts a new one).
+
+This module knows the pool only through the ``Leaser`` protocol; the pool imports it, not
+the other way round."""
 
 from __future__ import annotations
 
 import multiprocessing.context
+import os
 import signal
-import threading
-import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
-from . import _channel
+from . import _channel, _native
 
-if TYPE_CHECKING:
-    from .pool import _Core, _Worker
+__all__ = ["Leased", "Leaser", "PoolContext", "PoolProcess"]
 
-__all__ = ["PoolContext", "PoolProcess"]
+#: How long a failure check waits for the pool to record the end of a lease whose worker
+#: was just seen dead (the pool records it as it sees the same pidfd).
+_END_RECORD_WAIT = 5.0
+
+
+class Leased(NamedTuple):
+    """What the pool gives a process it started: its lease, whether the target is torch's
+    DataLoader worker loop (for torch's wording of failures), and the tether queues that
+    travelled with the call (they watch the process)."""
+
+    lease: _native.Lease
+    dataloader: bool
+    channels: List[Any]
+
+
+class Leaser(Protocol):
+    """What a pool context needs of its pool."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def start_method(self) -> str: ...
+
+    def lease(
+        self, target: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]
+    ) -> Leased: ...
+
+    def signal(self, lease: _native.Lease, signum: int) -> None: ...
 
 
 class PoolProcess:
@@ -34,7 +65,7 @@ class PoolProcess:
 
     def __init__(
         self,
-        core: "_Core",
+        leaser: Leaser,
         group: None = None,
         target: Optional[Callable[..., Any]] = None,
         name: Optional[str] = None,
@@ -46,21 +77,17 @@ class PoolProcess:
         if group is not None:
             raise ValueError("group argument must be None for now")
         PoolProcess._counter += 1
-        self._core = core
+        self._leaser = leaser
         self._target = target
         self._args = tuple(args)
         self._kwargs = dict(kwargs or {})
         self.name = name or f"TetherPoolProcess-{PoolProcess._counter}"
         self.daemon = bool(daemon)
-        self._worker: Optional["_Worker"] = None
-        self._worker_for_start: Optional["_Worker"] = None
-        self._lease_id = 0
-        self._exitcode: Optional[int] = None
-        self._done = threading.Event()
-        self._died = False
-        self._reported = False
-        self._describe = ""
+        self._lease: Optional[_native.Lease] = None
         self._dataloader = False
+        self._reported = False
+        #: The process that made this one; a copy in another process (a fork) is inert.
+        self._owner = os.getpid()
 
     # -- what multiprocessing.Process offers -----------------------------------------------
 
@@ -72,67 +99,54 @@ class PoolProcess:
     def start(self) -> None:
         """Leases a pool worker and runs the target there. Raises RuntimeError (saying who
         holds the workers) when none is free; never waits for one."""
-        if self._worker is not None:
+        if self._lease is not None:
             raise AssertionError("cannot start a process twice")
         target = self._target if self._target is not None else _run_method
         args = self._args if self._target is not None else (self,)
-        self._worker = self._core.lease(self, target, args, self._kwargs)
+        leased = self._leaser.lease(target, args, self._kwargs)
+        self._lease, self._dataloader = leased.lease, leased.dataloader
+        for channel in leased.channels:
+            if isinstance(channel, _channel.Queue):
+                channel.watch(self)
         # The worker has its own copy: keep no reference to the dataset and the rest.
         self._target, self._args, self._kwargs = None, (), {}
 
     @property
     def pid(self) -> Optional[int]:
-        return None if self._worker is None else self._worker.pid
+        return None if self._lease is None else self._lease.pid
 
     ident = pid
 
     @property
     def exitcode(self) -> Optional[int]:
         """None while the target runs; then its exit code, or the dead worker's status."""
-        if self._exitcode is not None:
-            return self._exitcode
-        worker = self._worker
-        if worker is None:
-            return None
-        status = worker.exit()
-        return None if status is None else status.exitcode
+        end = None if self._lease is None else self._lease.end()
+        return None if end is None else end[0]
+
+    def _ours(self) -> bool:
+        """Started, and by this process (not a copy inherited through a fork)."""
+        return self._lease is not None and self._owner == os.getpid()
 
     def is_alive(self) -> bool:
-        return self._worker is not None and self.exitcode is None
+        return self._ours() and self._lease.end() is None  # type: ignore[union-attr]
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Waits until the target has returned (or its worker died), up to ``timeout``."""
-        if self._worker is None:
+        if self._lease is None:
             raise AssertionError("can only join a started process")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._done.is_set():
-            if self.exitcode is not None:
-                # The worker is dead; the hub reports it in a moment.
-                self._done.wait(0.01)
-                if not self._done.is_set() and self._worker.exit() is not None:
-                    return
-                continue
-            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
-            if left <= 0:
-                return
-            self._done.wait(left)
+        if self._ours():
+            self._lease.wait(timeout)
 
     def terminate(self) -> None:
         """Stops the target by killing its worker with SIGTERM (the pool replaces it).
         Does nothing once the target has returned: the worker may serve someone else."""
-        self._signal(signal.SIGTERM)
+        if self._ours():
+            self._leaser.signal(self._lease, signal.SIGTERM)  # type: ignore[arg-type]
 
     def kill(self) -> None:
         """As ``terminate`` with SIGKILL."""
-        self._signal(signal.SIGKILL)
-
-    def _signal(self, signum: int) -> None:
-        worker = self._worker
-        if worker is None or self._done.is_set():
-            return
-        with self._core.lock:
-            if worker.lease is self and not worker.dead:
-                worker.group.signal(0, signum)
+        if self._ours():
+            self._leaser.signal(self._lease, signal.SIGKILL)  # type: ignore[arg-type]
 
     def close(self) -> None:
         if self.is_alive():
@@ -140,61 +154,67 @@ class PoolProcess:
 
     @property
     def sentinel(self) -> int:
-        raise NotImplementedError("a tether pool process has no sentinel fd; use join()")
+        """An fd readable once the target has returned or its worker died."""
+        if self._lease is None:
+            raise ValueError("process not started")
+        return self._lease.fileno()
 
     @property
     def authkey(self) -> bytes:
         return bytes(multiprocessing.current_process().authkey)
 
-    # -- called by the pool ----------------------------------------------------------------
+    # -- what a watching queue asks (see _channel.Queue.watch) ----------------------------
 
-    def _finish(self, code: int, died: bool = False) -> None:
-        if self._exitcode is None:
-            self._exitcode = code
-            self._died = died
-        self._done.set()
+    def watch_fds(self) -> List[int]:
+        """The fds that become readable when this process ends: its lease's event and its
+        worker's pidfd."""
+        if self._lease is None or self._reported:
+            return []
+        return [self._lease.fileno(), self._lease.sentinel()]
 
-    def _failure_error(self) -> Optional[RuntimeError]:
-        """The error a waiting ``Queue.get`` raises once this process failed (torch's words
-        for a DataLoader worker), or None. Reported once."""
-        if self._reported or self._worker is None:
+    def failure(self) -> Optional[RuntimeError]:
+        """The error a watching ``Queue.get`` raises once this process ended badly (torch's
+        words for a DataLoader worker), or None. Reported once."""
+        if self._reported or self._lease is None:
             return None
-        code = self.exitcode
-        if code is None or code == 0:
+        end = self._lease.wait(_END_RECORD_WAIT)
+        if end is None:
             return None
         self._reported = True
+        code = end[0]
+        if code == 0:
+            return None
+        return RuntimeError(self._failure_message(code))
+
+    def _failure_message(self, code: int) -> str:
         pid = self.pid
         if code < 0:
             try:
                 description = signal.strsignal(-code) or f"signal {-code}"
             except ValueError:
                 description = f"signal {-code}"
-            if self._dataloader:
-                message = f"DataLoader worker (pid {pid}) is killed by signal: {description}. "
-                if -code == signal.SIGBUS:
-                    message += (
-                        "It is possible that dataloader's workers are out of shared memory. "
-                        "Please try to raise your shared memory limit."
-                    )
-            else:
-                from . import _native
-
-                message = (
+            if not self._dataloader:
+                return (
                     f"tether.Pool process {self.name} (pid {pid}) was killed by signal "
                     f"{_native.signal_name(-code)} ({description})"
                 )
-        elif self._dataloader:
-            message = (
+            message = f"DataLoader worker (pid {pid}) is killed by signal: {description}. "
+            if -code == signal.SIGBUS:
+                message += (
+                    "It is possible that dataloader's workers are out of shared memory. "
+                    "Please try to raise your shared memory limit."
+                )
+            return message
+        if self._dataloader:
+            return (
                 f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. "
                 "Details are lost due to multiprocessing. Rerunning with num_workers=0 may "
                 "give better error trace."
             )
-        else:
-            message = f"tether.Pool process {self.name} (pid {pid}) exited with code {code}"
-        return RuntimeError(message)
+        return f"tether.Pool process {self.name} (pid {pid}) exited with code {code}"
 
     def __repr__(self) -> str:
-        if self._worker is None:
+        if self._lease is None:
             state = "initial"
         else:
             code = self.exitcode
@@ -215,8 +235,8 @@ class PoolContext(multiprocessing.context.BaseContext):
 
     _name = "tether-pool"
 
-    def __init__(self, core: "_Core") -> None:
-        self._core = core
+    def __init__(self, leaser: Leaser) -> None:
+        self._leaser = leaser
 
     def Process(  # noqa: N802 (multiprocessing's name)
         self,
@@ -228,7 +248,7 @@ class PoolContext(multiprocessing.context.BaseContext):
         *,
         daemon: Optional[bool] = None,
     ) -> PoolProcess:
-        return PoolProcess(self._core, group, target, name, args, kwargs, daemon=daemon)
+        return PoolProcess(self._leaser, group, target, name, args, kwargs, daemon=daemon)
 
     def Queue(self, maxsize: int = 0) -> _channel.Queue:  # type: ignore[override]  # noqa: N802
         return _channel.Queue(maxsize)
@@ -241,7 +261,7 @@ class PoolContext(multiprocessing.context.BaseContext):
 
     def get_start_method(self, allow_none: bool = False) -> str:
         """The pool's start method ("forkserver", "spawn" or "fork")."""
-        return self._core.start_method
+        return self._leaser.start_method
 
     def get_context(self, method: Optional[str] = None) -> Any:
         if method is None:
@@ -249,4 +269,4 @@ class PoolContext(multiprocessing.context.BaseContext):
         return multiprocessing.get_context(method)
 
     def __repr__(self) -> str:
-        return f"<tether PoolContext of a pool of {self._core.size}>"
+        return f"<tether PoolContext of a pool of {self._leaser.size}>"

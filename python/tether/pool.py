@@ -2,19 +2,20 @@
 same time (``DataLoader(..., multiprocessing_context=pool.context())``), and a
 ``concurrent.futures.Executor`` over the same workers.
 
-Each worker is a direct child of this process, started by the tether supervisor (so it leads
-its own process group and dies with this process), and is linked to the pool by a control
-socket (a ``SOCK_SEQPACKET`` pair). One hub thread waits on every control socket with epoll:
-it collects results, notes when a leased process ends, and sees a worker die the moment its
-socket closes; it then fails exactly the task that was running (the worker writes the id of
-the task it runs to a shared page), runs the tasks the worker never started elsewhere, and
-starts a replacement.
+Each worker is a direct child of this process, started by tether's launch layer (so it
+leads its own process group and dies with this process). The worker set lives in Rust
+(``_native.WorkerSet``): the table of workers, the tasks queued and in flight, which
+worker runs which task, batch sizes, leases, and deaths seen on each worker's pidfd. This
+module keeps the Python side: pickling, futures, ``map``'s order, the DataLoader policy, and
+one hub thread that takes the worker set's events (results, ended leases, deaths) and
+delivers them. A worker that dies fails the task it was running (``WorkerCrashedError``,
+a ``BrokenProcessPool``); the tasks it never started run elsewhere, and a replacement starts
+on a thread of its own, so the other workers' results keep flowing meanwhile.
 
-Executor tasks are pickled in ``submit`` (errors land on the future), queued, and sent to idle
-workers in batches whose size follows the backlog (one task when the pool is idle, up to
-``MAX_BATCH`` under a long ``map``), at most ``WINDOW`` messages per worker in flight.
-A leased process (``pool.context().Process``) takes a worker for itself until its target
-returns; executor tasks go to the other workers meanwhile."""
+As ``concurrent.futures.ProcessPoolExecutor``: work submitted before shutdown finishes
+before the interpreter exits (unless ``shutdown(cancel_futures=True)``), whether or not the
+pool was shut down or garbage collected; an exception raised in a worker comes back as
+itself with the worker's traceback as its ``__cause__``."""
 
 from __future__ import annotations
 
@@ -22,22 +23,25 @@ import concurrent.futures
 import gc
 import inspect
 import itertools
+import logging
 import os
+import pickle
 import signal
 import sys
 import threading
 import time
 import weakref
-from collections import deque
+from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures.process import _RemoteTraceback as _CFRemoteTraceback
 from typing import (
     TYPE_CHECKING,
     Any,
     Callable,
-    Deque,
     Dict,
     Iterable,
     Iterator,
     List,
+    Literal,
     Optional,
     Sequence,
     Tuple,
@@ -48,25 +52,34 @@ from . import _channel, _launch, _native, _report, _worker
 
 if TYPE_CHECKING:
     from . import _status
-    from .context import PoolContext, PoolProcess
+from .context import Leased, PoolContext
 
-__all__ = ["BrokenPool", "NoFreeWorkerError", "Pool", "WorkerCrashedError"]
+__all__ = ["BrokenPool", "NoFreeWorkerError", "Pool", "RemoteError", "WorkerCrashedError"]
 
 #: Messages of executor tasks in flight per worker (one running, one waiting in its socket).
 WINDOW = 2
 #: The most tasks one message carries.
 MAX_BATCH = 256
-#: After a message, the hub (and a worker) poll this long before sleeping: the answer to a
-#: task is often that close, and a sleeping thread costs a wake-up (tens of microseconds).
-SPIN = 0.0002
-#: How long shutdown waits for workers to exit after closing their sockets, before SIGKILL.
+#: The most items of one ``map`` that travel as one task.
+MAX_CHUNK = 256
+#: The most a wait (the hub's, a waiting caller's, a worker's) polls before it sleeps: a
+#: sleeping thread costs a wake-up when its message comes. Polling stops for a while when
+#: it keeps finding nothing (a busy machine), where it would only take a core from the
+#: process that answers.
+SPIN = 0.0001
+#: How long closing waits for workers to exit after closing their links, before SIGKILL.
 EXIT_GRACE = 2.0
 
+_LOGGER = logging.getLogger("concurrent.futures")
 
-class WorkerCrashedError(RuntimeError):
-    """A pool worker died while it ran (or had just run) a task. ``pid`` is the worker's,
-    ``exitcode`` its exit code (minus the signal number when killed), ``signal_name`` the
-    signal's name (``SIGSEGV``) or None."""
+State = Literal["running", "shutdown", "closed"]
+
+
+class WorkerCrashedError(BrokenProcessPool):
+    """A pool worker died while it ran (or had just run) a task; the pool started a new
+    worker and keeps running. ``pid`` is the worker's, ``exitcode`` its exit code (minus the
+    signal number when killed), ``signal_name`` the signal's name (``SIGSEGV``) or None.
+    A ``BrokenProcessPool``, as ``ProcessPoolExecutor`` reports the same event."""
 
     def __init__(
         self, message: str, pid: int, exitcode: int, signal_name: Optional[str] = None
@@ -76,28 +89,54 @@ class WorkerCrashedError(RuntimeError):
         self.exitcode = exitcode
         self.signal_name = signal_name
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
         return type(self), (self.args[0], self.pid, self.exitcode, self.signal_name)
+
+
+class BrokenPool(BrokenProcessPool):
+    """The pool cannot run tasks: a worker failed to start (its error is in the message)."""
 
 
 class NoFreeWorkerError(RuntimeError):
     """No worker is free for a leased process (a RuntimeError for the caller)."""
 
 
-class BrokenPool(concurrent.futures.BrokenExecutor):
-    """The pool cannot run tasks: a worker failed to start (its error is in the message)."""
+class RemoteError(Exception):
+    """An exception raised in a worker that could not be rebuilt here (its class does not
+    pickle or unpickle): its type's name, its message and the worker's traceback text."""
+
+    def __init__(self, type_name: str, message: str, traceback: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        return type(self), (self.type_name, self.message, self.traceback)
 
 
-class _RemoteTraceback(Exception):
-    """The traceback of an exception raised in a worker (the ``__cause__`` of the exception
-    re-raised here, as in ``concurrent.futures``)."""
+def _remote_traceback(text: str) -> BaseException:
+    """The ``__cause__`` of an exception raised in a worker, as ``concurrent.futures``
+    makes it (``.tb`` is the worker's traceback)."""
+    # It takes the traceback's text (its type stubs say a traceback object).
+    return _CFRemoteTraceback(f'\n"""\n{text}"""')  # type: ignore[arg-type]
 
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.text = text
 
-    def __str__(self) -> str:
-        return "\n\n" + self.text
+def _rebuild(info: _worker.ErrorInfo) -> BaseException:
+    """The exception a worker described (see ``_worker.describe``)."""
+    type_name, message, text, pickled = info
+    exc: Optional[BaseException] = None
+    if pickled is not None:
+        try:
+            loaded = pickle.loads(pickled)
+        except BaseException:  # noqa: BLE001 - a class that cannot be rebuilt here
+            loaded = None
+        if isinstance(loaded, BaseException):
+            exc = loaded
+    if exc is None:
+        exc = RemoteError(type_name, message, text)
+    exc.__cause__ = _remote_traceback(text)
+    return exc
 
 
 def _status_text(exitcode: int) -> Tuple[str, Optional[str], Optional[str]]:
@@ -114,125 +153,162 @@ def _status_text(exitcode: int) -> Tuple[str, Optional[str], Optional[str]]:
     return f"exited with code {exitcode}", None, None
 
 
+def _crash_error(pid: int, exitcode: int, lost: bool) -> WorkerCrashedError:
+    text, name, hint = _status_text(exitcode)
+    when = (
+        "after running this task, before its result was sent back"
+        if lost
+        else "while running this task"
+    )
+    return WorkerCrashedError(
+        f"tether.Pool worker (pid {pid}) {text} {when}"
+        + (f" ({hint})" if hint else "")
+        + "; the pool started a new worker",
+        pid,
+        exitcode,
+        name,
+    )
+
+
+# -- delivery ---------------------------------------------------------------------------------
+
+_delivery = threading.local()
+
+
+class _Guarded:
+    """A done-callback as the pool runs it: whatever it raises is logged as
+    ``concurrent.futures`` logs a callback's error, and never stops the delivery of other
+    results (a ``BaseException`` too, when the pool's thread runs it)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, future: concurrent.futures.Future) -> None:
+        try:
+            self.fn(future)
+        except Exception:
+            raise  # the Future logs it itself
+        except BaseException:
+            if not getattr(_delivery, "active", False):
+                raise
+            _LOGGER.exception("exception calling callback for %r", future)
+
+
+class _TaskFuture(concurrent.futures.Future):
+    """The future of a submitted task. It stays pending until a worker starts the task:
+    ``cancel()`` withdraws a task not started yet, wherever it waits (here, or in a
+    worker's socket); ``running()`` asks the worker set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tether_core: Optional["_Core"] = None
+        self._tether_id = 0
+
+    def cancel(self) -> bool:
+        core = self._tether_core
+        if core is not None and not self.done() and not core.withdraw([self._tether_id]):
+            return False
+        if not super().cancel():
+            return False
+        self.set_running_or_notify_cancel()  # tells wait() and as_completed() at once
+        return True
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        return super().result(self._take_here(timeout))
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        return super().exception(self._take_here(timeout))
+
+    def _take_here(self, timeout: Optional[float]) -> Optional[float]:
+        """Takes this task's result from its worker in this thread, when it can (saving
+        the hub's wake-up); returns what is left of ``timeout``."""
+        core = self._tether_core
+        if core is None or self.done():
+            return timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        core.take(self)
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def running(self) -> bool:
+        core = self._tether_core
+        if core is not None and not self.done() and core.workers.started(self._tether_id):
+            return True
+        return super().running()
+
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
+        super().add_done_callback(_Guarded(fn))
+
+
+def _settle(future: concurrent.futures.Future, ok: bool, value: Any) -> None:
+    """Sets a future's outcome; a callback's error is logged, never raised here."""
+    if isinstance(future, _TaskFuture):
+        future._tether_core = None
+    try:
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled meanwhile
+    except BaseException:  # noqa: BLE001 - a callback not wrapped by us
+        _LOGGER.exception("exception calling callback for %r", future)
+
+
 _PENDING = object()
 
 
 class _MapRun:
-    """The results of one ``map`` call, filled by the hub, read in order by its iterator."""
+    """The results of one ``map`` call, filled by the hub, read in order by its iterator,
+    which drops each result as it yields it."""
 
-    __slots__ = ("results", "cond", "cancelled", "__weakref__")
+    __slots__ = ("results", "cond", "closed", "__weakref__")
 
     def __init__(self, size: int) -> None:
         self.results: List[Any] = [_PENDING] * size
         self.cond = threading.Condition()
-        self.cancelled = False
+        self.closed = False
 
-    def deliver(self, outcomes: Sequence[Tuple[int, bool, Any]]) -> None:
+    def deliver(self, outcomes: Iterable[Tuple[int, bool, Any]]) -> None:
         with self.cond:
+            if self.closed:
+                return
             for index, ok, value in outcomes:
                 self.results[index] = (ok, value)
             self.cond.notify_all()
 
-    def take(self, index: int, deadline: Optional[float]) -> Tuple[bool, Any]:
+    def take(self, index: int, deadline: Optional[float]) -> Any:
+        """The result of item ``index`` (raising its exception), waiting until
+        ``deadline``."""
         with self.cond:
             while self.results[index] is _PENDING:
-                if deadline is None:
-                    self.cond.wait()
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise concurrent.futures.TimeoutError()
-                    self.cond.wait(left)
-            outcome, self.results[index] = self.results[index], None
-        return outcome  # type: ignore[no-any-return]
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise concurrent.futures.TimeoutError()
+                self.cond.wait(left)
+            (ok, value), self.results[index] = self.results[index], None
+        if not ok:
+            raise value
+        return value
 
 
-Sink = Union[concurrent.futures.Future, _MapRun]
+class _Chunk:
+    """Items of a ``map`` that travel as one task: where their results go, and what they
+    call (kept to run again the items a dead worker never reached)."""
 
-
-class _Item:
-    """One executor task: its pickled call, the fds that go with it (duplicates owned here),
-    and where its outcome goes."""
-
-    __slots__ = ("id", "blob", "fds", "sink", "index")
-
-    def __init__(self, item_id: int, blob: bytes, fds: List[int], sink: Sink, index: int) -> None:
-        self.id = item_id
-        self.blob = blob
-        self.fds = fds
-        self.sink = sink
-        self.index = index
-
-    def cancelled(self) -> bool:
-        sink = self.sink
-        if isinstance(sink, _MapRun):
-            return sink.cancelled
-        return sink.cancelled()
-
-
-class _Sent:
-    """A message in flight to a worker: a batch of tasks (``pos`` counts those answered) or
-    a leased process."""
-
-    __slots__ = ("items", "pos", "process")
-
-    def __init__(self, items: Optional[List[_Item]] = None, process: Any = None) -> None:
-        self.items = items
-        self.pos = 0
-        self.process = process
-
-
-class _Worker:
-    """One worker process as the pool sees it."""
-
-    __slots__ = (
-        "slot",
-        "pid",
-        "group",
-        "ctl",
-        "token",
-        "progress",
-        "inflight",
-        "lease",
-        "reserved",
-        "ready",
-        "dead",
-        "final",
-    )
+    __slots__ = ("run", "indices", "fn", "calls")
 
     def __init__(
-        self,
-        slot: int,
-        pid: int,
-        group: _native.Group,
-        ctl: _native.Endpoint,
-        token: int,
-        progress: _worker.Progress,
+        self, run: _MapRun, indices: Sequence[int], fn: Callable[..., Any], calls: List[Any]
     ) -> None:
-        self.slot = slot
-        self.pid = pid
-        self.group = group
-        self.ctl = ctl
-        self.token = token
-        self.progress = progress
-        self.inflight: Deque[_Sent] = deque()
-        self.lease: Optional["PoolProcess"] = None
-        self.reserved = False
-        self.ready = False
-        self.dead = False
-        self.final: Optional[_native.ExitStatus] = None
+        self.run = run
+        self.indices = indices
+        self.fn = fn
+        self.calls = calls
 
-    def exit(self) -> Optional[_native.ExitStatus]:
-        """None while the process runs, else its status (as ``_native.Group.exit``)."""
-        group = self.group
-        return self.final if group is None else group.exit(0)
 
-    def release(self) -> None:
-        """Once the process has exited: keep its status, drop its pidfd and mapping."""
-        if self.group is not None and self.final is None:
-            self.final = self.group.exit(0)
-        self.group = None  # type: ignore[assignment]
-        self.progress.close()
+Sink = Union[_TaskFuture, _Chunk]
 
 
 _signatures: Dict[Any, Optional[inspect.Signature]] = {}
@@ -263,596 +339,6 @@ def _dataloader_call(
     return dict(bound)
 
 
-class _Core:
-    """The pool's state, shared by the ``Pool`` façade, its contexts, the hub thread and the
-    finalizer (none of which keeps the façade alive)."""
-
-    def __init__(
-        self,
-        processes: int,
-        start_method: str,
-        preload: Sequence[str],
-        initializer: Optional[Callable[..., Any]],
-        initargs: Sequence[Any],
-    ) -> None:
-        self.size = processes
-        self.start_method = start_method
-        self.preload = list(preload)
-        self.initializer = initializer
-        self.initargs = tuple(initargs)
-        self.lock = threading.Lock()
-        self.idle = threading.Condition(self.lock)
-        self.workers: List[Optional[_Worker]] = [None] * processes
-        self.by_token: Dict[int, _Worker] = {}
-        self.pending: Deque[_Item] = deque()
-        self.ids = itertools.count(1)
-        self.tokens = itertools.count(1)
-        self.state = "running"  # "shutdown" (no new tasks), "closed"
-        self.broken: Optional[str] = None
-        self.poller = _native.Poller()
-        self.hub: Optional[threading.Thread] = None
-        try:
-            for slot in range(processes):
-                self._add_worker(self._start_worker(slot))
-        except BaseException:
-            self.close(kill=True)
-            raise
-        self.hub = threading.Thread(target=self._hub, name="tether-pool-hub", daemon=True)
-        self.hub.start()
-
-    # -- workers ---------------------------------------------------------------------------
-
-    def _config(self) -> Dict[str, Any]:
-        return {"preload": self.preload, "initializer": self.initializer, "initargs": self.initargs}
-
-    def _start_worker(self, slot: int) -> _Worker:
-        """Starts the worker of ``slot``, linked to the pool by a control socket and a
-        progress page."""
-        ours, theirs = _native.Endpoint.pair()
-        progress = _worker.Progress.create()
-        try:
-            child_fd = theirs.fileno()
-            assert progress.fd is not None
-            # A fork child closes what it inherits of the pool: every worker's socket.
-            inherited = [w.ctl.fileno() for w in self.workers if w is not None and not w.ctl.closed]
-            group = _launch.start(
-                _worker.serve,
-                (child_fd, progress.fd, self._config()),
-                [slot],
-                self.start_method,
-                preload=self.preload or None,
-                keep_fds=[child_fd, progress.fd],
-                close_in_child=[*inherited, ours.fileno()],
-            )
-        except BaseException:
-            ours.close()
-            progress.close()
-            raise
-        finally:
-            theirs.close()
-            progress.close_fd()
-        return _Worker(slot, group.pid(0), group, ours, next(self.tokens), progress)
-
-    def _add_worker(self, worker: _Worker) -> None:
-        self.workers[worker.slot] = worker
-        self.by_token[worker.token] = worker
-        self.poller.add(worker.token, worker.ctl.fileno())
-
-    def pids(self) -> List[int]:
-        with self.lock:
-            return [w.pid for w in self.workers if w is not None and not w.dead]
-
-    # -- executor --------------------------------------------------------------------------
-
-    def check_open(self) -> None:
-        if self.broken is not None:
-            raise BrokenPool(self.broken)
-        if self.state != "running":
-            raise RuntimeError("cannot schedule new futures after shutdown")
-
-    def make_item(
-        self,
-        fn: Callable[..., Any],
-        args: Tuple[Any, ...],
-        kwargs: Dict[str, Any],
-        sink: Sink,
-        index: int,
-    ) -> Optional[_Item]:
-        """Pickles a task; on failure its error goes to the sink and None is returned."""
-        collector = _channel._FdCollector(dup=True)
-        try:
-            blob = _channel.dumps((fn, args, kwargs), collector)
-        except BaseException as exc:  # noqa: BLE001 - SystemExit in a __reduce__ included
-            collector.close()
-            error = _pickling_error(exc)
-            _deliver([(sink, index, False, error)])
-            return None
-        return _Item(next(self.ids), blob, collector.fds, sink, index)
-
-    def enqueue(self, items: Iterable[_Item]) -> None:
-        with self.lock:
-            self.check_open()
-            self.pending.extend(items)
-            self._dispatch_locked()
-
-    def _dispatch_locked(self) -> None:
-        """Sends queued tasks to the least busy workers with room, in batches sized to the
-        backlog (one task when the pool is idle, up to ``MAX_BATCH`` under a long map)."""
-        pending = self.pending
-        while pending:
-            best: Optional[_Worker] = None
-            for w in self.workers:
-                if w is None or w.dead or w.lease is not None or w.reserved:
-                    continue
-                n = len(w.inflight)
-                if n < WINDOW and (best is None or n < len(best.inflight)):
-                    best = w
-                    if n == 0:
-                        break
-            if best is None:
-                return
-            size = min(MAX_BATCH, max(1, -(-len(pending) // (WINDOW * self.size))))
-            batch: List[_Item] = []
-            while pending and len(batch) < size:
-                item = pending.popleft()
-                sink = item.sink
-                if isinstance(sink, _MapRun):
-                    if sink.cancelled:
-                        _close_fds(item)
-                        continue
-                elif not sink.running() and not sink.set_running_or_notify_cancel():
-                    _close_fds(item)  # cancelled while queued (a requeued task is running)
-                    continue
-                batch.append(item)
-            if not batch:
-                continue
-            data, fds = _worker.encode_batch([(i.id, i.blob, i.fds) for i in batch])
-            best.inflight.append(_Sent(items=batch))
-            try:
-                best.ctl.send(data, fds)
-            except (OSError, ValueError):
-                pass  # the worker is dying: the hub runs elsewhere what it never started
-
-    def _busy_locked(self) -> bool:
-        return bool(self.pending) or any(
-            w is not None and not w.dead and any(s.items is not None for s in w.inflight)
-            for w in self.workers
-        )
-
-    # -- leased processes ------------------------------------------------------------------
-
-    def lease(
-        self, process: "PoolProcess", target: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-    ) -> _Worker:
-        """Starts ``process``: pickles its call (passing the fds it names), takes a worker
-        for it (for a DataLoader's first worker, as many as the loader has workers, or a
-        clear error), and sends it there."""
-        collector = _channel._FdCollector()
-        blob = _channel.dumps((target, args, kwargs), collector)
-        loader = _dataloader_call(target, args, kwargs)
-        process._describe = _describe_call(target, loader)
-        process._dataloader = loader is not None
-        for attempt in (1, 2):
-            try:
-                self._lease_locked_send(process, loader, blob, collector)
-                break
-            except NoFreeWorkerError:
-                if attempt == 2:
-                    raise
-                # An iterator that is garbage but not yet collected (in a reference cycle
-                # with the traceback of an error it raised) still holds workers: collect it
-                # (its __del__ gives them back) and try once more.
-                gc.collect()
-        for channel in collector.channels:
-            if isinstance(channel, _channel.Queue):
-                channel._watch.append(process)
-        assert process._worker_for_start is not None
-        return process._worker_for_start
-
-    def _lease_locked_send(
-        self,
-        process: "PoolProcess",
-        loader: Optional[Dict[str, Any]],
-        blob: bytes,
-        collector: _channel._FdCollector,
-    ) -> None:
-        with self.lock:
-            if self.broken is not None:
-                raise BrokenPool(self.broken)
-            if self.state == "closed":
-                raise RuntimeError("the tether.Pool is shut down")
-            worker = self._take_for_lease_locked(process, loader)
-            process._lease_id = next(self.ids)
-            worker.lease = process
-            worker.reserved = False
-            worker.inflight.append(_Sent(process=process))
-            try:
-                worker.ctl.send(_worker.encode_lease(process._lease_id, blob), collector.fds)
-            except (OSError, ValueError):
-                pass  # the worker is dying: the hub fails this process with its status
-            process._worker_for_start = worker
-
-    def _free_locked(self) -> List[_Worker]:
-        free = [
-            w
-            for w in self.workers
-            if w is not None and not w.dead and w.lease is None and not w.reserved
-        ]
-        free.sort(key=lambda w: len(w.inflight))
-        return free
-
-    def _take_for_lease_locked(
-        self, process: "PoolProcess", loader: Optional[Dict[str, Any]]
-    ) -> _Worker:
-        if loader is not None:
-            done_event = loader.get("done_event")
-            reserved: Optional[List[_Worker]] = getattr(done_event, "_tether_reserved", None)
-            if loader["worker_id"] > 0 and reserved:
-                while reserved:
-                    worker = reserved.pop(0)
-                    if not worker.dead and worker.lease is None:
-                        return worker
-            need = max(1, int(loader["num_workers"]) - int(loader["worker_id"]))
-            free = self._free_locked()
-            if len(free) < need:
-                raise NoFreeWorkerError(
-                    self._exhausted(need, int(loader["num_workers"]), len(free))
-                )
-            chosen = free[:need]
-            for worker in chosen[1:]:
-                worker.reserved = True
-            if done_event is not None and need > 1:
-                rest = chosen[1:]
-                try:
-                    done_event._tether_reserved = rest
-                    weakref.finalize(done_event, self._release, rest)
-                except (AttributeError, TypeError):
-                    self._release(rest)
-            return chosen[0]
-        free = self._free_locked()
-        if not free:
-            raise NoFreeWorkerError(self._exhausted(1, None, 0))
-        return free[0]
-
-    def _release(self, workers: List[_Worker]) -> None:
-        """Gives back reserved workers that a DataLoader never started."""
-        with self.lock:
-            for worker in workers:
-                worker.reserved = False
-            workers.clear()
-            self._dispatch_locked()
-
-    def _exhausted(self, need: int, num_workers: Optional[int], free: int) -> str:
-        what = (
-            f"a DataLoader with num_workers={num_workers}"
-            if num_workers is not None
-            else "a process"
-        )
-        leases: Dict[str, List[int]] = {}
-        reserved = 0
-        for w in self.workers:
-            if w is None or w.dead:
-                continue
-            if w.lease is not None:
-                leases.setdefault(w.lease._describe, []).append(w.pid)
-            elif w.reserved:
-                reserved += 1
-        held = sum(len(p) for p in leases.values())
-        lines = [
-            f"tether.Pool(processes={self.size}) cannot lease {need} worker(s) for {what}: "
-            f"only {free} of its {self.size} workers are free; {held} are leased"
-            + (f" and {reserved} reserved by a DataLoader being started" if reserved else "")
-            + (":" if leases else ".")
-        ]
-        for description, pids in leases.items():
-            lines.append(f"  - {len(pids)} by {description} (pid {', '.join(map(str, pids))})")
-        lines.append(
-            "A DataLoader iterator keeps its workers until it is exhausted or deleted (with "
-            "persistent_workers, until the loader is deleted). Make the pool larger, lower "
-            "num_workers, or finish the other iterations first."
-        )
-        return "\n".join(lines)
-
-    # -- the hub ---------------------------------------------------------------------------
-
-    def _hub(self) -> None:
-        spin = 0.0
-        while True:
-            try:
-                tokens = self.poller.wait(None, spin)
-            except (OSError, ValueError):
-                return  # closed under us
-            spin = SPIN
-            if self.state == "closed":
-                return
-            for token in tokens:
-                worker = self.by_token.get(token)
-                if worker is None or worker.dead:
-                    continue
-                try:
-                    self._drain(worker)
-                except Exception:  # noqa: BLE001 - the hub must outlive any bug of ours
-                    threading.excepthook(
-                        threading.ExceptHookArgs(  # type: ignore[call-arg]
-                            (*sys.exc_info(), threading.current_thread())
-                        )
-                    )
-            if self.state == "shutdown":
-                with self.lock:
-                    finished = not self._busy_locked()
-                    self.idle.notify_all()
-                if finished and self._closing_when_idle:
-                    self.close(kill=False)
-                    return
-
-    _closing_when_idle = False
-
-    def _drain(self, worker: _Worker) -> None:
-        while True:
-            try:
-                got = worker.ctl.recv(0.0)
-            except EOFError:
-                self._on_death(worker)
-                return
-            except (OSError, ValueError):
-                return
-            if got is None:
-                return
-            data, fds = got
-            kind = data[:1]
-            if kind == _worker.RESULTS:
-                self._on_results(worker, data, fds)
-            elif kind == _worker.DONE:
-                _channel._close_all(fds)
-                self._on_done(worker, *_worker.decode_done(data))
-            elif kind == _worker.HELLO:
-                _channel._close_all(fds)
-                worker.ready = True
-
-    def _on_results(self, worker: _Worker, data: bytes, fds: List[int]) -> None:
-        answered: List[Tuple[_Item, bool, memoryview, List[int]]] = []
-        with self.lock:
-            for task_id, ok, blob, result_fds in _worker.decode_results(data, fds):
-                sent = worker.inflight[0] if worker.inflight else None
-                if sent is None or sent.items is None or sent.items[sent.pos].id != task_id:
-                    _channel._close_all(result_fds)
-                    continue
-                answered.append((sent.items[sent.pos], ok, blob, result_fds))
-                sent.pos += 1
-                if sent.pos == len(sent.items):
-                    worker.inflight.popleft()
-            self._dispatch_locked()
-            if self.state != "running":
-                self.idle.notify_all()
-        outcomes = []
-        for item, ok, blob, result_fds in answered:
-            _close_fds(item)
-            try:
-                value = _channel.loads(blob, result_fds)
-            except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling too
-                ok, value = False, _unpickling_result_error(exc, worker.pid)
-            else:
-                if not ok:
-                    exc, text = value
-                    exc.__cause__ = _RemoteTraceback(text)
-                    value = exc
-            outcomes.append((item.sink, item.index, ok, value))
-        _deliver(outcomes)
-
-    def _on_done(self, worker: _Worker, lease_id: int, code: int) -> None:
-        with self.lock:
-            sent = worker.inflight[0] if worker.inflight else None
-            process = None
-            if sent is not None and sent.process is not None and sent.process._lease_id == lease_id:
-                worker.inflight.popleft()
-                process = sent.process
-                if worker.lease is process:
-                    worker.lease = None
-            self._dispatch_locked()
-        if process is not None:
-            process._finish(code)
-
-    def _on_death(self, worker: _Worker) -> None:
-        """A worker's socket closed: it died. Fail what it was running, run elsewhere what
-        it never started, and start a replacement (or mark the pool broken when it died
-        before it was ready)."""
-        try:
-            self.poller.remove(worker.ctl.fileno())
-        except (OSError, ValueError):
-            pass
-        worker.ctl.close()
-        worker.group.wait(None, "all", 10.0)
-        status = worker.exit()
-        exitcode = 255 if status is None or status.exitcode is None else status.exitcode
-        running = worker.progress.get()
-        report = worker.group.report(0)
-        failed: List[Tuple[Sink, int, bool, Any]] = []
-        processes: List[Tuple["PoolProcess", int]] = []
-        requeue: List[_Item] = []
-        startup_error = None
-        with self.lock:
-            worker.dead = True
-            self.by_token.pop(worker.token, None)
-            found = False
-            for sent in worker.inflight:
-                if sent.process is not None:
-                    processes.append((sent.process, exitcode))
-                    if sent.process._lease_id == running:
-                        found = True
-                    continue
-                assert sent.items is not None
-                unanswered = sent.items[sent.pos :]
-                ids = [i.id for i in unanswered]
-                if not found and running in ids:
-                    at = ids.index(running)
-                    for item in unanswered[:at]:
-                        failed.append(self._crash(item, worker.pid, exitcode, lost=True))
-                    failed.append(self._crash(unanswered[at], worker.pid, exitcode, lost=False))
-                    requeue.extend(unanswered[at + 1 :])
-                    found = True
-                else:
-                    requeue.extend(unanswered)
-            worker.inflight.clear()
-            worker.lease = None
-            worker.release()
-            if not worker.ready and self.state == "running" and self.broken is None:
-                startup_error = self._startup_failure(worker, exitcode, report)
-                self.broken = startup_error
-            if self.broken is not None:
-                for item in requeue + list(self.pending):
-                    failed.append((item.sink, item.index, False, BrokenPool(self.broken)))
-                    _close_fds(item)
-                self.pending.clear()
-            else:
-                self.pending.extendleft(reversed(requeue))
-            replace = self.state == "running" and self.broken is None
-        if replace:
-            try:
-                fresh = self._start_worker(worker.slot)
-            except BaseException as exc:  # noqa: BLE001 - a pool that cannot heal is broken
-                with self.lock:
-                    self.broken = f"could not start a replacement worker: {exc!r}"
-            else:
-                with self.lock:
-                    closed = self.state == "closed"
-                    if not closed:
-                        self._add_worker(fresh)
-                if closed:  # shut down meanwhile: this one must not outlive the pool
-                    fresh.ctl.close()
-                    fresh.group.signal(0, signal.SIGKILL)
-                    fresh.group.wait(None, "all", 5.0)
-                    fresh.release()
-        with self.lock:
-            self._dispatch_locked()
-            self.idle.notify_all()
-        for process, code in processes:
-            process._finish(code, died=True)
-        _deliver(failed)
-
-    def _crash(
-        self, item: _Item, pid: int, exitcode: int, lost: bool
-    ) -> Tuple[Sink, int, bool, Any]:
-        text, name, hint = _status_text(exitcode)
-        when = (
-            "after running this task, before its result was sent back"
-            if lost
-            else "while running this task"
-        )
-        error = WorkerCrashedError(
-            f"tether.Pool worker (pid {pid}) {text} {when}"
-            + (f" ({hint})" if hint else "")
-            + "; the pool started a new worker",
-            pid,
-            exitcode,
-            name,
-        )
-        _close_fds(item)
-        return item.sink, item.index, False, error
-
-    def _startup_failure(self, worker: _Worker, exitcode: int, raw_report: bytes) -> str:
-        report = _report.decode(raw_report)
-        text, _, _ = _status_text(exitcode)
-        message = f"a tether.Pool worker (pid {worker.pid}) {text} before it was ready"
-        if report is not None:
-            message += ":\n" + report[0]
-        return message
-
-    # -- shutdown --------------------------------------------------------------------------
-
-    def shutdown(self, wait: bool, cancel_futures: bool) -> None:
-        cancelled: List[_Item] = []
-        with self.lock:
-            if self.state == "running":
-                self.state = "shutdown"
-            if cancel_futures:
-                cancelled = list(self.pending)
-                self.pending.clear()
-        for item in cancelled:
-            _close_fds(item)
-            if isinstance(item.sink, concurrent.futures.Future):
-                item.sink.cancel()
-            else:
-                item.sink.cancelled = True
-        if not wait:
-            self._closing_when_idle = True
-            self.poller.wake()
-            return
-        with self.lock:
-            while self._busy_locked() and self.state != "closed":
-                self.idle.wait(0.1)
-        self.close(kill=False)
-
-    def close(self, kill: bool) -> None:
-        """Stops every worker and the hub, and frees everything. Work still queued fails;
-        leased processes end with their worker's status. With ``kill``, workers get SIGKILL
-        at once (interpreter exit, garbage collection)."""
-        with self.lock:
-            if self.state == "closed":
-                return
-            self.state = "closed"
-            workers = [w for w in self.workers if w is not None and w.group is not None]
-            left = list(self.pending)
-            self.pending.clear()
-            for w in workers:
-                for sent in w.inflight:
-                    if sent.items is not None:
-                        left.extend(sent.items[sent.pos :])
-                w.inflight.clear()
-            self.idle.notify_all()
-        self.poller.wake()
-        hub = self.hub
-        if hub is not None and hub is not threading.current_thread():
-            hub.join(5.0)
-        for w in workers:
-            if w.lease is not None or kill:
-                w.group.signal(0, signal.SIGKILL)
-            w.ctl.close()
-        deadline = time.monotonic() + (0.0 if kill else EXIT_GRACE)
-        for w in workers:
-            if not w.group.wait(None, "all", max(0.0, deadline - time.monotonic())):
-                w.group.signal(0, signal.SIGKILL)
-                w.group.wait(None, "all", 5.0)
-            if w.lease is not None:
-                status = w.exit()
-                code = None if status is None else status.exitcode
-                w.lease._finish(-signal.SIGKILL if code is None else code, died=True)
-                w.lease = None
-            w.release()
-        with self.lock:
-            self.workers = [None] * self.size
-            self.by_token.clear()
-        self.poller.close()
-        error = RuntimeError("the tether.Pool was shut down before this task ran")
-        outcomes = []
-        for item in left:
-            _close_fds(item)
-            outcomes.append((item.sink, item.index, False, error))
-        _deliver(outcomes)
-        _live.discard(self)
-
-
-def _close_fds(item: _Item) -> None:
-    if item.fds:
-        _channel._close_all(item.fds)
-        item.fds = []
-
-
-def _pickling_error(exc: BaseException) -> BaseException:
-    import pickle
-
-    error = pickle.PicklingError(f"Could not pickle the task to send it to the workers: {exc!r}")
-    error.__cause__ = exc
-    return error
-
-
-def _unpickling_result_error(exc: BaseException, pid: int) -> BaseException:
-    error = RuntimeError(
-        f"could not unpickle the result of a task from worker (pid {pid}): {exc!r}"
-    )
-    error.__cause__ = exc
-    return error
-
-
 def _describe_call(target: Any, loader: Optional[Dict[str, Any]]) -> str:
     if loader is not None:
         holder = loader.get("dataset_holder", loader.get("dataset"))
@@ -862,31 +348,571 @@ def _describe_call(target: Any, loader: Optional[Dict[str, Any]]) -> str:
     return f"process(es) running {getattr(target, '__module__', '?')}.{name}"
 
 
-def _deliver(outcomes: Sequence[Tuple[Sink, int, bool, Any]]) -> None:
-    """Hands outcomes to their futures and map runs (never under the pool's lock)."""
-    runs: Dict[int, Tuple[_MapRun, List[Tuple[int, bool, Any]]]] = {}
-    for sink, index, ok, value in outcomes:
-        if isinstance(sink, _MapRun):
-            runs.setdefault(id(sink), (sink, []))[1].append((index, ok, value))
-            continue
-        if sink.done():
-            continue
+def _dumps(obj: Any, collector: _channel._FdCollector) -> Tuple[Optional[bytes], Any]:
+    """``(bytes, None)``, or ``(None, the error)`` when ``obj`` does not pickle (a
+    ``KeyboardInterrupt`` is raised, not returned)."""
+    try:
+        return _channel.dumps(obj, collector), None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - SystemExit in a __reduce__ included
+        return None, exc
+
+
+class _Core:
+    """The pool's state, shared by the ``Pool`` façade, its contexts, the hub thread and the
+    replacement threads (none of which keeps the façade alive)."""
+
+    def __init__(
+        self,
+        processes: int,
+        start_method: str,
+        preload: Sequence[str],
+        initializer: Optional[Callable[..., Any]],
+        initargs: Sequence[Any],
+        max_tasks_per_child: Optional[int] = None,
+    ) -> None:
+        self.size = processes
+        self.number = next(_numbers)
+        self.max_tasks_per_child = max_tasks_per_child
+        #: The process that made the pool (a copy inherited through a fork does nothing).
+        self.pid = os.getpid()
+        self.start_method = start_method
+        self.preload = list(preload)
+        self.config = {
+            "preload": self.preload,
+            "initializer": initializer,
+            "initargs": tuple(initargs),
+            "spin": SPIN,
+            "max_tasks": max_tasks_per_child,
+        }
+        self.workers = _native.WorkerSet(WINDOW, MAX_BATCH, SPIN)
+        self.lock = threading.Lock()
+        self.ids = itertools.count(1)
+        self.sinks: Dict[int, Sink] = {}
+        self.leases: Dict[int, str] = {}
+        self.reserved: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()
+        self.replacing: "set[threading.Thread]" = set()
+        self.state: State = "running"
+        self.broken: Optional[str] = None
+        #: Notified by the hub when a worker becomes ready or dies.
+        self.changed = threading.Condition(self.lock)
         try:
-            if ok:
-                sink.set_result(value)
+            self._start_workers(list(range(processes)))
+            self.hub = threading.Thread(target=self._hub, name="tether-pool-hub", daemon=True)
+            self.hub.start()
+            self._wait_ready()
+        except BaseException:
+            self._close(kill=True)
+            raise
+
+    def _wait_ready(self) -> None:
+        """Waits until every worker is ready, or the pool broke (a worker died first)."""
+        with self.changed:
+            while self.broken is None and self.state != "closed":
+                workers = self.workers.workers()
+                if len(workers) == self.size and all(w[2] for w in workers):
+                    return
+                self.changed.wait()
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def _start_workers(self, slots: List[int]) -> None:
+        """Starts the workers of ``slots`` in one launch, each linked to the set."""
+        links = [self.workers.link() for _ in slots]
+        fds = {slot: link.child_fds() for slot, link in zip(slots, links)}
+        # A fork child closes what it inherits of the pool: every worker's socket.
+        inherited = self.workers.parent_fds() + [link.parent_fd() for link in links]
+        group = _launch.start(
+            _worker.serve,
+            (fds, self.config),
+            slots,
+            self.start_method,
+            preload=self.preload or None,
+            keep_fds=[fd for pair in fds.values() for fd in pair],
+            close_in_child=inherited,
+            title=(
+                f"tether pool {self.number} worker {{rank}} [{self.start_method}, "
+                f"parent {os.getpid()}]",
+                f"tether:p{self.number}w{{rank}}",
+            ),
+        )
+        for member, (slot, link) in enumerate(zip(slots, links)):
+            try:
+                self.workers.add(slot, link, group, member)
+            except (RuntimeError, OSError):
+                # Closed meanwhile (or it cannot be watched): it must not outlive the pool.
+                group.signal(member, signal.SIGKILL)
+                group.wait([member], "all", 5.0)
+
+    def pids(self) -> List[int]:
+        return self.workers.pids()
+
+    def status(self) -> "_status.Pool":
+        """This pool and its workers, for ``tether.status()``."""
+        from . import _status
+
+        leased = {lease_id: what for lease_id, what in self.leases.items()}
+        workers = [
+            _status.Child(
+                pid,
+                f"worker {slot}",
+                _worker_state(ready, leased.get(lease) if lease is not None else None, reserved),
+            )
+            for slot, pid, ready, lease, reserved in self.workers.workers()
+        ]
+        return _status.Pool(self.number, self.start_method, workers)
+
+    # -- executor --------------------------------------------------------------------------
+
+    def check_open(self) -> None:
+        if self.broken is not None:
+            raise BrokenPool(self.broken)
+        if self.state != "running":
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+    def submit(
+        self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> _TaskFuture:
+        self.check_open()
+        future = _TaskFuture()
+        collector = _channel._FdCollector(dup=True)
+        blob, error = _dumps((_worker.CALL, fn, args, kwargs), collector)
+        if blob is None:
+            collector.close()
+            future.set_exception(error)
+            return future
+        task_id = next(self.ids)
+        future._tether_core, future._tether_id = self, task_id
+        self._queue([(task_id, blob, collector.fds)], [(task_id, future)])
+        return future
+
+    def _queue(
+        self, tasks: List[Tuple[int, bytes, List[int]]], sinks: List[Tuple[int, Sink]]
+    ) -> None:
+        self.sinks.update(sinks)
+        try:
+            self.workers.submit(tasks)  # the set owns the fds from here on
+        except RuntimeError:
+            for task_id, _ in sinks:
+                self.sinks.pop(task_id, None)
+            raise RuntimeError("cannot schedule new futures after shutdown") from None
+
+    def chunk_size(self, items: int) -> int:
+        """Items per task for a ``map`` of ``items``: enough tasks to spread them, few
+        enough that each carries many (one, when workers retire after so many tasks)."""
+        if self.max_tasks_per_child is not None:
+            return 1
+        return max(1, min(MAX_CHUNK, items // (self.size * 8)))
+
+    def map(self, fn: Callable[..., Any], calls: List[Any], size: int, run: _MapRun) -> List[int]:
+        """Queues ``calls`` as chunks of ``size``; returns their task ids."""
+        self.check_open()
+        fn_blob, fn_error = _dumps(fn, _channel._FdCollector())
+        if fn_blob is None:
+            run.deliver((i, False, fn_error) for i in range(len(calls)))
+            return []
+        tasks: List[Tuple[int, bytes, List[int]]] = []
+        sinks: List[Tuple[int, Sink]] = []
+        for start in range(0, len(calls), size):
+            part = calls[start : start + size]
+            self._chunk(fn, part, range(start, start + len(part)), run, tasks, sinks)
+        self._queue(tasks, sinks)
+        return [task_id for task_id, _ in sinks]
+
+    def _chunk(
+        self,
+        fn: Callable[..., Any],
+        calls: List[Any],
+        indices: Sequence[int],
+        run: _MapRun,
+        tasks: List[Tuple[int, bytes, List[int]]],
+        sinks: List[Tuple[int, Sink]],
+    ) -> None:
+        """Pickles one chunk; when it does not pickle, the items that do not get their
+        error and the others travel together."""
+        collector = _channel._FdCollector(dup=True)
+        blob, error = _dumps((_worker.CHUNK, fn, calls), collector)
+        if blob is None:
+            collector.close()
+            if len(calls) == 1:
+                run.deliver([(indices[0], False, error)])
+                return
+            good = []
+            for index, args in zip(indices, calls):
+                single, error = _dumps(args, _channel._FdCollector())
+                if single is None:
+                    run.deliver([(index, False, error)])
+                else:
+                    good.append((index, args))
+            if good:
+                self._chunk(fn, [a for _, a in good], [i for i, _ in good], run, tasks, sinks)
+            return
+        task_id = next(self.ids)
+        tasks.append((task_id, blob, collector.fds))
+        sinks.append((task_id, _Chunk(run, indices, fn, calls)))
+
+    def take(self, future: _TaskFuture, timeout: Optional[float] = None) -> None:
+        """Waits for ``future``'s result in this thread and delivers it (see
+        ``WorkerSet.wait_for``); leaves it to the hub when that cannot be done here."""
+        got = self.workers.wait_for(future._tether_id, timeout)
+        if got is None:
+            return
+        ok, data, fds = got
+        sink = self.sinks.pop(future._tether_id, None)
+        if sink is None:
+            _channel._close_all(fds)
+            return
+        was = getattr(_delivery, "active", False)
+        _delivery.active = True
+        try:
+            self._deliver(sink, ok, data, fds)
+        finally:
+            _delivery.active = was
+        if self.state != "running":
+            self.workers.wake()  # the hub closes the pool once no work is left
+
+    def withdraw(self, ids: List[int]) -> List[int]:
+        """Cancels those of the tasks ``ids`` not started yet (their sinks are dropped)."""
+        cancelled = self.workers.cancel(ids)
+        for task_id in cancelled:
+            self.sinks.pop(task_id, None)
+        return cancelled
+
+    # -- leased processes ------------------------------------------------------------------
+
+    def lease(
+        self, target: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]
+    ) -> Leased:
+        """Pickles a process's call (passing the fds it names), takes a worker for it (for a
+        DataLoader's first worker, as many as the loader has workers, or a clear error), and
+        sends it there."""
+        if self.broken is not None:
+            raise BrokenPool(self.broken)
+        if self.state == "closed":
+            raise RuntimeError("the tether.Pool is shut down")
+        loader = _dataloader_call(target, args, kwargs)
+        collector = _channel._FdCollector()
+        # torch's worker loop seeds the random generators itself (see _worker._run_lease).
+        blob = _channel.dumps((target, args, kwargs, loader is not None), collector)
+        lease_id = next(self.ids)
+        try:
+            slot = self._take_slot(loader)
+        except NoFreeWorkerError:
+            # An iterator that is garbage but not yet collected (in a reference cycle with
+            # the traceback of an error it raised) still holds workers: collect it (its
+            # __del__ gives them back); a worker that died may be being replaced: wait for
+            # that. Then try once more.
+            gc.collect()
+            self.join_replacements()
+            slot = self._take_slot(loader)
+        try:
+            lease = self.workers.lease(slot, lease_id, blob, collector.fds)
+        except RuntimeError:
+            self.workers.unreserve([slot])
+            raise
+        self.leases[lease_id] = _describe_call(target, loader)
+        return Leased(lease, loader is not None, collector.channels)
+
+    def _take_slot(self, loader: Optional[Dict[str, Any]]) -> int:
+        """A reserved or free worker's slot for a process (see ``lease``)."""
+        done_event = None if loader is None else loader.get("done_event")
+        if loader is not None and done_event is not None and loader["worker_id"] > 0:
+            reserved = self.reserved.get(done_event)
+            if reserved:
+                return reserved.pop(0)
+        need = (
+            1 if loader is None else max(1, int(loader["num_workers"]) - int(loader["worker_id"]))
+        )
+        slots = self.workers.reserve(need)
+        if not slots:
+            num_workers = None if loader is None else int(loader["num_workers"])
+            raise NoFreeWorkerError(self._exhausted(need, num_workers))
+        rest = slots[1:]
+        if rest and done_event is not None:
+            self.reserved[done_event] = rest
+            weakref.finalize(done_event, self.workers.unreserve, rest)
+        elif rest:
+            self.workers.unreserve(rest)
+        return slots[0]
+
+    def _exhausted(self, need: int, num_workers: Optional[int]) -> str:
+        what = (
+            f"a DataLoader with num_workers={num_workers}"
+            if num_workers is not None
+            else "a process"
+        )
+        holders: Dict[str, List[int]] = {}
+        reserved = free = 0
+        for _slot, pid, _ready, lease_id, is_reserved in self.workers.workers():
+            if lease_id is not None:
+                holders.setdefault(self.leases.get(lease_id, "a process"), []).append(pid)
+            elif is_reserved:
+                reserved += 1
             else:
-                sink.set_exception(value)
-        except concurrent.futures.InvalidStateError:
-            pass
-    for run, batch in runs.values():
-        run.deliver(batch)
+                free += 1
+        held = sum(len(p) for p in holders.values())
+        lines = [
+            f"tether.Pool(processes={self.size}) cannot lease {need} worker(s) for {what}: "
+            f"only {free} of its {self.size} workers are free; {held} are leased"
+            + (f" and {reserved} reserved by a DataLoader being started" if reserved else "")
+            + (":" if holders else ".")
+        ]
+        for description, pids in holders.items():
+            lines.append(f"  - {len(pids)} by {description} (pid {', '.join(map(str, pids))})")
+        lines.append(
+            "A DataLoader iterator keeps its workers until it is exhausted or deleted (with "
+            "persistent_workers, until the loader is deleted). Make the pool larger, lower "
+            "num_workers, or finish the other iterations first."
+        )
+        return "\n".join(lines)
+
+    def signal(self, lease: _native.Lease, signum: int) -> None:
+        self.workers.signal_lease(lease, signum)
+
+    # -- the hub ---------------------------------------------------------------------------
+
+    def _hub(self) -> None:
+        """Takes the worker set's events and delivers them, until the pool is closed."""
+        _delivery.active = True
+        while True:
+            events = self.workers.poll(None)
+            if events is None:
+                return
+            try:
+                self._handle(events)
+            except Exception:  # noqa: BLE001 - the hub must outlive any bug of ours
+                threading.excepthook(
+                    threading.ExceptHookArgs((*sys.exc_info(), threading.current_thread()))
+                )
+            del events
+            if self.state != "running" and not self.workers.busy():
+                self._close(kill=False)
+                return
+
+    def _handle(self, events: List[Any]) -> None:
+        for event in events:
+            kind = event[0]
+            if kind == "results":
+                self._on_results(event[3])
+            elif kind == "lease":
+                self.leases.pop(event[2].id, None)
+            elif kind == "died":
+                self._on_death(*event[1:])
+            if kind in ("ready", "died"):
+                with self.changed:
+                    self.changed.notify_all()
+
+    def _on_results(self, outcomes: List[Tuple[int, bool, bytes, List[int]]]) -> None:
+        for task_id, ok, data, fds in outcomes:
+            sink = self.sinks.pop(task_id, None)
+            if sink is None:
+                _channel._close_all(fds)
+            else:
+                self._deliver(sink, ok, data, fds)
+
+    def _deliver(self, sink: Sink, ok: bool, data: bytes, fds: List[int]) -> None:
+        """Unpickles a task's outcome and hands it to its future or map."""
+        try:
+            value = _channel.loads(data, fds)
+        except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling too
+            self._fail(sink, exc)
+            return
+        if isinstance(sink, _Chunk):
+            if ok:
+                sink.run.deliver(_entries(sink.indices, value))
+            else:  # the chunk itself failed (it did not unpickle)
+                self._fail(sink, _rebuild(value))
+        elif ok:
+            _settle(sink, True, value)
+        else:
+            _settle(sink, False, _rebuild(value))
+
+    def _fail(self, sink: Sink, error: BaseException) -> None:
+        if isinstance(sink, _Chunk):
+            sink.run.deliver((i, False, error) for i in sink.indices)
+        else:
+            _settle(sink, False, error)
+
+    def _on_death(
+        self,
+        slot: int,
+        pid: int,
+        status: _native.ExitStatus,
+        ready: bool,
+        crashed: Optional[Tuple[int, int]],
+        lost: List[int],
+        lease: Optional[_native.Lease],
+        report: bytes,
+    ) -> None:
+        """A worker died: fail what it was running, and the results it never sent; start a
+        replacement (or, when it died before it was ready, mark the pool broken)."""
+        # 255 stands for a status something else took (a SIGCHLD set to SIG_IGN).
+        exitcode = 255 if status.exitcode is None else status.exitcode
+        if lease is not None:
+            self.leases.pop(lease.id, None)
+        if crashed is not None:
+            self._on_crash(crashed[0], crashed[1], pid, exitcode)
+        for task_id in lost:
+            sink = self.sinks.pop(task_id, None)
+            if sink is not None:
+                self._fail(sink, _crash_error(pid, exitcode, lost=True))
+        if not ready and self.state != "closed" and self.broken is None:
+            self._break(self._startup_failure(pid, exitcode, report))
+        elif self.state != "closed" and self.broken is None:
+            thread = threading.Thread(
+                target=self._replace, args=(slot,), name="tether-pool-replace", daemon=True
+            )
+            with self.lock:
+                self.replacing.add(thread)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # interpreter shutting down
+                with self.lock:
+                    self.replacing.discard(thread)
+                self._break(f"could not start a replacement worker: {exc!r}")
+
+    def _on_crash(self, task_id: int, item: int, pid: int, exitcode: int) -> None:
+        sink = self.sinks.pop(task_id, None)
+        if isinstance(sink, _Chunk):
+            done, rest = sink.indices[:item], sink.indices[item + 1 :]
+            sink.run.deliver((i, False, _crash_error(pid, exitcode, lost=True)) for i in done)
+            sink.run.deliver([(sink.indices[item], False, _crash_error(pid, exitcode, lost=False))])
+            if rest and not sink.run.closed:
+                tasks: List[Tuple[int, bytes, List[int]]] = []
+                sinks: List[Tuple[int, Sink]] = []
+                self._chunk(sink.fn, sink.calls[item + 1 :], rest, sink.run, tasks, sinks)
+                try:
+                    self._queue(tasks, sinks)
+                except RuntimeError as exc:
+                    for _, chunk in sinks:
+                        self._fail(chunk, exc)
+        elif sink is not None:
+            _settle(sink, False, _crash_error(pid, exitcode, lost=False))
+
+    def _replace(self, slot: int) -> None:
+        try:
+            self._start_workers([slot])
+        except BaseException as exc:  # noqa: BLE001 - a pool that cannot heal is broken
+            self._break(f"could not start a replacement worker: {exc!r}")
+        finally:
+            with self.lock:
+                self.replacing.discard(threading.current_thread())
+            self.workers.wake()
+
+    def _break(self, message: str) -> None:
+        """Marks the pool broken: every task not started fails with ``BrokenPool``."""
+        self.broken = message
+        for task_id in self.workers.cancel_all():
+            sink = self.sinks.pop(task_id, None)
+            if sink is not None:
+                self._fail(sink, BrokenPool(message))
+
+    def _startup_failure(self, pid: int, exitcode: int, raw_report: bytes) -> str:
+        report = _report.decode(raw_report)
+        text, _, _ = _status_text(exitcode)
+        message = f"a tether.Pool worker (pid {pid}) {text} before it was ready"
+        if report is not None:
+            message += ":\n" + report[0]
+        return message
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    def shutdown(self, wait: bool, cancel_futures: bool) -> None:
+        with self.lock:
+            if self.state == "running":
+                self.state = "shutdown"
+        if cancel_futures:
+            for task_id in self.workers.cancel_all():
+                sink = self.sinks.pop(task_id, None)
+                if isinstance(sink, _TaskFuture):
+                    concurrent.futures.Future.cancel(sink)
+                    sink.set_running_or_notify_cancel()
+                elif sink is not None:
+                    self._fail(sink, concurrent.futures.CancelledError())
+        self.workers.wake()
+        if wait:
+            self.join()
+
+    def join(self) -> None:
+        """Waits for the hub (which closes the pool once its work is done) and for the
+        replacements being started."""
+        hub = getattr(self, "hub", None)
+        if hub is not None and hub is not threading.current_thread():
+            hub.join()
+        self.join_replacements()
+
+    def join_replacements(self) -> None:
+        """Waits until the workers being started to replace dead ones are in the set."""
+        with self.lock:
+            starting = list(self.replacing)
+        for thread in starting:
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def _close(self, kill: bool) -> None:
+        """Stops every worker; tasks never answered fail; leases end with their workers'
+        status. With ``kill``, workers get SIGKILL at once."""
+        with self.lock:
+            if self.state == "closed":
+                return
+            self.state = "closed"
+            self.changed.notify_all()
+        left = self.workers.close(kill, 0.0 if kill else EXIT_GRACE)
+        error = RuntimeError("the tether.Pool was shut down before this task ran")
+        for task_id in left:
+            sink = self.sinks.pop(task_id, None)
+            if sink is not None:
+                self._fail(sink, error)
+        for sink in list(self.sinks.values()):
+            self._fail(sink, error)
+        self.sinks.clear()
+        self.leases.clear()
+        _live.discard(self)
+
+
+def _entries(indices: Sequence[int], entries: List[Any]) -> Iterator[Tuple[int, bool, Any]]:
+    """A chunk's results, item by item (see ``_worker``)."""
+    for index, (ok, value) in zip(indices, entries):
+        if ok is None:
+            try:
+                ok, value = pickle.loads(value)
+            except BaseException as exc:  # noqa: BLE001
+                yield index, False, exc
+                continue
+        yield index, bool(ok), (value if ok else _rebuild(value))
 
 
 _live: "weakref.WeakSet[_Core]" = weakref.WeakSet()
+#: Numbers the pools of this process (as they show in ``ps`` and ``tether.status()``).
+_numbers = itertools.count(1)
 
 
-def _run_chunk(fn: Callable[..., Any], chunk: Sequence[Tuple[Any, ...]]) -> List[Any]:
-    return [fn(*args) for args in chunk]
+def status() -> List["_status.Pool"]:
+    """The pools of this process and their workers (see ``tether.status()``)."""
+    return [core.status() for core in sorted(_live, key=lambda c: c.number)]
+
+
+def _worker_state(ready: bool, leased_to: Optional[str], reserved: bool) -> str:
+    if not ready:
+        return "starting"
+    if leased_to is not None:
+        return f"leased to {leased_to}"
+    return "reserved for a DataLoader" if reserved else "ready"
+
+
+def _python_exit() -> None:
+    """At interpreter exit, before threads are joined: every pool finishes the work it was
+    given (as ``ProcessPoolExecutor`` does), then stops."""
+    for core in list(_live):
+        if core.pid == os.getpid():
+            core.shutdown(wait=True, cancel_futures=False)
+
+
+try:
+    threading._register_atexit(_python_exit)  # type: ignore[attr-defined]
+except RuntimeError:  # imported while the interpreter shuts down
+    pass
 
 
 class Pool(concurrent.futures.Executor):
@@ -895,11 +921,12 @@ class Pool(concurrent.futures.Executor):
     ``processes`` workers (default: the CPU count) are started at once with
     ``start_method`` ("forkserver", the default: forks of tether's zygote, which preloads
     ``preload`` when given; "spawn"; or "fork"); each imports the modules in ``preload``
-    and runs ``initializer(*initargs)`` first. ``pool.context()`` is a
+    and runs ``initializer(*initargs)`` first. With ``max_tasks_per_child``, a worker exits
+    after that many executor tasks and a new one takes its place. ``pool.context()`` is a
     multiprocessing context for ``DataLoader(multiprocessing_context=...)`` whose processes
     are leased pool workers; ``submit`` / ``map`` run tasks on the free workers.
-    ``shutdown()`` (or leaving a ``with`` block) stops everything; a pool that is garbage
-    collected or still open at interpreter exit is stopped too."""
+    ``shutdown()`` (or leaving a ``with`` block) stops everything once the work given is
+    done; so does the garbage collection of the pool, and the interpreter's exit."""
 
     def __init__(
         self,
@@ -909,6 +936,7 @@ class Pool(concurrent.futures.Executor):
         preload: Optional[Sequence[str]] = None,
         initializer: Optional[Callable[..., Any]] = None,
         initargs: Sequence[Any] = (),
+        max_tasks_per_child: Optional[int] = None,
     ) -> None:
         if processes is None:
             processes = os.cpu_count() or 1
@@ -918,10 +946,18 @@ class Pool(concurrent.futures.Executor):
         _launch.check_start_method(method, "tether.Pool")
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be callable")
-        self._core = _Core(processes, method, list(preload or ()), initializer, initargs)
+        if max_tasks_per_child is not None and (
+            not isinstance(max_tasks_per_child, int)
+            or isinstance(max_tasks_per_child, bool)
+            or max_tasks_per_child < 1
+        ):
+            raise ValueError("max_tasks_per_child must be >= 1")
+        self._core = _Core(
+            processes, method, list(preload or ()), initializer, initargs, max_tasks_per_child
+        )
         _live.add(self._core)
-        self._finalizer = weakref.finalize(self, self._core.close, True)
-        self._context: Optional["PoolContext"] = None
+        self._finalizer = weakref.finalize(self, self._core.shutdown, False, False)
+        self._context: Optional[PoolContext] = None
 
     @property
     def processes(self) -> int:
@@ -936,13 +972,11 @@ class Pool(concurrent.futures.Executor):
     def preload(self) -> List[str]:
         return list(self._core.preload)
 
-    def context(self) -> "PoolContext":
+    def context(self) -> PoolContext:
         """A ``multiprocessing`` context whose ``Process`` runs in a leased pool worker and
         whose ``Queue`` and ``Event`` are tether channels: pass it as a DataLoader's
         ``multiprocessing_context``."""
         if self._context is None:
-            from .context import PoolContext
-
             self._context = PoolContext(self._core)
         return self._context
 
@@ -951,13 +985,11 @@ class Pool(concurrent.futures.Executor):
         return self._core.pids()
 
     def stacks(self, timeout: float = 5.0, native: bool = False) -> Dict[int, str]:
-        """Where every worker is: ``{pid: text}``, as ``ProcessContext.stacks`` has it."""
+        """Where every worker is: ``{pid: text}``, the Python stack of each of its threads
+        (see ``ProcessContext.stacks``); a worker that cannot answer says why."""
         from . import _stacks
 
-        core = self._core
-        with core.lock:
-            live = [w for w in core.workers if w is not None and not w.dead]
-            targets = [(w.group, 0) for w in live if w.group is not None]
+        targets = self._core.workers.members()
         return {pid: text for pid, _, text in _stacks.ask(targets, timeout, native)}
 
     def submit(
@@ -965,17 +997,7 @@ class Pool(concurrent.futures.Executor):
     ) -> concurrent.futures.Future:
         """Runs ``fn(*args, **kwargs)`` in a free worker; returns its future. A worker that
         dies while running it fails the future with ``WorkerCrashedError``."""
-        core = self._core
-        core.check_open()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        item = core.make_item(fn, args, kwargs, future, 0)
-        if item is not None:
-            try:
-                core.enqueue((item,))
-            except BaseException:
-                _close_fds(item)
-                raise
-        return future
+        return self._core.submit(fn, args, kwargs)
 
     def map(
         self,
@@ -985,54 +1007,27 @@ class Pool(concurrent.futures.Executor):
         chunksize: int = 1,
     ) -> Iterator[Any]:
         """Like ``concurrent.futures.Executor.map``: the results of ``fn`` over the zipped
-        iterables, in order; the tasks are all queued now and travel to the workers in
-        batches. Leaving the iterator early cancels what has not started."""
+        iterables, in order. The calls are all queued now and travel to the workers in
+        chunks (of ``chunksize`` when above 1, else sized to the work), each item keeping
+        its own result or exception. Leaving the iterator early cancels what has not
+        started."""
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
         core = self._core
         core.check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         calls = list(zip(*iterables))
-        if chunksize > 1:
-            units: List[Tuple[Callable[..., Any], Tuple[Any, ...]]] = [
-                (_run_chunk, (fn, calls[i : i + chunksize]))
-                for i in range(0, len(calls), chunksize)
-            ]
-        else:
-            units = [(fn, args) for args in calls]
-        run = _MapRun(len(units))
-        items = []
-        for index, (call, args) in enumerate(units):
-            item = core.make_item(call, args, {}, run, index)
-            if item is not None:
-                items.append(item)
-        core.enqueue(items)
-        return self._results(run, len(units), chunksize > 1, deadline)
-
-    @staticmethod
-    def _results(
-        run: _MapRun, count: int, chunked: bool, deadline: Optional[float]
-    ) -> Iterator[Any]:
-        try:
-            for index in range(count):
-                ok, value = run.take(index, deadline)
-                if not ok:
-                    raise value
-                if chunked:
-                    yield from value
-                else:
-                    yield value
-        finally:
-            run.cancelled = True
+        run = _MapRun(len(calls))
+        size = chunksize if chunksize > 1 else core.chunk_size(len(calls))
+        ids = core.map(fn, calls, size, run)
+        return _results(core, run, ids, len(calls), deadline)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Stops the pool: no new tasks; with ``cancel_futures`` the queued ones are
-        cancelled; with ``wait`` this returns once the running ones are done and every
-        worker has exited (otherwise that happens in the background). Workers still leased
-        to a DataLoader are killed."""
+        """Stops the pool: no new tasks; with ``cancel_futures`` every task not started is
+        cancelled, wherever it waits; the others finish. With ``wait`` this returns once
+        they are done and every worker has exited (otherwise that happens in the
+        background). Workers still leased to a DataLoader are killed."""
         self._core.shutdown(wait, cancel_futures)
-        if wait:
-            self._finalizer.detach()
 
     def __repr__(self) -> str:
         core = self._core
@@ -1042,23 +1037,14 @@ class Pool(concurrent.futures.Executor):
         )
 
 
-def status() -> List["_status.Pool"]:
-    """The pools of this process and their workers (see ``tether.status()``)."""
-    from . import _status
-
-    found = []
-    for number, core in enumerate(sorted(_live, key=id), start=1):
-        with core.lock:
-            workers = [
-                _status.Child(w.pid, f"worker {w.slot}", _worker_state(w))
-                for w in core.workers
-                if w is not None and not w.dead
-            ]
-        found.append(_status.Pool(number, core.start_method, workers))
-    return found
-
-
-def _worker_state(worker: _Worker) -> str:
-    if worker.lease is not None:
-        return f"leased to {worker.lease._describe or 'a process'}"
-    return "busy" if worker.inflight else "idle"
+def _results(
+    core: _Core, run: _MapRun, ids: List[int], count: int, deadline: Optional[float]
+) -> Iterator[Any]:
+    """``map``'s iterator: yields each result without keeping it."""
+    try:
+        for index in range(count):
+            yield run.take(index, deadline)
+    finally:
+        with run.cond:
+            run.closed = True
+        core.withdraw(ids)

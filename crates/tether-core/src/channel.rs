@@ -259,6 +259,28 @@ impl Endpoint {
     pub fn readable(&self) -> io::Result<bool> {
         wait_ready(self.fd.as_fd(), PollFlags::IN, Some(Instant::now()))
     }
+
+    /// Waits up to `timeout` (for ever when `None`) until this endpoint or one of `watch`
+    /// is readable; returns the index in `watch` of a readable fd, or `None` (the endpoint
+    /// is readable, or the timeout passed).
+    pub fn wait_watching(
+        &self,
+        watch: &[BorrowedFd<'_>],
+        timeout: Option<Duration>,
+    ) -> io::Result<Option<usize>> {
+        let mut fds = Vec::with_capacity(watch.len() + 1);
+        fds.push(PollFd::new(&self.fd, PollFlags::IN));
+        fds.extend(watch.iter().map(|fd| PollFd::new(fd, PollFlags::IN)));
+        let timeout = timeout.map(|t| Timespec {
+            tv_sec: t.as_secs() as i64,
+            tv_nsec: t.subsec_nanos() as i64,
+        });
+        match poll(&mut fds, timeout.as_ref()) {
+            Ok(_) | Err(Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+        Ok(fds[1..].iter().position(|fd| !fd.revents().is_empty()))
+    }
 }
 
 impl AsFd for Endpoint {
@@ -588,6 +610,26 @@ mod tests {
             panic!("no message");
         };
         assert_eq!(msg.fds.len(), 600);
+        Ok(())
+    }
+
+    #[test]
+    fn a_wait_watches_other_fds_too() -> io::Result<()> {
+        let (a, b) = Endpoint::pair()?;
+        let (c, d) = Endpoint::pair()?;
+        let watch = [d.as_fd()];
+        assert_eq!(
+            b.wait_watching(&watch, Some(Duration::from_millis(5)))?,
+            None
+        );
+        c.send(b"x", &[], None)?;
+        assert_eq!(
+            b.wait_watching(&watch, Some(Duration::from_secs(1)))?,
+            Some(0)
+        );
+        a.send(b"y", &[], None)?;
+        let _ = d.recv(None)?;
+        assert_eq!(b.wait_watching(&watch, None)?, None);
         Ok(())
     }
 

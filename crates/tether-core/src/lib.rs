@@ -16,6 +16,7 @@
 //! - [`channel`]: message channels with fds between running processes.
 //! - [`title`]: a process's title in `ps` and its name in `/proc/PID/comm`.
 //! - [`logging`]: `TETHER_LOG=info|debug` sends the runtime's events to stderr.
+//! - [`workers`]: a pool's worker set: its table of workers, task scheduling, deaths.
 
 pub mod attrs;
 pub mod channel;
@@ -27,6 +28,7 @@ pub mod stacks;
 pub mod status;
 pub mod supervisor;
 pub mod title;
+pub mod workers;
 pub mod zygote;
 
 pub use group::{Exit, Group, Member, WaitFor};

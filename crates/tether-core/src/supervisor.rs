@@ -956,7 +956,10 @@ fn feed(fd: BorrowedFd<'_>, data: &[u8], written: &mut usize) -> bool {
 }
 
 /// The status of an exited child (`None` while it runs); with `WNOWAIT` it stays unreaped.
-fn waitid(pidfd: BorrowedFd<'_>, options: libc::c_int) -> Result<Option<ExitStatus>, Errno> {
+pub(crate) fn waitid(
+    pidfd: BorrowedFd<'_>,
+    options: libc::c_int,
+) -> Result<Option<ExitStatus>, Errno> {
     loop {
         // SAFETY: siginfo_t is plain data; zeroed is a valid value for waitid to fill.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };

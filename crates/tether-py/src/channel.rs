@@ -14,7 +14,7 @@ use tether_core::channel::{self, Recv};
 /// How often a wait wakes to let Python run its signal handlers (Ctrl-C).
 const SIGNAL_CHECK: Duration = Duration::from_millis(50);
 
-fn os_error(err: std::io::Error) -> PyErr {
+pub(crate) fn os_error(err: std::io::Error) -> PyErr {
     PyOSError::new_err((err.raw_os_error().unwrap_or(0), err.to_string()))
 }
 
@@ -49,7 +49,7 @@ impl<T> Closable<T> {
 }
 
 /// A timeout in seconds as a deadline; `None` waits for ever.
-fn deadline(timeout: Option<f64>) -> PyResult<Option<Instant>> {
+pub(crate) fn deadline(timeout: Option<f64>) -> PyResult<Option<Instant>> {
     match timeout {
         Some(t) if t.is_nan() => Err(PyValueError::new_err("timeout must be a number")),
         Some(t) if t <= 0.0 => Ok(Some(Instant::now())),
@@ -61,7 +61,11 @@ fn deadline(timeout: Option<f64>) -> PyResult<Option<Instant>> {
 
 /// Runs `step` with the GIL released in slices of at most [`SIGNAL_CHECK`] until it returns
 /// `Some` or the deadline passes, checking Python signals between slices.
-fn sliced<T, F>(py: Python<'_>, until: Option<Instant>, mut step: F) -> PyResult<Option<T>>
+pub(crate) fn sliced<T, F>(
+    py: Python<'_>,
+    until: Option<Instant>,
+    mut step: F,
+) -> PyResult<Option<T>>
 where
     F: FnMut(Duration) -> std::io::Result<Option<T>> + Send,
     T: Send,
@@ -84,7 +88,7 @@ where
 }
 
 /// Takes ownership of the raw fds (ints) of a message.
-fn into_raw(fds: Vec<OwnedFd>) -> Vec<RawFd> {
+pub(crate) fn into_raw(fds: Vec<OwnedFd>) -> Vec<RawFd> {
     fds.into_iter().map(IntoRawFd::into_raw_fd).collect()
 }
 
@@ -239,6 +243,50 @@ impl Endpoint {
     fn readable(&self) -> PyResult<bool> {
         self.inner.get()?.readable().map_err(os_error)
     }
+
+    /// As `recv`, but the same wait also watches `watch` (fds the caller keeps open):
+    /// returns `(data, fds)`, or the index in `watch` of an fd that became readable, or None
+    /// on timeout. A message already waiting comes before any fd.
+    #[pyo3(signature = (timeout, watch))]
+    fn recv_watching(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+        watch: Vec<RawFd>,
+    ) -> PyResult<Option<PyObject>> {
+        let ep = self.inner.get()?;
+        let until = deadline(timeout)?;
+        if watch.iter().any(|&fd| fd < 0) {
+            return Err(PyValueError::new_err("invalid fd"));
+        }
+        let got = sliced(py, until, |slice| {
+            match ep.recv(Some(Duration::ZERO))? {
+                Recv::Timeout => {}
+                other => return Ok(Some(Watched::Got(other))),
+            }
+            // SAFETY: the caller keeps the watched fds open for the duration of the call.
+            let fds: Vec<BorrowedFd<'_>> = watch
+                .iter()
+                .map(|&fd| unsafe { BorrowedFd::borrow_raw(fd) })
+                .collect();
+            Ok(ep.wait_watching(&fds, Some(slice))?.map(Watched::Ready))
+        })?;
+        match got {
+            None => Ok(None),
+            Some(Watched::Ready(index)) => Ok(Some(index.into_pyobject(py)?.into_any().unbind())),
+            Some(Watched::Got(Recv::Message(msg))) => {
+                let pair = (PyBytes::new(py, &msg.data), into_raw(msg.fds));
+                Ok(Some(pair.into_pyobject(py)?.into_any().unbind()))
+            }
+            Some(Watched::Got(_)) => Err(PyEOFError::new_err("the channel's peer is closed")),
+        }
+    }
+}
+
+/// What `Endpoint.recv_watching` found.
+enum Watched {
+    Got(Recv),
+    Ready(usize),
 }
 
 /// A flag in a shared memory page: set/clear/is_set/wait across processes.

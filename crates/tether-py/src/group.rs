@@ -32,6 +32,15 @@ pub struct ExitStatus {
 }
 
 impl ExitStatus {
+    /// `status`, seen now.
+    pub fn now(status: tether_core::ExitStatus) -> ExitStatus {
+        let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+        ExitStatus {
+            status,
+            at: ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9,
+        }
+    }
+
     pub fn new(exit: tether_core::Exit) -> ExitStatus {
         ExitStatus {
             status: exit.status,

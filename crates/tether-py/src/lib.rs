@@ -12,6 +12,7 @@ mod channel;
 mod cli;
 mod group;
 mod stacks;
+mod workers;
 mod zygote;
 
 create_exception!(
@@ -130,6 +131,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ZYGOTE_FDS_ENV", tether_core::zygote::FDS_ENV)?;
     cli::register(m)?;
     stacks::register(m)?;
+    workers::register(m)?;
     m.add_function(wrap_pyfunction!(setup_forked_child, m)?)?;
     m.add_function(wrap_pyfunction!(signal_name, m)?)?;
     m.add_function(wrap_pyfunction!(signal_hint, m)?)?;
