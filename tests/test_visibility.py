@@ -184,3 +184,45 @@ def test_the_launcher_logs_its_events(tmp_path):
 def test_info_leaves_out_debug_events(tmp_path):
     lines = run_logged(tmp_path, "info")
     assert lines and not any(" DEBUG " in line for line in lines)
+
+
+def test_pool_workers_say_their_pool_and_slot():
+    with tether.Pool(2) as pool:
+        number = tether.status().pools[-1].pool_id
+        for pid in pool.pids():
+            args = cmdline(pid)
+            assert args.startswith(f"tether pool {number} worker "), args
+            slot = int(args.split()[4])
+            assert comm(pid) == f"tether:p{number}w{slot}"
+        found = next(p for p in tether.status().pools if p.pool_id == number)
+        assert sorted(w.pid for w in found.workers) == sorted(pool.pids())
+        assert {w.state for w in found.workers} == {"ready"}
+
+
+POOL_LOGGED = textwrap.dedent(
+    """
+    import os, signal, time, tether
+
+    if __name__ == "__main__":
+        with tether.Pool(1) as pool:
+            (pid,) = pool.pids()
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while pool.pids() in ([pid], []) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pool.submit(abs, -3).result() == 3
+    """
+)
+
+
+def test_the_pool_logs_a_death_and_its_replacement(tmp_path):
+    script = tmp_path / "pool_logged.py"
+    script.write_text(POOL_LOGGED)
+    env = dict(os.environ, TETHER_LOG="info")
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=90
+    )
+    assert done.returncode == 0, done.stderr
+    lines = "\n".join(line for line in done.stderr.splitlines() if line.startswith("tether["))
+    assert "INFO tether: pool 1: worker 0 (pid" in lines and "died with signal SIGKILL" in lines
+    assert "INFO tether: pool 1: worker 0 replaced" in lines, lines

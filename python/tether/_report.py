@@ -65,12 +65,16 @@ def decode(data: bytes) -> Optional[Tuple[str, Optional[BaseException]]]:
             f"were cut (reports are kept up to {_native.REPORT_LIMIT >> 20} MiB) or never "
             "written]\n"
         )
-    exc: Optional[BaseException] = None
-    if pickled is not None:
-        try:
-            loaded = pickle.loads(pickled)
-        except BaseException:  # noqa: BLE001 - an exception that cannot be rebuilt here
-            loaded = None
-        if isinstance(loaded, BaseException):
-            exc = loaded
-    return text, exc
+    return text, unpickle_exception(pickled)
+
+
+def unpickle_exception(pickled: Optional[bytes]) -> Optional[BaseException]:
+    """The exception pickled in another process, or None when there is none or it cannot
+    be rebuilt here (its class is missing, or unpickling it raises anything)."""
+    if pickled is None:
+        return None
+    try:
+        loaded = pickle.loads(pickled)
+    except BaseException:  # noqa: BLE001 - an exception that cannot be rebuilt here
+        return None
+    return loaded if isinstance(loaded, BaseException) else None

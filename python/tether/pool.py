@@ -49,6 +49,7 @@ from typing import (
 )
 
 from . import _channel, _launch, _native, _report, _worker
+from ._log import logger
 
 if TYPE_CHECKING:
     from . import _status
@@ -125,14 +126,7 @@ def _remote_traceback(text: str) -> BaseException:
 def _rebuild(info: _worker.ErrorInfo) -> BaseException:
     """The exception a worker described (see ``_worker.describe``)."""
     type_name, message, text, pickled = info
-    exc: Optional[BaseException] = None
-    if pickled is not None:
-        try:
-            loaded = pickle.loads(pickled)
-        except BaseException:  # noqa: BLE001 - a class that cannot be rebuilt here
-            loaded = None
-        if isinstance(loaded, BaseException):
-            exc = loaded
+    exc = _report.unpickle_exception(pickled)
     if exc is None:
         exc = RemoteError(type_name, message, text)
     exc.__cause__ = _remote_traceback(text)
@@ -423,6 +417,7 @@ class _Core:
         fds = {slot: link.child_fds() for slot, link in zip(slots, links)}
         # A fork child closes what it inherits of the pool: every worker's socket.
         inherited = self.workers.parent_fds() + [link.parent_fd() for link in links]
+        logger.info("pool %d: starting worker(s) %s", self.number, slots)
         group = _launch.start(
             _worker.serve,
             (fds, self.config),
@@ -749,6 +744,7 @@ class _Core:
         replacement (or, when it died before it was ready, mark the pool broken)."""
         # 255 stands for a status something else took (a SIGCHLD set to SIG_IGN).
         exitcode = 255 if status.exitcode is None else status.exitcode
+        logger.info("pool %d: worker %d (pid %d) died with %s", self.number, slot, pid, status)
         if lease is not None:
             self.leases.pop(lease.id, None)
         if crashed is not None:
@@ -793,6 +789,7 @@ class _Core:
     def _replace(self, slot: int) -> None:
         try:
             self._start_workers([slot])
+            logger.info("pool %d: worker %d replaced", self.number, slot)
         except BaseException as exc:  # noqa: BLE001 - a pool that cannot heal is broken
             self._break(f"could not start a replacement worker: {exc!r}")
         finally:

@@ -367,58 +367,99 @@ pub(crate) fn read_memfd(fd: &OwnedFd, len: usize) -> io::Result<Vec<u8>> {
     Ok(data)
 }
 
+/// A shared mapping of a memfd, unmapped when dropped: the memory behind a [`SharedFlag`] and
+/// behind a pool worker's gate page. Its users reach it only through atomics.
+#[derive(Debug)]
+pub(crate) struct SharedPages {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is only accessed through atomics, which are safe to share between
+// threads; the pointer stays valid until `drop` unmaps it.
+unsafe impl Send for SharedPages {}
+// SAFETY: as above.
+unsafe impl Sync for SharedPages {}
+
+impl SharedPages {
+    /// A fresh memfd of `len` zeroed bytes, named `name`, and its mapping.
+    pub(crate) fn create(name: &str, len: usize) -> io::Result<(OwnedFd, SharedPages)> {
+        let fd = memfd_create(name, MemfdFlags::CLOEXEC)?;
+        ftruncate(&fd, len as u64)?;
+        let pages = SharedPages::map(&fd, len, name)?;
+        Ok((fd, pages))
+    }
+
+    /// Maps the first `len` bytes of `fd` (made by [`SharedPages::create`] in some process);
+    /// an fd shorter than that is not a `what`.
+    pub(crate) fn map(fd: &OwnedFd, len: usize, what: &str) -> io::Result<SharedPages> {
+        if (fstat(fd)?.st_size as u64) < len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("not a {what}"),
+            ));
+        }
+        // SAFETY: a fresh shared mapping of a file at least `len` bytes long; nothing else in
+        // this process refers to the address it returns.
+        let base = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                fd,
+                0,
+            )?
+        };
+        Ok(SharedPages {
+            base: base.cast::<u8>(),
+            len,
+        })
+    }
+
+    /// The atomic `T` at byte `offset`.
+    ///
+    /// # Safety
+    /// `offset` is aligned for `T` and `offset + size_of::<T>() <= len`.
+    pub(crate) unsafe fn at<T>(&self, offset: usize) -> &T {
+        // SAFETY: in bounds and aligned (the caller's promise), in a live page-aligned
+        // mapping that outlives the returned reference (it is tied to `self`).
+        unsafe { &*self.base.add(offset).cast::<T>() }
+    }
+}
+
+impl Drop for SharedPages {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unmapped once; no reference outlives `self`.
+        let _ = unsafe { munmap(self.base.cast::<std::ffi::c_void>(), self.len) };
+    }
+}
+
 /// A flag in a shared memory page (a memfd), set and waited for by any process that maps it:
 /// `is_set` is a plain load, `wait` a futex wait, `set` a futex wake.
 #[derive(Debug)]
 pub struct SharedFlag {
     fd: OwnedFd,
-    word: *const AtomicU32,
+    page: SharedPages,
 }
-
-// SAFETY: the mapping is only accessed through the atomic, which is safe to share between
-// threads; the pointer stays valid until `drop` unmaps it.
-unsafe impl Send for SharedFlag {}
-// SAFETY: as above.
-unsafe impl Sync for SharedFlag {}
 
 const FLAG_PAGE: usize = 4096;
 
 impl SharedFlag {
     pub fn new() -> io::Result<SharedFlag> {
-        let fd = memfd_create("tether-event", MemfdFlags::CLOEXEC)?;
-        ftruncate(&fd, FLAG_PAGE as u64)?;
-        SharedFlag::from_fd(fd)
+        let (fd, page) = SharedPages::create("tether-event", FLAG_PAGE)?;
+        Ok(SharedFlag { fd, page })
     }
 
     /// Maps the flag held by `fd` (an fd made by [`SharedFlag::new`] in some process).
     pub fn from_fd(fd: OwnedFd) -> io::Result<SharedFlag> {
-        if (fstat(&fd)?.st_size as u64) < FLAG_PAGE as u64 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "not a tether flag",
-            ));
-        }
-        // SAFETY: a fresh shared mapping of a file at least one page long; nothing else in
-        // this process refers to the address it returns.
-        let ptr = unsafe {
-            mmap(
-                std::ptr::null_mut(),
-                FLAG_PAGE,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                &fd,
-                0,
-            )?
-        };
-        Ok(SharedFlag {
-            fd,
-            word: ptr.cast::<AtomicU32>(),
-        })
+        let page = SharedPages::map(&fd, FLAG_PAGE, "tether flag")?;
+        Ok(SharedFlag { fd, page })
     }
 
     fn word(&self) -> &AtomicU32 {
-        // SAFETY: `word` points into a live, page-aligned shared mapping (see `drop`).
-        unsafe { &*self.word }
+        // SAFETY: offset 0 of a page is aligned for and holds an AtomicU32.
+        unsafe { self.page.at(0) }
     }
 
     pub fn is_set(&self) -> bool {
@@ -475,13 +516,6 @@ impl SharedFlag {
 impl AsFd for SharedFlag {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
-    }
-}
-
-impl Drop for SharedFlag {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `from_fd`, unmapped once; no reference outlives `self`.
-        let _ = unsafe { munmap(self.word as *mut std::ffi::c_void, FLAG_PAGE) };
     }
 }
 

@@ -551,8 +551,33 @@ pub enum Served {
 pub const SETUP_FAILED: i32 = 111;
 
 /// The fork the embedding supplies: 0 in the child, the child's pid in the zygote. For a
-/// Python zygote, `clone(CLONE_PARENT)` wrapped in `PyOS_BeforeFork`/`PyOS_AfterFork_*`.
+/// Python zygote, [`clone_parent`] wrapped in `PyOS_BeforeFork`/`PyOS_AfterFork_*`.
 pub type Fork<'a> = &'a mut dyn FnMut() -> io::Result<i32>;
+
+/// A fork whose child is a child of this process's parent (`clone(CLONE_PARENT | SIGCHLD)`
+/// with no new stack: the child goes on from a copy of this one). Returns 0 in the child and
+/// the child's pid here.
+///
+/// # Safety
+/// As for `fork`: the process must have a single thread (the zygote has), and the caller
+/// does what its runtime needs around a fork.
+pub unsafe fn clone_parent() -> io::Result<i32> {
+    // SAFETY: the caller's promise above; a null stack makes clone behave like fork.
+    let pid = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+        )
+    };
+    if pid < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(pid as i32)
+}
 
 struct Pending {
     ranks: Vec<u32>,

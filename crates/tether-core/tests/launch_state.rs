@@ -48,7 +48,11 @@ fn child_starts_clean_in_its_own_group() {
         common::status_field(pid, "SigBlk").unwrap(),
         "0000000000000000"
     );
-    assert_eq!(common::fds(pid), vec![0, 1, 2, kept.as_raw_fd()]);
+    // The kernel names the new program before it closes the close-on-exec fds: give the
+    // exec a moment to finish.
+    let expected = vec![0, 1, 2, kept.as_raw_fd()];
+    common::eventually(Duration::from_secs(2), || common::fds(pid) == expected);
+    assert_eq!(common::fds(pid), expected);
     assert!(!common::fds(pid).contains(&stray_inheritable));
 
     // SIGTERM to the group stops it, though the parent ignores SIGINT and blocks SIGTERM.

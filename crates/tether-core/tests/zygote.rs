@@ -57,23 +57,9 @@ fn zygote_main() -> ! {
     let mut payload = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(payload_fd) });
     payload.read_to_end(&mut config).unwrap();
     let blanks: usize = String::from_utf8(config).unwrap().trim().parse().unwrap();
-    let mut fork = || {
-        // SAFETY: this process is single-threaded; the child continues on a copy of the stack.
-        let pid = unsafe {
-            libc::syscall(
-                libc::SYS_clone,
-                (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
-                0usize,
-                0usize,
-                0usize,
-                0usize,
-            )
-        };
-        if pid < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(pid as i32)
-    };
+    // SAFETY: this process is single-threaded (no test harness) and needs nothing around a
+    // fork.
+    let mut fork = || unsafe { zygote::clone_parent() };
     // SAFETY: getppid cannot fail.
     let parent = unsafe { libc::getppid() };
     let served = zygote::serve(

@@ -225,28 +225,15 @@ pub fn zygote_serve(
 /// process's supervisor thread. Wrapped in `PyOS_BeforeFork` / `PyOS_AfterFork_*` like
 /// `os.fork()`. Returns 0 in the child and the child's pid in the zygote.
 fn python_fork(_py: Python<'_>) -> std::io::Result<i32> {
-    // SAFETY: called with the GIL held, as these C-API calls require. The raw clone with a
-    // null stack pointer behaves like fork (the child continues on a copy of this stack);
-    // the zygote has no other threads whose locks the child could inherit.
-    let pid = unsafe {
+    // SAFETY: called with the GIL held, as these C-API calls require; the zygote has no
+    // other threads whose locks the child could inherit.
+    unsafe {
         pyo3::ffi::PyOS_BeforeFork();
-        let pid = libc::syscall(
-            libc::SYS_clone,
-            (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
-            0usize,
-            0usize,
-            0usize,
-            0usize,
-        );
-        if pid == 0 {
-            pyo3::ffi::PyOS_AfterFork_Child();
-        } else {
-            pyo3::ffi::PyOS_AfterFork_Parent();
+        let forked = zygote::clone_parent();
+        match forked {
+            Ok(0) => pyo3::ffi::PyOS_AfterFork_Child(),
+            _ => pyo3::ffi::PyOS_AfterFork_Parent(),
         }
-        pid
-    };
-    if pid < 0 {
-        return Err(std::io::Error::last_os_error());
+        forked
     }
-    Ok(pid as i32)
 }

@@ -13,8 +13,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use rustix::fs::{fstat, ftruncate, memfd_create, MemfdFlags};
-use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
+use crate::channel::SharedPages;
 
 /// The page's size: two words, then the claim words.
 const SIZE: usize = 8192;
@@ -47,47 +46,20 @@ pub enum Claim {
 #[derive(Debug)]
 pub struct Gate {
     fd: Option<OwnedFd>,
-    base: *mut u8,
+    page: SharedPages,
 }
-
-// SAFETY: the mapping is only accessed through atomics, which are safe to share between
-// threads; the pointer stays valid until `drop` unmaps it.
-unsafe impl Send for Gate {}
-// SAFETY: as above.
-unsafe impl Sync for Gate {}
 
 impl Gate {
     /// A fresh page (a memfd), all tasks `QUEUED`, no task running.
     pub fn new() -> io::Result<Gate> {
-        let fd = memfd_create("tether-gate", MemfdFlags::CLOEXEC)?;
-        ftruncate(&fd, SIZE as u64)?;
-        Gate::from_fd(fd)
+        let (fd, page) = SharedPages::create("tether-gate", SIZE)?;
+        Ok(Gate { fd: Some(fd), page })
     }
 
     /// Maps the page held by `fd` (made by [`Gate::new`] in some process).
     pub fn from_fd(fd: OwnedFd) -> io::Result<Gate> {
-        if (fstat(&fd)?.st_size as u64) < SIZE as u64 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "not a tether gate",
-            ));
-        }
-        // SAFETY: a fresh shared mapping of a file at least SIZE bytes long; nothing else in
-        // this process refers to the address it returns.
-        let base = unsafe {
-            mmap(
-                std::ptr::null_mut(),
-                SIZE,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                &fd,
-                0,
-            )?
-        };
-        Ok(Gate {
-            fd: Some(fd),
-            base: base.cast::<u8>(),
-        })
+        let page = SharedPages::map(&fd, SIZE, "tether gate")?;
+        Ok(Gate { fd: Some(fd), page })
     }
 
     /// The memfd (until [`Gate::close_fd`]), to pass to the worker.
@@ -101,14 +73,14 @@ impl Gate {
     }
 
     fn word(&self, offset: usize) -> &AtomicU64 {
-        // SAFETY: `offset` is 0 or 8, inside the live, page-aligned mapping (see `drop`).
-        unsafe { &*self.base.add(offset).cast::<AtomicU64>() }
+        // SAFETY: `offset` is 0 or 8: aligned, inside the page.
+        unsafe { self.page.at(offset) }
     }
 
     fn claim_word(&self, seq: u32) -> &AtomicU32 {
         let at = CLAIMS_AT + (seq as usize % CLAIMS) * 4;
         // SAFETY: `at` is 4-aligned and below CLAIMS_AT + CLAIMS * 4 <= SIZE.
-        unsafe { &*self.base.add(at).cast::<AtomicU32>() }
+        unsafe { self.page.at(at) }
     }
 
     // -- the pool's side ------------------------------------------------------------------
@@ -171,13 +143,6 @@ impl Gate {
     /// Records that no task runs.
     pub fn idle(&self) {
         self.word(0).store(0, Ordering::Release);
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `from_fd`, unmapped once; no reference outlives `self`.
-        let _ = unsafe { munmap(self.base.cast::<std::ffi::c_void>(), SIZE) };
     }
 }
 
