@@ -51,6 +51,13 @@ def timed(call: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+#: How long a warm start waits after the server's previous start: time for tether's zygote
+#: to fork its children ahead again (and, after its own start, to finish collapsing its
+#: memory into huge pages), as it would have between two starts of a real program. Python's
+#: forkserver gets the same pause.
+WARM_PAUSE = 1.5
+
+
 def stop_python_forkserver() -> None:
     server = multiprocessing.forkserver._forkserver
     if getattr(server, "_forkserver_pid", None) is not None:
@@ -61,7 +68,7 @@ def torch_forkserver(n: int, cold: bool) -> float:
     if cold:
         stop_python_forkserver()
     else:
-        time.sleep(0.5)  # the same pause as tether's warm start gets
+        time.sleep(WARM_PAUSE)  # the same pause as tether's warm start gets
     multiprocessing.set_forkserver_preload(["torch"])
     return timed(lambda: tmp.start_processes(trivial, nprocs=n, start_method="forkserver"))
 
@@ -73,7 +80,7 @@ def tether_forkserver(n: int, cold: bool) -> float:
         # Warm: the zygote is up, and has forked ahead the children of a start this size
         # (as many as it keeps).
         tether.start_processes(trivial, nprocs=min(n, _native.MAX_BLANKS))
-        time.sleep(0.5)
+        time.sleep(WARM_PAUSE)
     return timed(lambda: tether.start_processes(trivial, nprocs=n, start_method="forkserver"))
 
 

@@ -150,6 +150,8 @@ class _Pickler(pickle.Pickler):
 
 
 def _pickler_class() -> type:
+    # The reducers registered with ForkingPickler.register (torch's tensors and storages);
+    # private to multiprocessing and not in its type stubs.
     extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     sizes = (len(copyreg.dispatch_table), len(extra))
     if _Pickler._sizes != sizes:

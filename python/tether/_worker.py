@@ -210,6 +210,7 @@ def _reset_after_lease() -> None:
     the seeds: see ``_reseed_if_needed``)."""
     worker = sys.modules.get("torch.utils.data._utils.worker")
     if worker is not None:
+        # What torch.utils.data.get_worker_info() reads; private, so untyped for mypy.
         worker._worker_info = None  # type: ignore[attr-defined]
 
 

@@ -123,30 +123,35 @@ class PoolProcess:
         end = None if self._lease is None else self._lease.end()
         return None if end is None else end[0]
 
-    def _ours(self) -> bool:
-        """Started, and by this process (not a copy inherited through a fork)."""
-        return self._lease is not None and self._owner == os.getpid()
+    def _ours(self) -> Optional[_native.Lease]:
+        """The lease when started, and by this process (a copy inherited through a fork
+        has none)."""
+        return self._lease if self._owner == os.getpid() else None
 
     def is_alive(self) -> bool:
-        return self._ours() and self._lease.end() is None  # type: ignore[union-attr]
+        lease = self._ours()
+        return lease is not None and lease.end() is None
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Waits until the target has returned (or its worker died), up to ``timeout``."""
         if self._lease is None:
             raise AssertionError("can only join a started process")
-        if self._ours():
-            self._lease.wait(timeout)
+        lease = self._ours()
+        if lease is not None:
+            lease.wait(timeout)
 
     def terminate(self) -> None:
         """Stops the target by killing its worker with SIGTERM (the pool replaces it).
         Does nothing once the target has returned: the worker may serve someone else."""
-        if self._ours():
-            self._leaser.signal(self._lease, signal.SIGTERM)  # type: ignore[arg-type]
+        lease = self._ours()
+        if lease is not None:
+            self._leaser.signal(lease, signal.SIGTERM)
 
     def kill(self) -> None:
         """As ``terminate`` with SIGKILL."""
-        if self._ours():
-            self._leaser.signal(self._lease, signal.SIGKILL)  # type: ignore[arg-type]
+        lease = self._ours()
+        if lease is not None:
+            self._leaser.signal(lease, signal.SIGKILL)
 
     def close(self) -> None:
         if self.is_alive():
@@ -250,6 +255,8 @@ class PoolContext(multiprocessing.context.BaseContext):
     ) -> PoolProcess:
         return PoolProcess(self._leaser, group, target, name, args, kwargs, daemon=daemon)
 
+    # Queues and events are tether's channels, not multiprocessing's classes: the type stubs
+    # of BaseContext name its own return types, hence the overrides.
     def Queue(self, maxsize: int = 0) -> _channel.Queue:  # type: ignore[override]  # noqa: N802
         return _channel.Queue(maxsize)
 

@@ -907,6 +907,8 @@ def _python_exit() -> None:
 
 
 try:
+    # What concurrent.futures registers its own exit hook with (private to threading, not in
+    # its type stubs): it runs before non-daemon threads are joined.
     threading._register_atexit(_python_exit)  # type: ignore[attr-defined]
 except RuntimeError:  # imported while the interpreter shuts down
     pass
