@@ -111,6 +111,26 @@ def test_children_see_the_parents_current_environment_and_directory(tmp_path, mo
     assert leads_group
 
 
+def report_environment(i, queue):
+    queue.put(dict(os.environ))
+
+
+def test_children_get_the_callers_environment_exactly(own_zygote, monkeypatch):
+    monkeypatch.setenv("TETHER_TEST_GONE", "in the zygote's environment only")
+    monkeypatch.setenv("TETHER_TEST_CHANGED", "before")
+    preload = own_zygote(("json",))
+    tether.start_processes(success, nprocs=1, preload=preload)  # the zygote is up
+    monkeypatch.delenv("TETHER_TEST_GONE")
+    monkeypatch.setenv("TETHER_TEST_CHANGED", "after")
+    monkeypatch.setenv("TETHER_TEST_NEW", "new")
+    queue = multiprocessing.get_context("spawn").SimpleQueue()
+    tether.start_processes(report_environment, args=(queue,), nprocs=1, start_method="spawn")
+    spawned = queue.get()
+    assert spawned["TETHER_TEST_CHANGED"] == "after" and "TETHER_TEST_GONE" not in spawned
+    tether.start_processes(report_environment, args=(queue,), nprocs=2, preload=preload)
+    assert [queue.get(), queue.get()] == [spawned, spawned]
+
+
 def test_a_module_that_fails_to_preload_is_a_warning(own_zygote):
     preload = own_zygote(("json", "tether_no_such_module"))
     with pytest.warns(RuntimeWarning, match="cannot preload module 'tether_no_such_module'"):

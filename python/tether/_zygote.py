@@ -112,14 +112,24 @@ def _run_job(job: _native.Job) -> NoReturn:
     code = 1
     try:
         report_fd = job.take_report_fd()
-        os.environb.clear()
-        os.environb.update(dict(job.env))
+        _take_environment(dict(job.env))
         _child.reset_after_fork()
         _reseed()
         _, prep, work = _child.split_payload(job.take_payload())
         code = _child.run_payload(prep, work, job.rank, report_fd, job.error)
     finally:
         _child.exit_forked(code)
+
+
+def _take_environment(env: Dict[bytes, bytes]) -> None:
+    """Makes this process's environment ``env``, touching only the variables that differ
+    (each change is a libc call that scans the whole environment)."""
+    current = os.environb
+    for name in [name for name in current if name not in env]:
+        del current[name]
+    for name, value in env.items():
+        if current.get(name) != value:
+            current[name] = value
 
 
 #: The seed torch gives its default generator in a new process, in builds that do not
