@@ -151,6 +151,7 @@ def test_join_timeouts_as_torch_treats_them(method):
     start = time.monotonic()
     assert ctx.join(-0.1) is False
     assert ctx.join(0) is False
+    assert ctx.join(False) is False  # a bool is a number of seconds, as for torch
     assert time.monotonic() - start < 0.5
     assert all(p.is_alive() for p in ctx.processes), "a negative timeout stopped the children"
     assert ctx.join(1e300) is True

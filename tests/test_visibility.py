@@ -68,6 +68,21 @@ def test_ranks_say_their_rank_and_function(running, method):
         assert comm(pid) == f"tether:r{rank}:wait_for_release"[:15]
 
 
+def nap(i, seconds):
+    time.sleep(seconds)
+
+
+def test_a_spawn_rank_is_named_while_its_interpreter_starts():
+    ctx = tether.start_processes(nap, args=(1.0,), nprocs=1, join=False, start_method="spawn")
+    try:
+        (pid,) = ctx.pids()
+        # Renamed by the child once it runs, or still the interpreter's command line, which
+        # carries the name too.
+        assert f"tether rank 0: nap [spawn, parent {os.getpid()}]" in cmdline(pid)
+    finally:
+        ctx.join()
+
+
 def test_the_zygote_and_its_blanks_say_what_they_are(running):
     running("forkserver")
     zygote = _zygote.get()

@@ -16,7 +16,7 @@ from .errors import (
     ProcessRaisedException,
     ProcessTimeoutError,
 )
-from .spawn import ProcessContext, spawn, start_processes
+from .spawn import ProcessContext, SpawnContext, spawn, start_processes
 
 __version__ = _native.__version__
 
@@ -54,6 +54,7 @@ __all__ = [
     "ProcessRaisedException",
     "ProcessTimeoutError",
     "RemoteError",
+    "SpawnContext",
     "WorkerCrashedError",
     "__version__",
     "set_preload",

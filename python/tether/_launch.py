@@ -148,7 +148,7 @@ def start(
     work = _dumps((fn, tuple(args)), popen)
     passed = list(dict.fromkeys([*popen.fds, *keep_fds]))
     if method == "spawn":
-        return _start_spawn(prep, work, ranks, passed)
+        return _start_spawn(prep, work, ranks, passed, title[0])
     from . import _zygote
 
     group = _native.Group()
@@ -176,11 +176,23 @@ def _is_open(fd: int) -> bool:
 
 
 def _start_spawn(
-    prep: bytes, work: bytes, ranks: Sequence[int], passed: Sequence[int]
+    prep: bytes, work: bytes, ranks: Sequence[int], passed: Sequence[int], title: str
 ) -> _native.Group:
     argv = python_argv("from tether._child import main; main()")
     group = _native.Group()
-    group.launch([(argv, [], passed, _child.make_payload(i, prep, work)) for i in ranks])
+    # The title also rides as the last argument, so that ``ps`` names the rank while its
+    # interpreter starts (the child renames itself once it runs; it ignores the argument).
+    group.launch(
+        [
+            (
+                [*argv, os.fsencode(title.format(rank=i))],
+                [],
+                passed,
+                _child.make_payload(i, prep, work),
+            )
+            for i in ranks
+        ]
+    )
     return group
 
 

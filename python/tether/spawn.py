@@ -37,6 +37,7 @@ __all__ = [
     "ProcessExitedException",
     "ProcessRaisedException",
     "ProcessTimeoutError",
+    "SpawnContext",
     "spawn",
     "start_processes",
 ]
@@ -105,7 +106,7 @@ def _seconds(value: Any, name: str) -> Optional[float]:
     non-numbers are errors; a negative one means "do not wait", a huge one "for ever")."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not isinstance(value, numbers.Real):  # a bool is 0 or 1 second, as for torch
         raise TypeError(f"{name} must be a number of seconds or None, not {type(value).__name__}")
     try:
         seconds = float(value)
@@ -345,6 +346,10 @@ def start_processes(
     while not context.join():
         pass
     return None
+
+
+#: torch's older name for the same object (``torch.multiprocessing.SpawnContext``).
+SpawnContext = ProcessContext
 
 
 def spawn(
