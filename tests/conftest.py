@@ -21,6 +21,7 @@ import multiprocessing
 import multiprocessing.process
 import os
 import re
+import signal
 import tempfile
 import time
 import uuid
@@ -124,6 +125,13 @@ def alive(pid: int) -> bool:
         return _stat(pid)[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def sigint_as_at_a_terminal() -> None:
+    """``preexec_fn`` of a child that a test interrupts as Ctrl-C would: SIGINT at its
+    default, as under a terminal, even when this run inherited it ignored (as a background
+    job of a non-interactive shell does, e.g. ``make test &`` in a script)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_gone(pids: List[int], limit: float) -> List[int]:

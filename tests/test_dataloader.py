@@ -17,6 +17,7 @@ import pool_helpers as helpers
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.data._utils import signal_handling
 
 import tether
 from conftest import child_pids, session_pids, shm_entries
@@ -289,6 +290,10 @@ def test_terminate_of_a_pool_process_kills_only_its_worker():
         it = iter(loader(pool, helpers.Squares(8, sleep=0.2), batch_size=1))
         victim = it._workers[0]
         pid = victim.pid
+        # As torch does before it stops its own workers: its SIGCHLD handler would otherwise
+        # report the death it sees (when it sees it before tether's supervisor reaps it).
+        signal_handling._remove_worker_pids(id(it))
+        it._worker_pids_set = False
         victim.terminate()
         victim.join(5)
         # torch's worker SIGTERM handler exits 0 when its parent sends the signal.

@@ -26,7 +26,7 @@ import pool_helpers as helpers
 import pytest
 
 import tether
-from conftest import wait_gone
+from conftest import sigint_as_at_a_terminal, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -454,6 +454,7 @@ def test_ctrl_c_interrupts_a_wait_for_a_result():
         stdout=subprocess.PIPE,
         text=True,
         env=dict(os.environ, PYTHONPATH=HERE),
+        preexec_fn=sigint_as_at_a_terminal,
     )
     try:
         assert proc.stdout.readline().strip() == "waiting"

@@ -13,7 +13,7 @@ from typing import List
 
 import pytest
 
-from conftest import wait_gone
+from conftest import sigint_as_at_a_terminal, wait_gone
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -27,6 +27,7 @@ def start_script(name: str, *args: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=sigint_as_at_a_terminal,
     )
 
 

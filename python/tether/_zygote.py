@@ -219,11 +219,13 @@ class Zygote:
         return None if process is None or process.exit() is not None else process.pid
 
     def pids(self) -> List[int]:
-        """The zygote's pid and those of its blank children, while it runs."""
+        """The zygote's pid while it runs, and those of its blank children until they are
+        reaped (those of a zygote that died exit as soon as they notice)."""
         process = self._process
-        if process is None or process.exit() is not None:
+        if process is None:
             return []
-        return [process.pid, *process.blanks()]
+        alive = [process.pid] if process.exit() is None else []
+        return [*alive, *process.blanks()]
 
     def start(self, reserve: int = 0) -> None:
         """Starts the zygote process if it is not running, with ``reserve`` children forked

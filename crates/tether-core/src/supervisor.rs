@@ -14,7 +14,7 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustix::buffer::spare_capacity;
 use rustix::event::{epoll, eventfd, EventfdFlags};
@@ -97,6 +97,30 @@ impl Reserve {
             .collect();
         pids.sort_unstable();
         pids
+    }
+
+    /// Kills every blank child still waiting (its zygote is gone, or closing) and waits up
+    /// to `limit` for the supervisor to reap them; returns whether none is left.
+    pub fn stop_all(&self, limit: Duration) -> bool {
+        {
+            let blanks = self.blanks();
+            // Not reaped while the lock is held (see `on_blank_exit`): the pids are theirs.
+            for (&pid, blank) in blanks.iter() {
+                if matches!(blank, Blank::Waiting { .. }) {
+                    signal_tree(pid, libc::SIGKILL);
+                }
+            }
+        }
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.pids().is_empty() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Has the supervisor read `notices` (the zygote's announcements of blank children) as

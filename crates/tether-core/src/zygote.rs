@@ -1252,6 +1252,8 @@ impl Zygote {
         self.vanished =
             why == "went away" && self.process.wait(None, WaitFor::AllExited, one_second);
         self.process.terminate(libc::SIGKILL, Duration::ZERO);
+        // Its blanks would only exit once they noticed: nothing of it is left running.
+        self.reserve.stop_all(Duration::from_secs(1));
         let mut message = format!("the tether zygote (pid {pid}) {why}");
         if let (true, Some(exit)) = (self.vanished, self.exit()) {
             message = format!("the tether zygote (pid {pid}) died with {}", exit.status);
@@ -1279,6 +1281,8 @@ impl Zygote {
         if !self.process.wait(None, WaitFor::AllExited, Some(grace)) {
             self.process.terminate(libc::SIGKILL, Duration::ZERO);
         }
+        // Idle, they exit at the end of their channels; none is left once this returns.
+        self.reserve.stop_all(grace.max(Duration::from_secs(1)));
         self.broken
             .get_or_insert_with(|| "the tether zygote was closed".into());
     }
