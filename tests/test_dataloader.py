@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data._utils import signal_handling
 
 import tether
-from conftest import child_pids, session_pids, shm_entries
+from conftest import child_pids, session_pids, shm_entries, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -303,3 +303,17 @@ def test_terminate_of_a_pool_process_kills_only_its_worker():
         assert pid not in pool.pids()
         gc.collect()
         assert len(list(loader(pool, helpers.Squares(8), batch_size=4))) == 2
+
+
+def test_a_context_keeps_its_pool_alive():
+    pool = tether.Pool(2)
+    context, pids = pool.context(), pool.pids()
+    del pool  # only the context is kept, as a DataLoader keeps it
+    gc.collect()
+    loaded = DataLoader(
+        helpers.Squares(8), batch_size=4, num_workers=2, multiprocessing_context=context
+    )
+    assert len(list(loaded)) == 2
+    del loaded, context
+    gc.collect()
+    assert wait_gone(pids, 5.0) == [], "the pool outlived its last context"

@@ -240,8 +240,10 @@ class PoolContext(multiprocessing.context.BaseContext):
 
     _name = "tether-pool"
 
-    def __init__(self, leaser: Leaser) -> None:
+    def __init__(self, leaser: Leaser, pool: object = None) -> None:
         self._leaser = leaser
+        #: What must live as long as the context: the ``tether.Pool`` it came from.
+        self._pool = pool
 
     def Process(  # noqa: N802 (multiprocessing's name)
         self,

@@ -956,7 +956,9 @@ class Pool(concurrent.futures.Executor):
         )
         _live.add(self._core)
         self._finalizer = weakref.finalize(self, self._core.shutdown, False, False)
-        self._context: Optional[PoolContext] = None
+        # The context keeps the pool alive (a DataLoader may hold only the context); the
+        # pool refers to it weakly, so that dropping the pool alone still closes it at once.
+        self._context: Optional["weakref.ReferenceType[PoolContext]"] = None
 
     @property
     def processes(self) -> int:
@@ -975,9 +977,11 @@ class Pool(concurrent.futures.Executor):
         """A ``multiprocessing`` context whose ``Process`` runs in a leased pool worker and
         whose ``Queue`` and ``Event`` are tether channels: pass it as a DataLoader's
         ``multiprocessing_context``."""
-        if self._context is None:
-            self._context = PoolContext(self._core)
-        return self._context
+        context = None if self._context is None else self._context()
+        if context is None:
+            context = PoolContext(self._core, pool=self)
+            self._context = weakref.ref(context)
+        return context
 
     def pids(self) -> List[int]:
         """The pids of the current workers (a replaced worker has a new pid)."""
