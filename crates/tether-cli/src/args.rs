@@ -68,7 +68,11 @@ pub enum Command {
         before_help = RUN_EXAMPLES,
         after_help = RUN_AFTER,
         help_template = RUN_TEMPLATE,
-        next_line_help = true
+        next_line_help = true,
+        // As torchrun's argparse: an unambiguous prefix names an option (`--nproc_per`),
+        // and an option given twice takes its last value.
+        infer_long_args = true,
+        args_override_self = true
     )]
     Run(Box<RunArgs>),
 }
@@ -132,7 +136,8 @@ pub struct NodeArgs {
         hide_env = true
     )]
     pub node_rank: Option<usize>,
-    /// Address of node rank 0 (MASTER_ADDR) [default: 127.0.0.1, or SLURM's first host].
+    /// Address of node rank 0 (MASTER_ADDR) [default: localhost on one node, else 127.0.0.1;
+    /// under SLURM its first host].
     #[arg(
         long = "master-addr",
         visible_alias = "master_addr",
@@ -151,7 +156,7 @@ pub struct NodeArgs {
         hide_env = true
     )]
     pub master_port: Option<u16>,
-    /// One node, master 127.0.0.1 on a free port.
+    /// One node, master localhost on a free port.
     #[arg(long, env = "PET_STANDALONE", hide_env = true)]
     pub standalone: bool,
 }
@@ -318,12 +323,25 @@ pub struct StopArgs {
         hide_env = true
     )]
     pub max_restarts: u32,
-    /// Seconds between the stop signal and SIGKILL when stopping ranks.
-    #[arg(long = "grace-period",
-          visible_aliases = ["grace_period", "shutdown-timeout", "shutdown_timeout"],
-          value_name = "SECONDS", default_value_t = 30.0, allow_negative_numbers = true,
-          env = "PET_SHUTDOWN_TIMEOUT", hide_env = true)]
-    pub grace_period: f64,
+    /// Seconds between the stop signal and SIGKILL when stopping ranks (default 30).
+    #[arg(
+        long = "grace-period",
+        visible_alias = "grace_period",
+        value_name = "SECONDS",
+        allow_negative_numbers = true
+    )]
+    pub grace_period: Option<f64>,
+    /// torchrun's name of --grace-period.
+    #[arg(
+        long = "shutdown-timeout",
+        visible_alias = "shutdown_timeout",
+        value_name = "SECONDS",
+        allow_negative_numbers = true,
+        conflicts_with = "grace_period",
+        env = "PET_SHUTDOWN_TIMEOUT",
+        hide_env = true
+    )]
+    pub shutdown_timeout: Option<f64>,
     /// Signals that stop the run, forwarded to every rank; SIGINT, SIGTERM and SIGHUP always
     /// are.
     #[arg(
@@ -434,7 +452,7 @@ fn command(hosted: &[(String, String)]) -> clap::Command {
 /// clap errors, to be printed and exited with.
 pub fn parse(argv: Vec<OsString>, hosted: &[(String, String)]) -> Result<Parsed, clap::Error> {
     let mut cmd = command(hosted);
-    let matches = cmd.try_get_matches_from_mut(normalize_tee(argv))?;
+    let matches = cmd.try_get_matches_from_mut(normalize(argv))?;
     if let Some((name, _)) = matches.subcommand() {
         if hosted.iter().any(|(n, _)| n == name) {
             return Ok(Parsed::Hosted(name.to_string()));
@@ -464,28 +482,44 @@ fn looks_like_streams(token: &str) -> bool {
             .all(|b| b.is_ascii_digit() || b == b':' || b == b',')
 }
 
-/// Whether `token` names an option of `run` that takes a value (`--nnodes`, `-n`).
-fn takes_value(run: &clap::Command, token: &str) -> bool {
-    let (long, short) = match token.strip_prefix("--") {
-        Some(long) => (Some(long), None),
-        None => (None, token.strip_prefix('-').and_then(|s| s.chars().next())),
+/// The option of `run` that `--name` names: exactly, or by an unambiguous prefix.
+fn long_option<'a>(run: &'a clap::Command, name: &str) -> Option<&'a clap::Arg> {
+    let names = |a: &'a clap::Arg| {
+        a.get_long()
+            .into_iter()
+            .chain(a.get_all_aliases().unwrap_or_default())
     };
-    run.get_arguments().any(|a| {
-        let named = match (long, short) {
-            (Some(l), _) => {
-                a.get_long() == Some(l) || a.get_all_aliases().is_some_and(|al| al.contains(&l))
-            }
-            (None, Some(s)) => token.len() == 2 && a.get_short() == Some(s),
-            _ => false,
-        };
-        named && a.get_action().takes_values()
-    })
+    if let Some(exact) = run.get_arguments().find(|a| names(a).any(|n| n == name)) {
+        return Some(exact);
+    }
+    let mut found = run
+        .get_arguments()
+        .filter(|a| names(a).any(|n| n.starts_with(name)));
+    match (found.next(), found.next()) {
+        (Some(only), None) => Some(only),
+        _ => None,
+    }
 }
 
-/// `--tee` takes an optional value: `--tee train.py` means `--tee=3 train.py`, while
-/// `--tee 9` is a (bad) value. Only the launcher's own options are looked at (up to the
-/// script or `--`).
-fn normalize_tee(argv: Vec<OsString>) -> Vec<OsString> {
+/// Whether `token` names an option of `run` that takes a value (`--nnodes`, `-n`).
+fn takes_value(run: &clap::Command, token: &str) -> bool {
+    let arg = match token.strip_prefix("--") {
+        Some(long) => long_option(run, long),
+        None => {
+            let short = token.strip_prefix('-').and_then(|s| s.chars().next());
+            run.get_arguments()
+                .find(|a| token.len() == 2 && short.is_some() && a.get_short() == short)
+        }
+    };
+    arg.is_some_and(|a| a.get_action().takes_values())
+}
+
+/// Two rules of torchrun's parser that clap does not have. `--tee` takes an optional value:
+/// `--tee train.py` means `--tee=3 train.py`, while `--tee 9` is a (bad) value. A `--`
+/// right after the script is dropped (`train.py -- --lr 1` gives the script `--lr 1`),
+/// unless a `--` came before the script. Only the launcher's own options are looked at
+/// (up to the script or `--`).
+fn normalize(argv: Vec<OsString>) -> Vec<OsString> {
     let cmd = Cli::command();
     let Some(run) = cmd.find_subcommand("run") else {
         return argv;
@@ -501,7 +535,13 @@ fn normalize_tee(argv: Vec<OsString>) -> Vec<OsString> {
             in_run = text == "run";
             continue;
         }
-        if text == "--" || !text.starts_with('-') || text == "-" {
+        if text == "--" {
+            break;
+        }
+        if !text.starts_with('-') || text == "-" {
+            if iter.peek().is_some_and(|next| next == "--") {
+                iter.next();
+            }
             break;
         }
         if text == "--tee" || text == "-t" {
@@ -566,6 +606,33 @@ mod tests {
         assert!(run.program.module && run.output.tee.as_deref() == Some("3"));
         let run = parse_run(&["x", "--tee", "1"]).unwrap();
         assert_eq!(run.command, ["x", "--tee", "1"]);
+    }
+
+    #[test]
+    fn options_by_unambiguous_prefix_and_the_last_value_wins() {
+        let run = parse_run(&["--standal", "--nproc_per=2", "--max_restart", "1", "x"]).unwrap();
+        assert!(run.nodes.standalone);
+        assert_eq!(run.nodes.nproc_per_node.as_deref(), Some("2"));
+        assert_eq!(run.stopping.max_restarts, 1);
+        let run = parse_run(&["--nproc-per-node=1", "--nproc_per_node=2", "x"]).unwrap();
+        assert_eq!(run.nodes.nproc_per_node.as_deref(), Some("2"));
+        assert!(parse_run(&["--rdzv", "c10d", "x"]).is_err(), "ambiguous");
+        // The tee rule sees through a prefix too: `--nproc_per 2` takes its value.
+        let run = parse_run(&["--nproc_per", "2", "--tee", "x"]).unwrap();
+        assert_eq!(run.output.tee.as_deref(), Some("3"));
+        assert_eq!(run.command, ["x"]);
+    }
+
+    #[test]
+    fn a_double_dash_right_after_the_script_is_dropped() {
+        let run = parse_run(&["x.py", "--", "--help", "-h"]).unwrap();
+        assert_eq!(run.command, ["x.py", "--help", "-h"]);
+        let run = parse_run(&["x.py", "a", "--", "b"]).unwrap();
+        assert_eq!(run.command, ["x.py", "a", "--", "b"]);
+        let run = parse_run(&["--", "x.py", "--", "b"]).unwrap();
+        assert_eq!(run.command, ["x.py", "--", "b"]);
+        let run = parse_run(&["-n", "1", "--", "-m", "pkg", "a"]).unwrap();
+        assert_eq!(run.command, ["-m", "pkg", "a"]);
     }
 
     #[test]

@@ -17,6 +17,10 @@ pub const DEFAULT_PREFIX: &str = "[rank ${rank}]: ";
 const C10D_PORT: u16 = 29400;
 /// torchrun's default MASTER_PORT for several nodes.
 const MASTER_PORT: u16 = 29500;
+/// MASTER_ADDR on one node when none is given, as torchrun gives it.
+const LOCAL_MASTER: &str = "localhost";
+/// Seconds between the stop signal and SIGKILL when no --grace-period is given.
+const DEFAULT_GRACE_SECONDS: f64 = 30.0;
 
 /// Which of a rank's two streams something applies to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -140,6 +144,8 @@ pub struct Config {
     pub virtual_devices: Option<VirtualDevices>,
     /// Signals that stop the run (forwarded to the ranks).
     pub stop_signals: Vec<i32>,
+    /// `--signals-to-handle` as given (the ranks' TORCHELASTIC_SIGNALS_TO_HANDLE).
+    pub signals_to_handle: String,
     /// `--timeout`: the run's time limit.
     pub timeout: Option<Duration>,
     /// `--stall-timeout`: the longest time without output from any rank.
@@ -211,10 +217,14 @@ pub fn resolve(args: RunArgs, ctx: &Context) -> Result<Config, clap::Error> {
             stop.max_restarts
         )));
     }
-    if !(stop.grace_period.is_finite() && stop.grace_period >= 0.0) {
+    let (grace, grace_option) = match (stop.grace_period, stop.shutdown_timeout) {
+        (Some(seconds), _) => (seconds, "--grace-period"),
+        (None, Some(seconds)) => (seconds, "--shutdown-timeout"),
+        (None, None) => (DEFAULT_GRACE_SECONDS, "--grace-period"),
+    };
+    if !(grace.is_finite() && grace >= 0.0) {
         return Err(invalid(format!(
-            "invalid --grace-period {}: expected seconds >= 0",
-            stop.grace_period
+            "invalid {grace_option} {grace}: expected seconds >= 0"
         )));
     }
     let stop_signals = stop_signals(&stop.signals)?;
@@ -232,12 +242,13 @@ pub fn resolve(args: RunArgs, ctx: &Context) -> Result<Config, clap::Error> {
         master_addr,
         master_port,
         max_restarts: stop.max_restarts,
-        grace: Duration::from_secs_f64(stop.grace_period),
+        grace: Duration::from_secs_f64(grace),
         output: output(&args.output, ctx)?,
         run_id: run_id(args.rdzv.id.as_deref(), &slurm)?,
         role: args.program.role.clone(),
         virtual_devices: virtual_devices(args.program.virtual_local_rank, nproc, ctx)?,
         stop_signals,
+        signals_to_handle: stop.signals.clone(),
         timeout: limit("--timeout", stop.timeout)?,
         stall_timeout: limit("--stall-timeout", stop.stall_timeout)?,
         command: program(&args.program, &args.command, &ctx.python)?,
@@ -476,7 +487,7 @@ fn master(
     let nodes = &args.nodes;
     if nodes.standalone {
         return Ok((
-            "127.0.0.1".into(),
+            LOCAL_MASTER.into(),
             port_or_free(nodes.master_port, "--standalone")?,
         ));
     }
@@ -493,7 +504,10 @@ fn master(
         .master_addr
         .clone()
         .or(slurm.first_host.clone())
-        .unwrap_or_else(|| "127.0.0.1".into());
+        .unwrap_or_else(|| match nnodes {
+            1 => LOCAL_MASTER.into(),
+            _ => "127.0.0.1".into(),
+        });
     Ok((addr, port_or_free(nodes.master_port, "--master-port")?))
 }
 
@@ -698,7 +712,8 @@ fn program(
     let mut argv: Vec<OsString> = vec![python.to_owned(), "-u".into()];
     if args.module && !args.run_path {
         argv.push("-m".into());
-    } else if !Path::new(target).exists() {
+    } else if !target.to_string_lossy().starts_with('-') && !Path::new(target).exists() {
+        // (A target such as `-m` after `--` goes to python as it is, as with torchrun.)
         return Err(invalid(format!(
             "cannot find the script {target:?}: tether run runs SCRIPT with `{} -u SCRIPT`, as \
              torchrun does; to run a command as it is, put --no-python before it (tether run \
@@ -806,8 +821,16 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((c.master_addr.as_str(), c.master_port), ("::1", 29400));
-        let one = args(&["--no-python", "x"]).unwrap();
-        assert!(one.master_port != 0 && one.master_addr == "127.0.0.1");
+        // One node with no address given: torchrun's "localhost".
+        for form in [
+            &["--no-python", "x"][..],
+            &["--standalone", "--no-python", "x"],
+        ] {
+            let one = args(form).unwrap();
+            assert!(one.master_port != 0 && one.master_addr == "localhost");
+        }
+        let err = args(&["--shutdown-timeout=-1", "--no-python", "x"]).unwrap_err();
+        assert!(err.to_string().contains("--shutdown-timeout"), "{err}");
     }
 
     #[test]

@@ -41,6 +41,10 @@ pub fn rank_env(
         ("TORCHELASTIC_RESTART_COUNT", restart.to_string()),
         ("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string()),
         ("TORCHELASTIC_RUN_ID", cfg.run_id.clone()),
+        (
+            "TORCHELASTIC_SIGNALS_TO_HANDLE",
+            cfg.signals_to_handle.clone(),
+        ),
         // Rank 0 hosts the store (there is no agent's store to join).
         ("TORCHELASTIC_USE_AGENT_STORE", "False".to_string()),
     ];

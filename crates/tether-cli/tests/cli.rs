@@ -56,11 +56,15 @@ fn every_rank_gets_torchruns_environment() {
             ("ROLE_RANK", &r),
             ("ROLE_WORLD_SIZE", "3"),
             ("ROLE_NAME", "default"),
-            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_ADDR", "localhost"),
             ("MASTER_PORT", "1234"),
             ("TORCHELASTIC_RESTART_COUNT", "0"),
             ("TORCHELASTIC_MAX_RESTARTS", "0"),
             ("TORCHELASTIC_RUN_ID", &run_id),
+            (
+                "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+            ),
             ("OMP_NUM_THREADS", "1"),
             ("ERRDIR", "ok"),
         ] {

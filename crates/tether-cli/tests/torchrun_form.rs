@@ -74,7 +74,7 @@ fn a_script_runs_as_python_dash_u_script() {
         );
         assert_eq!(v["name"], "__main__");
         assert_eq!(v["unbuffered"], "True");
-        assert_eq!(v["MASTER_ADDR"], "127.0.0.1");
+        assert_eq!(v["MASTER_ADDR"], "localhost");
     }
 }
 
@@ -319,7 +319,9 @@ fn bad_option_values_are_errors_that_name_the_option() {
         (&["--monitor-interval", "soon"], "--monitor-interval"),
         (&["--local-ranks-filter", "0,x"], "--local-ranks-filter"),
         (&["--signals-to-handle", "SIGNOPE"], "--signals-to-handle"),
-        (&["--shutdown-timeout", "-3"], "--grace-period"),
+        (&["--shutdown-timeout", "-3"], "--shutdown-timeout"),
+        (&["--shutdown_timeout", "soon"], "--shutdown-timeout"),
+        (&["--grace-period", "-3"], "--grace-period"),
         (&["--numa-binding", "everywhere"], "--numa-binding"),
     ] {
         let argv = [&["run"][..], args, &["--no-python", "touch", marker]].concat();
