@@ -161,6 +161,25 @@ def test_success_non_blocking(method):
     assert ctx.join(timeout=None) is True
 
 
+def exit_after(i, delays):
+    time.sleep(delays[i])
+
+
+def test_sentinels_and_process_attributes_as_torch_and_multiprocessing_have_them(method):
+    ctx = start(exit_after, args=((0.0, 30.0),), join=False, method=method)
+    first, second = ctx.processes
+    assert second.ident == second.pid
+    first.join(30)
+    assert ctx.sentinels == {second.sentinel: 1}, "a finished rank is no longer waited on"
+    with pytest.raises(ValueError):
+        second.close()
+    second.kill()
+    with pytest.raises(tether.ProcessExitedException):
+        ctx.join(30)
+    assert ctx.sentinels == {}
+    first.close()
+
+
 def test_first_argument_index(method):
     queue = multiprocessing.get_context("spawn").SimpleQueue()
     start(put_index, args=(queue,), method=method)

@@ -81,11 +81,21 @@ class Process:
         """An fd that becomes readable when the process ends (its pidfd)."""
         return self._group.sentinel(self._index)
 
+    @property
+    def ident(self) -> int:
+        return self.pid
+
     def is_alive(self) -> bool:
         return self.status is None
 
     def join(self, timeout: Optional[float] = None) -> None:
         self._group.wait([self._index], "all", _seconds(timeout, "timeout"))
+
+    def close(self) -> None:
+        """As ``multiprocessing.Process.close``: an error while the process runs (its pidfd
+        and report are released with its context)."""
+        if self.is_alive():
+            raise ValueError("Cannot close a process while it is still running.")
 
     def terminate(self) -> None:
         """SIGTERM to the process and its process group."""
@@ -150,6 +160,11 @@ class ProcessContext:
 
     def pids(self) -> List[int]:
         return [p.pid for p in self.processes]
+
+    @property
+    def sentinels(self) -> Dict[int, int]:
+        """``{sentinel fd: rank}`` of the processes still running, as torch keeps it."""
+        return {p.sentinel: i for i, p in enumerate(self.processes) if p.is_alive()}
 
     def stacks(
         self, timeout: float = _stacks.DEFAULT_TIMEOUT, native: bool = False
