@@ -21,14 +21,30 @@ SCRIPTS = Path(__file__).parent / "scripts"
 METHODS = ["forkserver", "spawn", "fork"]
 
 
+_started: List[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_scripts():
+    """A script a failed test left running is killed (its tether children die with it)."""
+    yield
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
 def start_script(name: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, str(SCRIPTS / name), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=sigint_as_at_a_terminal,
     )
+    _started.append(proc)
+    return proc
 
 
 def read_pids(proc: subprocess.Popen) -> List[int]:
