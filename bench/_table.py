@@ -27,6 +27,24 @@ def print_table(
         print(label.ljust(label_width), *(c.rjust(w) for c, w in zip(cells, widths)), sep="  ")
 
 
+def print_versus(
+    title: str,
+    unit: str,
+    rows: Dict[str, float],
+    lower_is_better: bool,
+    ours: str = "tether.Pool",
+    digits: int = 1,
+) -> None:
+    """One line per contender: its figure, and how many times better ``ours`` is."""
+    reference = rows[ours]
+    label = max(len(name) for name in rows)
+    print(f"\n{title}")
+    print(f"  {'':{label}} {unit:>14} {'tether is':>12}")
+    for name, value in rows.items():
+        times = value / reference if lower_is_better else reference / value
+        print(f"  {name:{label}} {value:14.{digits}f} {times:10.1f}x")
+
+
 def fmt_seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 

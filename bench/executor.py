@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List
 
+from _table import print_versus
+
 import tether
 
 
@@ -81,15 +83,6 @@ def measure(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def table(title: str, unit: str, rows: Dict[str, float], lower_is_better: bool) -> None:
-    ours = rows["tether.Pool"]
-    print(f"\n{title}")
-    print(f"  {'':28} {unit:>14} {'tether is':>12}")
-    for name, value in rows.items():
-        ratio = value / ours if lower_is_better else ours / value
-        print(f"  {name:28} {value:14.1f} {ratio:10.1f}x")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
@@ -107,17 +100,19 @@ def main() -> None:
     }
     print(f"{os.cpu_count()} CPUs, 2 workers each, medians of {args.reps} runs")
     idle = measure(makers, args.reps, lambda e: round_trip(e, args.calls))
-    table("Round trip, machine otherwise idle", "us", {k: v * 1e6 for k, v in idle.items()}, True)
+    print_versus(
+        "Round trip, machine otherwise idle", "us", {k: v * 1e6 for k, v in idle.items()}, True
+    )
     with busy_cores():
         busy = measure(makers, args.reps, lambda e: round_trip(e, max(200, args.calls // 10)))
-    table(
+    print_versus(
         "Round trip, a busy-looping process on every core",
         "us",
         {k: v * 1e6 for k, v in busy.items()},
         True,
     )
     rates = measure(makers, args.reps, lambda e: map_rate(e, args.items))
-    table(f"map(noop, range({args.items}), chunksize=1)", "tasks/s", rates, False)
+    print_versus(f"map(noop, range({args.items}), chunksize=1)", "tasks/s", rates, False)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
+from _table import print_versus
 from torch.utils.data import DataLoader, Dataset
 
 import tether
@@ -88,15 +89,6 @@ def interleaved(contenders: Dict[str, Callable[[], float]], reps: int) -> Dict[s
     return {name: statistics.median(values) for name, values in samples.items() if values}
 
 
-def table(title: str, unit: str, rows: Dict[str, float], lower_is_better: bool) -> None:
-    ours = rows["tether.Pool"]
-    print(f"\n{title}")
-    print(f"  {'':34} {unit:>12} {'tether is':>12}")
-    for name, value in rows.items():
-        ratio = value / ours if lower_is_better else ours / value
-        print(f"  {name:34} {value:12.3f} {ratio:10.1f}x")
-
-
 @contextlib.contextmanager
 def seed_context() -> Iterator[Optional[object]]:
     """The seed's reusable pool context, when the seeds are there."""
@@ -149,13 +141,14 @@ def main() -> None:
             )
         firsts["tether.Pool"] = lambda: first_batch(multiprocessing_context=ctx) * 1000
         first = interleaved(firsts, max(args.reps, 5))
-    table(
+    print_versus(
         "20 DataLoaders (64 items, batch 16, 2 workers), one after the other",
         "seconds",
         scenario,
         True,
+        digits=3,
     )
-    table("Time to the first batch of a new loader", "ms", first, True)
+    print_versus("Time to the first batch of a new loader", "ms", first, True)
     rates = interleaved(
         {
             "torch fork": lambda: throughput(args.batches, multiprocessing_context="fork"),
@@ -163,7 +156,9 @@ def main() -> None:
         },
         max(args.reps, 5),
     )
-    table("Steady state: batches of 32 x 3x224x224 float32, 2 workers", "batches/s", rates, False)
+    print_versus(
+        "Steady state: batches of 32 x 3x224x224 float32, 2 workers", "batches/s", rates, False
+    )
     pool.shutdown()
 
 
