@@ -104,6 +104,30 @@ def test_a_stopped_rank_is_named_unresponsive_and_holds_up_no_one() -> None:
         kill_all(ctx)
 
 
+def start_and_end_threads(i: int, limit: float) -> None:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        thread = threading.Thread(target=time.sleep, args=(0,))
+        thread.start()
+        thread.join()
+
+
+def test_asking_a_rank_that_starts_and_ends_threads_never_crashes_it() -> None:
+    # faulthandler's dump from a signal handler reads the other threads without a lock,
+    # which crashes a process that is starting or ending a thread at that moment; a rank
+    # whose interpreter can answer answers from its main thread instead.
+    ctx = tether.start_processes(
+        start_and_end_threads, args=(60.0,), nprocs=2, join=False, start_method="forkserver"
+    )
+    try:
+        for _ in range(400):
+            stacks = ctx.stacks(timeout=5)
+            assert all(p.is_alive() for p in ctx.processes), stacks
+        assert all("in start_and_end_threads" in text for text in stacks.values()), stacks
+    finally:
+        kill_all(ctx)
+
+
 def exit_at_once_or_sleep(i: int) -> None:
     if i == 1:
         stuck.stuck_here("sleep")

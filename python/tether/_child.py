@@ -110,10 +110,11 @@ def set_title(title: Optional[Title], rank: int) -> None:
 
 
 def install_stacks(fd: Optional[int]) -> None:
-    """Makes this process answer its parent's requests for its stacks: ``faulthandler``
-    dumps every thread to ``fd`` (the parent's stacks channel, made close-on-exec here) on
-    tether's stack signal. Without it the process only cannot answer: never a reason to
-    fail."""
+    """Makes this process answer its parent's requests for its stacks: every thread's stack
+    goes to ``fd`` (the parent's stacks channel, made close-on-exec here), written by the
+    interpreter in the main thread, or by ``faulthandler`` when the main thread cannot run
+    Python (see ``tether_core::stacks``). Without it the process only cannot answer: never
+    a reason to fail."""
     if fd is None:
         return
     try:

@@ -19,6 +19,7 @@ __all__ = [
     "ZYGOTE_FDS_ENV",
     "cli_main",
     "STACKS_SIGNAL",
+    "STACKS_DUMP_SIGNAL",
     "STACKS_FD_ENV",
     "PY_SPY_ENV",
     "install_stack_handler",
@@ -52,6 +53,7 @@ ANSWER_TIMEOUT: float
 MAX_BLANKS: int
 ZYGOTE_FDS_ENV: str
 STACKS_SIGNAL: int
+STACKS_DUMP_SIGNAL: int
 STACKS_FD_ENV: str
 PY_SPY_ENV: str
 

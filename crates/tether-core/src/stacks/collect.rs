@@ -116,6 +116,7 @@ impl Channel {
                         started: true,
                         ..Dump::default()
                     };
+                    self.arrived.notify_all();
                 }
             }
             Some(Marker::End(id)) => {
@@ -152,6 +153,33 @@ impl Channel {
             if from.dumps.is_empty() {
                 wanted.remove(&pid);
             }
+        }
+    }
+
+    /// Waits until every dump of request `id` from `pids` has begun (or `until`); returns
+    /// the pids whose dump has not.
+    pub(crate) fn wait_started(&self, id: u64, pids: &[i32], until: Instant) -> Vec<i32> {
+        let mut wanted = self.lock();
+        loop {
+            let silent: Vec<i32> = pids
+                .iter()
+                .copied()
+                .filter(|pid| {
+                    wanted
+                        .get(pid)
+                        .and_then(|w| w.dumps.get(&id))
+                        .is_some_and(|d| !d.started && !d.done)
+                })
+                .collect();
+            let now = Instant::now();
+            if silent.is_empty() || now >= until {
+                return silent;
+            }
+            wanted = self
+                .arrived
+                .wait_timeout(wanted, until - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 

@@ -4,11 +4,16 @@
 //! - The request is a real-time signal, [`signal`] (`SIGRTMIN+4`), so that SIGUSR1 and
 //!   SIGUSR2 stay the program's own. It goes out queued through the process's pidfd and
 //!   carries the request's id.
-//! - A child registers `faulthandler` for it on the sending end of its parent's stacks
-//!   channel (the fd named by [`FD_ENV`], or passed another way), which dumps every
-//!   thread from a C signal handler without taking the GIL: it answers while the program
-//!   blocks in a system call or spins in C holding the GIL. [`handler::wrap`] puts a
-//!   handler around it that brackets each dump with markers carrying the request's id.
+//! - A child answers on the sending end of its parent's stacks channel (the fd named by
+//!   [`FD_ENV`], or passed another way), in one of two ways ([`handler`]): its interpreter
+//!   dumps every thread from Python's own handler of the request signal, in the main
+//!   thread, between two bytecodes, which is safe at any moment; or, when that has not
+//!   begun within [`DUMP_AFTER`] (the main thread runs C code, holding the GIL or not), the
+//!   parent sends the dump signal, [`dump_signal`], on which `faulthandler` dumps every
+//!   thread from a C signal handler without taking the GIL: it answers wherever the
+//!   program is, but reads the other threads without a lock, which CPython cannot make
+//!   safe while a thread is being created or ending. Each dump is bracketed with markers
+//!   carrying the request's id.
 //! - The channel is one `SOCK_DGRAM` socket pair per parent process (one fd there, one in
 //!   each child, whatever the number of children). The supervisor thread drains the
 //!   receiving end; the kernel tags each datagram with its sender's pid (`SO_PASSCRED`),
@@ -45,6 +50,15 @@ pub const PY_SPY_ENV: &str = "TETHER_PY_SPY";
 pub fn signal() -> i32 {
     libc::SIGRTMIN() + 4
 }
+
+/// The signal on which `faulthandler` dumps every thread at once: `SIGRTMIN+5`.
+pub fn dump_signal() -> i32 {
+    libc::SIGRTMIN() + 5
+}
+
+/// How long a process may take to begin its answer from its interpreter before the parent
+/// sends the dump signal.
+pub const DUMP_AFTER: Duration = Duration::from_millis(100);
 
 /// The fd number of this process's stacks channel (its sending end, close-on-exec), for a
 /// child this process forks or hands to the zygote.
@@ -193,10 +207,15 @@ fn send(pidfd: BorrowedFd<'_>, signal: i32, id: u64) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Member `index` of `group`: its pid, exit and sentinel (its pidfd).
+fn live(group: &Group, index: usize) -> Option<(i32, Option<crate::group::Exit>, RawFd)> {
+    group.with_member(index, |m| (m.pid, m.exit, m.sentinel()))
+}
+
 /// Asks member `index` of `group`; `None` once asked (the answer will come), else the
 /// reply already known.
 fn ask_one(channel: &Channel, group: &Group, index: usize, id: u64) -> (i32, Option<Reply>) {
-    let found = group.with_member(index, |m| (m.pid, m.exit, m.sentinel()));
+    let found = live(group, index);
     let Some((pid, exit, sentinel)) = found else {
         return (0, Some(Reply::Unreachable(format!("no member {index}"))));
     };
@@ -243,6 +262,22 @@ pub fn ask(members: &[(&Group, usize)], request: &Request) -> Result<Vec<Answer>
         .zip(members)
         .map(|(&(pid, _), &member)| (pid, member))
         .collect();
+    let silent = channel.wait_started(id, &waiting, deadline.min(start + DUMP_AFTER));
+    for pid in silent {
+        let Some(&(group, index)) = by_pid.get(&pid) else {
+            continue;
+        };
+        if catches(pid, dump_signal()) {
+            if let Some((_, None, sentinel)) = live(group, index) {
+                // SAFETY: a live member's sentinel is its pidfd, open as long as the group.
+                let _ = send(
+                    unsafe { BorrowedFd::borrow_raw(sentinel) },
+                    dump_signal(),
+                    id,
+                );
+            }
+        }
+    }
     let mut gone = |pid: i32| by_pid.get(&pid).is_some_and(|(g, i)| g.exit(*i).is_some());
     let mut dumps = channel.collect(id, &waiting, deadline, &mut gone);
     log::info!(
