@@ -41,17 +41,18 @@ fn install_stack_handler(py: Python<'_>, fd: RawFd) -> PyResult<()> {
 }
 
 /// Python's handler of the request signal (in the main thread, with the GIL): writes every
-/// thread's stack, as `faulthandler` writes them, for the request waiting.
+/// thread's stack, as `faulthandler` writes them, for the request waiting. It never raises:
+/// an exception would surface in the program at the line the signal interrupted.
 #[pyfunction]
 #[pyo3(signature = (_signal, _frame))]
-fn answer_request(py: Python<'_>, _signal: i32, _frame: PyObject) -> PyResult<()> {
+fn answer_request(py: Python<'_>, _signal: i32, _frame: PyObject) {
     let id = core_stacks::handler::take_request();
     if id == 0 {
-        return Ok(());
+        return;
     }
-    let text = every_thread(py)?;
+    let text = every_thread(py)
+        .unwrap_or_else(|err| format!("(tether could not read the Python stacks: {err})\n"));
     core_stacks::handler::answer(id, text.as_bytes());
-    Ok(())
 }
 
 /// Most threads, and most frames of one thread, written (as `faulthandler` does).
