@@ -190,9 +190,17 @@ def shm_entries(pids: Set[int]) -> Set[str]:
             owned.add(entry.name)
     for name in names - owned:
         match = _PID_IN_NAME.match(name)
-        if match and (int(match.group(1)) in ours or not os.path.exists(f"/proc/{match[1]}")):
-            owned.add(name)  # named after one of ours, or after a process gone since
+        if not match:
+            continue
+        pid = int(match.group(1))
+        if pid in ours or (pid in _seen and not os.path.exists(f"/proc/{pid}")):
+            owned.add(name)  # named after one of ours, or after one of ours gone since
     return owned
+
+
+#: Every process of this session seen by a check: a name that carries the pid of one that
+#: has exited since is ours; the pid of another program's process that has exited is not.
+_seen: Set[int] = set()
 
 
 def _own_fds() -> Set[str]:
@@ -216,6 +224,7 @@ def _snapshot() -> Dict[str, Set[str]]:
     gc.collect()
     helpers = _helpers()
     pids = session_pids() - helpers
+    _seen.update(pids)
     return {
         "processes": {str(p) for p in pids},
         "fds": _own_fds(),

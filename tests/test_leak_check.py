@@ -4,6 +4,7 @@ own (even an orphan in a new session) is."""
 
 from __future__ import annotations
 
+import _multiprocessing
 import multiprocessing
 import os
 import signal
@@ -72,6 +73,27 @@ def test_another_programs_process_and_semaphore_are_not_ours():
         assert sem not in conftest.shm_entries(ours)
     finally:
         _stop(pid, sem)
+
+
+def test_a_semaphore_named_as_ours_by_another_session_whose_process_ended_is_not_ours():
+    # Another `make test` names its semaphores after its own pid; when that process ends
+    # while ours runs a test, its leftover name must not become our leak. (A process that
+    # has ended stands for it; that its semaphore comes from here changes nothing, since
+    # nothing here holds it open.)
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=30,
+    )
+    name = f"/mp-tether{int(ended.stdout)}-neighbour"
+    _multiprocessing.SemLock(1, 1, 1, name, False)  # closed at once, left in /dev/shm
+    sem = "sem." + name[1:]
+    try:
+        assert sem in os.listdir("/dev/shm")
+        assert sem not in conftest.shm_entries(conftest.session_pids())
+    finally:
+        os.unlink(f"/dev/shm/{sem}")
 
 
 def test_our_own_semaphores_and_children_are_seen():
