@@ -68,8 +68,14 @@ def test_the_script_form_gives_what_torchrun_gives(tmp_path: Path) -> None:
     assert code == 0, err
     ours = results(out)
     assert sorted(ours) == [0, 1] and all(line.startswith("[rank ") for line in out.splitlines())
+    # The reference: torchrun's own run of the same command line. On a busy machine one of
+    # its ranks sometimes aborts inside gloo ("terminate called without an active
+    # exception"), which says nothing about tether: the reference is its first good run.
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    code, out, err = run([torchrun, *args])
+    for _ in range(3):
+        code, out, err = run([torchrun, *args])
+        if code == 0:
+            break
     assert code == 0, err
     assert results(out) == ours
 
