@@ -33,13 +33,18 @@ def frame(kind: str) -> str:
 
 
 def when_stuck(ask: Callable[[], Dict[int, str]], keys: Iterable[int]) -> Dict[int, str]:
-    """Asks until every stack in ``keys`` shows ``stuck_here`` (the ranks need a moment to get
-    there), for at most 30 s; returns the last answer."""
+    """Asks until every stack in ``keys`` shows a thread on one of ``stuck_here``'s marked
+    lines (the ranks need a moment to get there: the "lock" one first waits for its holder
+    thread to start), for at most 30 s; returns the last answer."""
     keys = list(keys)
     end = time.monotonic() + 30
+
+    def stuck_at_a_mark(text: str) -> bool:
+        return any(frame(kind) in text for kind in stuck.KINDS)
+
     while True:
         stacks = ask()
-        if all("in stuck_here" in stacks.get(k, "") for k in keys) or time.monotonic() > end:
+        if all(stuck_at_a_mark(stacks.get(k, "")) for k in keys) or time.monotonic() > end:
             return stacks
         time.sleep(0.05)
 
