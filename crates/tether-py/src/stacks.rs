@@ -35,7 +35,9 @@ fn install_stack_handler(py: Python<'_>, fd: RawFd) -> PyResult<()> {
     )?;
     core_stacks::handler::wrap(core_stacks::dump_signal(), fd).map_err(os_error)?;
     let answer = wrap_pyfunction!(answer_request, py)?;
-    py.import("signal")?
+    // `_signal`, the C module: `signal` would import `enum`, milliseconds in a `tether
+    // run` rank that registers at interpreter start.
+    py.import("_signal")?
         .call_method1("signal", (core_stacks::signal(), answer))?;
     core_stacks::handler::wrap_request(core_stacks::signal(), fd).map_err(os_error)
 }
