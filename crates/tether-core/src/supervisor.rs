@@ -100,8 +100,8 @@ impl Reserve {
     }
 
     /// Kills every blank child still waiting (its zygote is gone, or closing) and waits up
-    /// to `limit` for the supervisor to reap them; returns whether none is left.
-    pub fn stop_all(&self, limit: Duration) -> bool {
+    /// to `limit` for the supervisor to reap them.
+    pub fn stop_all(&self, limit: Duration) {
         {
             let blanks = self.blanks();
             // Not reaped while the lock is held (see `on_blank_exit`): the pids are theirs.
@@ -112,13 +112,7 @@ impl Reserve {
             }
         }
         let deadline = Instant::now() + limit;
-        loop {
-            if self.pids().is_empty() {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
+        while !self.pids().is_empty() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }
     }
