@@ -33,16 +33,25 @@ def tether(*args: str) -> List[str]:
     return [str(Path(sys.executable).with_name("tether")), "run", *args]
 
 
+#: What a gloo rank prints when it aborts inside torch's C++ (seen now and then on this
+#: machine, under torchrun and tether alike): a fault of the peer library, not of a launcher.
+GLOO_ABORT = "terminate called without an active exception"
+
+
 def run(argv: List[str], cwd: Optional[Path] = None, **env: str) -> Tuple[int, str, str]:
-    proc = subprocess.run(
-        argv,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=200,
-        cwd=cwd,
-        env=dict(ENV, **env),
-    )
+    """Runs ``argv``; a run in which a rank aborted inside gloo is run again (three tries)."""
+    for _ in range(3):
+        proc = subprocess.run(
+            argv,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=200,
+            cwd=cwd,
+            env=dict(ENV, **env),
+        )
+        if proc.returncode == 0 or GLOO_ABORT not in proc.stdout + proc.stderr:
+            break
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -68,14 +77,8 @@ def test_the_script_form_gives_what_torchrun_gives(tmp_path: Path) -> None:
     assert code == 0, err
     ours = results(out)
     assert sorted(ours) == [0, 1] and all(line.startswith("[rank ") for line in out.splitlines())
-    # The reference: torchrun's own run of the same command line. On a busy machine one of
-    # its ranks sometimes aborts inside gloo ("terminate called without an active
-    # exception"), which says nothing about tether: the reference is its first good run.
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    for _ in range(3):
-        code, out, err = run([torchrun, *args])
-        if code == 0:
-            break
+    code, out, err = run([torchrun, *args])
     assert code == 0, err
     assert results(out) == ours
 
@@ -108,8 +111,8 @@ def test_a_c10d_rendezvous_on_one_node() -> None:
     assert sorted(results(out)) == [0, 1], out
 
 
-@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
-def test_two_launchers_as_two_nodes(rendezvous: str) -> None:
+def run_two_nodes(rendezvous: str) -> List[Tuple[int, str, str]]:
+    """Two launchers acting as two nodes of one job; (code, stdout, stderr) of each."""
     port = free_port()
     if rendezvous == "c10d":
         where = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=pair"]
@@ -135,6 +138,15 @@ def test_two_launchers_as_two_nodes(rendezvous: str) -> None:
             if launcher.poll() is None:
                 launcher.kill()
                 launcher.communicate()
+    return outputs
+
+
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_two_launchers_as_two_nodes(rendezvous: str) -> None:
+    for _ in range(3):  # as in `run`: a rank that aborted inside gloo is no launcher's fault
+        outputs = run_two_nodes(rendezvous)
+        if not any(GLOO_ABORT in out + err for _, out, err in outputs):
+            break
     found = {}
     for node, (code, out, err) in enumerate(outputs):
         assert code == 0, f"node {node}: {err}"
