@@ -55,3 +55,58 @@ class ManyTensors(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> list:
         return [torch.full((2,), float(i * 1000 + k)) for k in range(300)]
+
+
+class HoldsTensor(torch.utils.data.Dataset):
+    """Item i: the sum of the tensor it holds, and how many times it was unpickled here."""
+
+    unpickled = 0
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
+
+    def __setstate__(self, state: dict) -> None:
+        type(self).unpickled += 1
+        self.__dict__.update(state)
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(self.values.sum()), float(type(self).unpickled)])
+
+
+class HoldsArray(torch.utils.data.Dataset):
+    """Item i: facts about the numpy array it holds, as a worker sees it: its first value,
+    whether it is writable, and whether its memory is a mapped memfd."""
+
+    def __init__(self, array: object) -> None:
+        self.array = array
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        address = self.array.__array_interface__["data"][0]
+        in_memfd = False
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                if start <= address < end:
+                    in_memfd = "/memfd:" in line
+        return torch.tensor(
+            [float(self.array[0]), float(self.array.flags.writeable), float(in_memfd)]
+        )
+
+
+class Images(torch.utils.data.Dataset):
+    """``n`` images of 3x224x224 float32, item i full of i."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((3, 224, 224), float(i))

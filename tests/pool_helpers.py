@@ -308,3 +308,58 @@ def wait_for_fifo(gate_dir: str) -> None:
     if os.path.exists(os.path.join(gate_dir, "hold")):
         with open(os.path.join(gate_dir, "fifo")) as fifo:
             fifo.read()
+
+
+# -- datasets that cross to the workers once ---------------------------------------------------
+
+#: How many times a ``Counted`` was pickled in this process, and unpickled in this process.
+COUNTS = {"pickled": 0, "unpickled": 0}
+
+
+class Counted:
+    """A map-style dataset that counts its picklings and unpicklings (per process, in
+    ``COUNTS``). Item i: ``(pid, unpicklings in that process, tag, words, i)``."""
+
+    def __init__(self, n: int = 4, tag: Any = 0, words: Optional[List[str]] = None) -> None:
+        self.n = n
+        self.tag = tag
+        self.words = list(words or ())
+
+    def __getstate__(self) -> dict:
+        COUNTS["pickled"] += 1
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        COUNTS["unpickled"] += 1
+        self.__dict__.update(state)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Tuple[int, int, Any, Tuple[str, ...], int]:
+        return os.getpid(), COUNTS["unpickled"], self.tag, tuple(self.words), i
+
+
+class Samples:
+    """An ImageFolder-like dataset: ``n`` ``(path, class)`` samples; item i is its class."""
+
+    def __init__(self, n: int) -> None:
+        self.samples = [
+            (f"/data/train/n{i // 1300:08d}/img_{i:08d}.JPEG", i // 1300) for i in range(n)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> int:
+        return self.samples[i][1]
+
+
+def rss_kib(_: Any = None) -> Tuple[int, int]:
+    """(pid, resident set size in KiB) of this process, after a collection."""
+    gc.collect()
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return os.getpid(), int(line.split()[1])
+    raise AssertionError("no VmRSS in /proc/self/status")

@@ -177,8 +177,11 @@ def test_workers_are_reused_and_direct_children(pool):
     assert set(pool.pids()) == pids
 
 
-def test_nothing_of_a_loader_stays_in_the_worker(pool):
+def test_nothing_of_a_dropped_loader_stays_in_the_worker(pool):
     list(loader(pool, helpers.Squares(16), batch_size=4, worker_init_fn=helpers.mark_init))
+    # The workers drop the dataset with their next lease (the pool keeps a dataset only
+    # while this process holds it).
+    list(loader(pool, pdata.Tensors(4), batch_size=2))
     # Both workers, after an idle moment: no worker info, no dataset alive.
     time.sleep(0.5)
     states = set(pool.map(helpers.worker_state, range(8)))

@@ -394,7 +394,6 @@ def test_a_raising_callback_is_logged_and_delivery_goes_on(caplog, error):
         (helpers.kill_self, (), r"killed by signal SIGKILL"),
         (helpers.make, ("CExitAtPickle",), r"exited with code 0"),
         (helpers.make, ("SegfaultAtPickle",), r"killed by signal SIGSEGV"),
-        (helpers.pid_of, (helpers.CExitAtGC(),), r"exited with code 4"),
     ],
     ids=[
         "segv-unpickle",
@@ -404,7 +403,6 @@ def test_a_raising_callback_is_logged_and_delivery_goes_on(caplog, error):
         "sigkill-run",
         "c-exit-pickle-result",
         "segv-pickle-result",
-        "c-exit-gc",
     ],
 )
 def test_worker_crashes_fail_that_task_and_heal(fresh, fn, args, pattern):
@@ -417,6 +415,39 @@ def test_worker_crashes_fail_that_task_and_heal(fresh, fn, args, pattern):
     assert f"pid {info.value.pid}" in str(info.value)
     assert fresh.submit(helpers.square, 6).result(timeout=30) == 36
     assert info.value.pid not in _healed(fresh)
+
+
+def test_a_result_computed_before_the_worker_dies_freeing_the_task_is_delivered(fresh):
+    # The task's argument kills the worker when it is freed, after the task returned.
+    before = fresh.pids()
+    assert fresh.submit(helpers.pid_of, helpers.CExitAtGC()).result(timeout=30) in before
+    results = fresh.map(helpers.pid_of, [helpers.CExitAtGC()], timeout=30)
+    assert next(results) in set(before) | set(_healed(fresh))
+    assert fresh.submit(helpers.square, 6).result(timeout=30) == 36
+    assert len(set(_healed(fresh)) - set(before)) >= 1
+
+
+def _times_out_at_once(future):
+    for wait in (future.result, future.exception):
+        start = time.monotonic()
+        with pytest.raises(concurrent.futures.TimeoutError):
+            wait(timeout=0.3)
+        assert time.monotonic() - start < 1.5
+
+
+def test_result_and_exception_timeouts_raise_while_the_task_runs(fresh):
+    running = fresh.submit(helpers.sleep_then, 3.0, "running")
+    _wait_running(running)
+    _times_out_at_once(running)
+    assert running.result(timeout=30) == "running"
+
+
+def test_result_and_exception_timeouts_raise_while_the_task_is_queued(fresh):
+    busy = [fresh.submit(helpers.sleep_then, 3.0) for _ in range(fresh.processes)]
+    queued = fresh.submit(helpers.sleep_then, 0.0, "queued")
+    _times_out_at_once(queued)
+    assert queued.result(timeout=30) == "queued"
+    assert [f.result(timeout=30) for f in busy] == [None] * len(busy)
 
 
 def test_a_crash_in_map_fails_that_item(fresh):

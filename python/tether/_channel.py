@@ -72,6 +72,8 @@ class _FdCollector:
         self.dup = dup
         #: The tether queues pickled into the message (a pool process watches them).
         self.channels: List[Any] = []
+        #: What owns fds of the message that nothing else keeps alive until it is sent.
+        self.owners: List[Any] = []
 
     def duplicate_for_child(self, fd: int) -> int:
         self.fds.append(os.dup(fd) if self.dup else fd)
@@ -162,29 +164,47 @@ def _pickler_class() -> type:
     return _Pickler
 
 
-def dumps(obj: Any, collector: _FdCollector) -> bytes:
-    """Pickles ``obj`` as ``ForkingPickler`` would; the fds it names go to
+def register(cls: type, reducer: Callable[[Any], Any]) -> None:
+    """Registers (or replaces) ``ForkingPickler``'s reduction of ``cls``, here too."""
+    ForkingPickler.register(cls, reducer)
+    _Pickler._sizes = (-1, -1)
+
+
+def dump(
+    obj: Any,
+    collector: _FdCollector,
+    file: Any,
+    buffer_callback: Optional[Callable[[pickle.PickleBuffer], Any]] = None,
+) -> None:
+    """Pickles ``obj`` into ``file`` as ``ForkingPickler`` would (protocol 5, so that
+    ``buffer_callback`` may take large buffers out of band); the fds it names go to
     ``collector.fds``."""
-    buf = io.BytesIO()
     previous = getattr(_popen_tls, "spawning_popen", None)
     _popen_tls.spawning_popen = collector
     try:
-        _pickler_class()(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+        _pickler_class()(file, pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback).dump(obj)
     finally:
         _popen_tls.spawning_popen = previous
+
+
+def dumps(obj: Any, collector: _FdCollector) -> bytes:
+    """``dump`` into bytes."""
+    buf = io.BytesIO()
+    dump(obj, collector, buf)
     return buf.getvalue()
 
 
-def loads(data: bytes, fds: Sequence[int]) -> Any:
-    """Unpickles a message whose fds arrived as ``fds`` (this process owns them): the fds
-    its objects claim are theirs, the rest are closed."""
+def loads(data: Any, fds: Sequence[int], buffers: Optional[Sequence[Any]] = None) -> Any:
+    """Unpickles a message (any bytes-like object) whose fds arrived as ``fds`` (this
+    process owns them), with its out-of-band ``buffers``: the fds its objects claim are
+    theirs, the rest are closed."""
     if not fds:
-        return pickle.loads(data)  # nothing in it can claim an fd
+        return pickle.loads(data, buffers=buffers)  # nothing in it can claim an fd
     previous = getattr(_tls, "incoming", None)
     incoming = _Incoming(fds)
     _tls.incoming = incoming
     try:
-        return pickle.loads(data)
+        return pickle.loads(data, buffers=buffers)
     finally:
         _tls.incoming = previous
         incoming.close_unclaimed()

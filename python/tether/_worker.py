@@ -38,7 +38,7 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Final, List, Literal, Optional, Sequence, Tuple
 
-from . import _channel, _child, _native
+from . import _channel, _child, _native, _shm
 
 #: What a task's bytes hold (see the module's documentation).
 CALL = 0
@@ -94,12 +94,12 @@ def _dump(value: Any, collector: _channel._FdCollector) -> bytes:
     return _channel.dumps(value, collector)
 
 
-def _dump_entries(entries: List[Any]) -> Tuple[bytes, List[int]]:
+def _dump_entries(entries: List[Any]) -> Tuple[bytes, _channel._FdCollector]:
     """A chunk's entries, pickled whole, or else one by one (an entry that does not pickle
     becomes its pickling error)."""
     collector = _channel._FdCollector()
     try:
-        return _dump(entries, collector), collector.fds
+        return _dump(entries, collector), collector
     except BaseException:  # noqa: BLE001 - SystemExit in a __reduce__ included
         pass
     collector = _channel._FdCollector()
@@ -109,30 +109,32 @@ def _dump_entries(entries: List[Any]) -> Tuple[bytes, List[int]]:
             single.append((None, _dump((ok, value), collector)))
         except BaseException as exc:  # noqa: BLE001
             single.append((None, _dump((False, describe(exc)), collector)))
-    return _dump(single, collector), collector.fds
+    return _dump(single, collector), collector
 
 
 def _run_task(
     end: _native.WorkerEnd, blob: bytes, fds: List[int]
 ) -> Tuple[ResultKind, bytes, List[int], Any]:
-    """Unpickles and runs one task; ``(kind, bytes, fds, keep)`` where ``keep`` holds what
-    the fds belong to until the result is sent."""
+    """Unpickles and runs one task; ``(kind, bytes, fds, keep)`` where ``keep`` holds the
+    task, its result and what owns the fds until the result is sent: the result goes back
+    before anything of the task is freed (a finalizer that kills the worker loses no
+    result)."""
     try:
         task = _channel.loads(blob, fds)
     except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling included
         return ERROR, _dump(describe(exc), _channel._FdCollector()), [], None
+    _shm.install()
     if task[0] == CHUNK:
         entries = _run_chunk(end, task[1], task[2])
-        del task
-        data, out_fds = _dump_entries(entries)
-        return OK, data, out_fds, entries
+        data, collector = _dump_entries(entries)
+        return OK, data, collector.fds, (task, entries, collector.owners)
     ok, value = _call(task[1], task[2], task[3])
-    del task
     collector = _channel._FdCollector()
     try:
-        return (OK if ok else ERROR), _dump(value, collector), collector.fds, value
+        data = _dump(value, collector)
     except BaseException as exc:  # noqa: BLE001 - SystemExit in a __reduce__ included
-        return ERROR, _dump(describe(exc), _channel._FdCollector()), [], None
+        return ERROR, _dump(describe(exc), _channel._FdCollector()), [], (task, value)
+    return (OK if ok else ERROR), data, collector.fds, (task, value, collector.owners)
 
 
 def _run_batch(
@@ -167,17 +169,19 @@ def _run_batch(
 def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int]) -> None:
     """Runs a leased process's target as ``multiprocessing.Process.run`` would: exit code 0
     on return, the code of a ``SystemExit``, 1 (with the traceback on stderr) otherwise.
-    The call is ``(target, args, kwargs, seeds)``, ``seeds`` telling whether the target
-    seeds the random generators itself (torch's DataLoader worker loop does)."""
+    The call is ``(forgetting, target, args, kwargs, seeds)``: ``forgetting`` drops, as
+    it unpickles, what the pool no longer holds (see ``_datasets``); ``seeds`` tells whether
+    the target seeds the random generators itself (torch's DataLoader worker loop does)."""
     global _seeded_by_lease
     _channel.begin_task_scope()
     code = 0
     try:
-        call: Optional[Tuple[Callable[..., Any], Tuple[Any, ...], Dict[str, Any], bool]]
+        call: Optional[Tuple[None, Callable[..., Any], Tuple[Any, ...], Dict[str, Any], bool]]
         call = _channel.loads(blob, fds)
         del blob
-        target, args, kwargs, seeds = call
+        _, target, args, kwargs, seeds = call
         call = None
+        _shm.install()
         if not seeds:
             _reseed_if_needed()
         try:

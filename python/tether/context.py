@@ -52,7 +52,11 @@ class Leaser(Protocol):
     def start_method(self) -> str: ...
 
     def lease(
-        self, target: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]
+        self,
+        target: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Dict[str, Any],
+        keep_datasets: bool = True,
     ) -> Leased: ...
 
     def signal(self, lease: _native.Lease, signum: int) -> None: ...
@@ -73,11 +77,13 @@ class PoolProcess:
         kwargs: Optional[Dict[str, Any]] = None,
         *,
         daemon: Optional[bool] = None,
+        keep_datasets: bool = True,
     ) -> None:
         if group is not None:
             raise ValueError("group argument must be None for now")
         PoolProcess._counter += 1
         self._leaser = leaser
+        self._keep_datasets = keep_datasets
         self._target = target
         self._args = tuple(args)
         self._kwargs = dict(kwargs or {})
@@ -103,7 +109,7 @@ class PoolProcess:
             raise AssertionError("cannot start a process twice")
         target = self._target if self._target is not None else _run_method
         args = self._args if self._target is not None else (self,)
-        leased = self._leaser.lease(target, args, self._kwargs)
+        leased = self._leaser.lease(target, args, self._kwargs, self._keep_datasets)
         self._lease, self._dataloader = leased.lease, leased.dataloader
         for channel in leased.channels:
             if isinstance(channel, _channel.Queue):
@@ -236,12 +242,15 @@ def _run_method(process: PoolProcess) -> None:
 class PoolContext(multiprocessing.context.BaseContext):
     """A multiprocessing context backed by a ``tether.Pool``: ``Process`` leases a worker,
     ``Queue`` / ``SimpleQueue`` / ``Event`` are tether channels. Other primitives (``Lock``,
-    ``Pipe``...) are multiprocessing's own, made as the pool's start method makes them."""
+    ``Pipe``...) are multiprocessing's own, made as the pool's start method makes them.
+    ``keep_datasets`` says whether the workers keep a DataLoader's dataset for the next
+    loader (see ``tether.Pool.context``)."""
 
     _name = "tether-pool"
 
-    def __init__(self, leaser: Leaser, pool: object = None) -> None:
+    def __init__(self, leaser: Leaser, pool: object = None, keep_datasets: bool = True) -> None:
         self._leaser = leaser
+        self.keep_datasets = keep_datasets
         #: What must live as long as the context: the ``tether.Pool`` it came from.
         self._pool = pool
 
@@ -255,7 +264,16 @@ class PoolContext(multiprocessing.context.BaseContext):
         *,
         daemon: Optional[bool] = None,
     ) -> PoolProcess:
-        return PoolProcess(self._leaser, group, target, name, args, kwargs, daemon=daemon)
+        return PoolProcess(
+            self._leaser,
+            group,
+            target,
+            name,
+            args,
+            kwargs,
+            daemon=daemon,
+            keep_datasets=self.keep_datasets,
+        )
 
     # Queues and events are tether's channels, not multiprocessing's classes: the type stubs
     # of BaseContext name its own return types, hence the overrides.
@@ -278,4 +296,5 @@ class PoolContext(multiprocessing.context.BaseContext):
         return multiprocessing.get_context(method)
 
     def __repr__(self) -> str:
-        return f"<tether PoolContext of a pool of {self._leaser.size}>"
+        keep = "" if self.keep_datasets else ", keep_datasets=False"
+        return f"<tether PoolContext of a pool of {self._leaser.size}{keep}>"

@@ -48,7 +48,7 @@ from typing import (
     Union,
 )
 
-from . import _channel, _launch, _native, _report, _worker
+from . import _channel, _datasets, _launch, _native, _report, _worker
 from ._log import logger
 
 if TYPE_CHECKING:
@@ -222,7 +222,7 @@ class _TaskFuture(concurrent.futures.Future):
         if core is None or self.done():
             return timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        core.take(self)
+        core.take(self, timeout)
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def running(self) -> bool:
@@ -386,6 +386,8 @@ class _Core:
         self.sinks: Dict[int, Sink] = {}
         self.leases: Dict[int, str] = {}
         self.reserved: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()
+        #: What the workers keep of the DataLoaders they served.
+        self.kept = _datasets.Kept()
         self.replacing: "set[threading.Thread]" = set()
         self.state: State = "running"
         self.broken: Optional[str] = None
@@ -577,19 +579,22 @@ class _Core:
     # -- leased processes ------------------------------------------------------------------
 
     def lease(
-        self, target: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]
+        self,
+        target: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Dict[str, Any],
+        keep_datasets: bool = True,
     ) -> Leased:
-        """Pickles a process's call (passing the fds it names), takes a worker for it (for a
-        DataLoader's first worker, as many as the loader has workers, or a clear error), and
-        sends it there."""
+        """Takes a worker for a process (for a DataLoader's first worker, as many as the
+        loader has workers, or a clear error), pickles the process's call (passing the fds
+        it names) and sends it there. For torch's DataLoader worker loop, the dataset,
+        ``collate_fn`` and ``worker_init_fn`` travel as ``_datasets.Kept`` decides: a
+        reference to the worker's copy, or one pickle shared by the loader's workers."""
         if self.broken is not None:
             raise BrokenPool(self.broken)
         if self.state == "closed":
             raise RuntimeError("the tether.Pool is shut down")
         loader = _dataloader_call(target, args, kwargs)
-        collector = _channel._FdCollector()
-        # torch's worker loop seeds the random generators itself (see _worker._run_lease).
-        blob = _channel.dumps((target, args, kwargs, loader is not None), collector)
         lease_id = next(self.ids)
         try:
             slot = self._take_slot(loader)
@@ -602,12 +607,30 @@ class _Core:
             self.join_replacements()
             slot = self._take_slot(loader)
         try:
+            forget = _datasets.Forgetting(())
+            commit: Optional[Callable[[], None]] = None
+            if loader is not None:
+                kwargs, forget, commit = self.kept.prepare(
+                    loader, slot, self._pid_in(slot), keep_datasets
+                )
+                args = ()
+            collector = _channel._FdCollector()
+            # torch's worker loop seeds the random generators itself (see _worker._run_lease).
+            blob = _channel.dumps((forget, target, args, kwargs, loader is not None), collector)
             lease = self.workers.lease(slot, lease_id, blob, collector.fds)
-        except RuntimeError:
+        except BaseException:
             self.workers.unreserve([slot])
             raise
+        if commit is not None:
+            commit()
         self.leases[lease_id] = _describe_call(target, loader)
         return Leased(lease, loader is not None, collector.channels)
+
+    def _pid_in(self, slot: int) -> int:
+        for worker_slot, pid, *_ in self.workers.workers():
+            if worker_slot == slot:
+                return pid
+        return 0
 
     def _take_slot(self, loader: Optional[Dict[str, Any]]) -> int:
         """A reserved or free worker's slot for a process (see ``lease``)."""
@@ -692,6 +715,9 @@ class _Core:
                 self._on_results(event[3])
             elif kind == "lease":
                 self.leases.pop(event[2].id, None)
+                end = event[2].end()
+                if end is not None and end[0] != 0:
+                    self.kept.lost(event[1])
             elif kind == "died":
                 self._on_death(*event[1:])
             if kind in ("ready", "died"):
@@ -958,7 +984,7 @@ class Pool(concurrent.futures.Executor):
         self._finalizer = weakref.finalize(self, self._core.shutdown, False, False)
         # The context keeps the pool alive (a DataLoader may hold only the context); the
         # pool refers to it weakly, so that dropping the pool alone still closes it at once.
-        self._context: Optional["weakref.ReferenceType[PoolContext]"] = None
+        self._contexts: Dict[bool, "weakref.ReferenceType[PoolContext]"] = {}
 
     @property
     def processes(self) -> int:
@@ -973,15 +999,31 @@ class Pool(concurrent.futures.Executor):
     def preload(self) -> List[str]:
         return list(self._core.preload)
 
-    def context(self) -> PoolContext:
+    def context(self, *, keep_datasets: bool = True) -> PoolContext:
         """A ``multiprocessing`` context whose ``Process`` runs in a leased pool worker and
         whose ``Queue`` and ``Event`` are tether channels: pass it as a DataLoader's
-        ``multiprocessing_context``."""
-        context = None if self._context is None else self._context()
+        ``multiprocessing_context``.
+
+        With ``keep_datasets`` (the default), the workers keep the dataset, ``collate_fn``
+        and ``worker_init_fn`` a loader sent them for as long as this process holds those
+        objects, and a later loader over the same objects sends none of them: torch's
+        ``persistent_workers`` contract, across loaders. The next loader sees an attribute
+        of the dataset rebound (at any depth of its attributes) and a torch tensor in it
+        changed in place; any other change in place after ``refresh(dataset)``. With
+        ``keep_datasets=False``, every iterator sends them anew, as it finds them (fork's
+        semantics); either way they are pickled once per loader, not once per worker."""
+        ref = self._contexts.get(keep_datasets)
+        context = None if ref is None else ref()
         if context is None:
-            context = PoolContext(self._core, pool=self)
-            self._context = weakref.ref(context)
+            context = PoolContext(self._core, pool=self, keep_datasets=bool(keep_datasets))
+            self._contexts[keep_datasets] = weakref.ref(context)
         return context
+
+    def refresh(self, dataset: Any = None) -> None:
+        """Makes the next loader send ``dataset`` (every object the workers keep, when
+        None) again, so that its workers see changes made in place that the pool cannot
+        notice (an item appended to a list it holds, a numpy array written to)."""
+        self._core.kept.refresh(dataset)
 
     def pids(self) -> List[int]:
         """The pids of the current workers (a replaced worker has a new pid)."""

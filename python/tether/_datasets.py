@@ -1,0 +1,480 @@
+"""How a DataLoader's dataset, ``collate_fn`` and ``worker_init_fn`` reach the pool's
+workers: once, and then never again while the parent holds them.
+
+torch's worker loop receives these objects with every ``iter(loader)``. On a pool the
+workers outlive the iterator, so they keep what they received (``_kept``, keyed by the
+parent's object), and a later loader over the same objects sends a reference of a few
+bytes instead of the objects. ``Kept`` is the parent's record of it, one per pool:
+
+- each object has a key that is never reused (a new object that takes a freed one's address
+  is a new object), a version, and which worker holds which version;
+- a version ends when the object changes in a way the pool notices (an attribute rebound,
+  at any depth of the objects it holds as attributes or in tuples; a torch tensor among
+  them changed in place: its ``_version``), or on ``refresh``; the next loader then sends
+  the object again. A change inside a list, dict or set it holds is not noticed;
+- when the parent drops an object, each worker that holds it is told to drop its copy with
+  its next lease.
+
+When an object must cross (its first loader, a new version, or a context made with
+``keep_datasets=False``, which keeps nothing), it is pickled once per loader, not once per
+worker: a ``Shipment`` is one pickle stream (inline when small, else in a sealed memfd)
+whose large buffers (numpy arrays, ``bytes``: protocol 5's out-of-band buffers) lie
+page-aligned in a second sealed memfd. Every worker of the loader maps both and unpickles
+at the same time as the others; the buffers are not copied into any worker (a worker
+maps them copy-on-write, as a fork would share them)."""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import io
+import itertools
+import mmap
+import os
+import pickle
+import sys
+import threading
+import types
+import weakref
+from multiprocessing.reduction import DupFd
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+from . import _channel
+
+__all__ = ["Kept", "Shipment"]
+
+#: The arguments of torch's worker loop that carry objects a worker keeps.
+KEPT_ARGUMENTS = ("dataset_holder", "dataset", "collate_fn", "init_fn")
+#: A pickle stream up to this size travels inside the lease's message.
+INLINE = 1 << 20
+#: Buffers at least this large travel out of band.
+OUT_OF_BAND = 1 << 16
+#: How much of an object's attribute graph a change check walks (it runs once per loader).
+WALK_DEPTH = 4
+WALK_NODES = 512
+#: Tuples longer than this, and objects with more attributes, are not walked.
+WALK_ITEMS = 64
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+_PAGE = mmap.PAGESIZE
+_OPAQUE = (type, types.ModuleType, types.BuiltinFunctionType, types.FunctionType, types.MethodType)
+
+
+# -- the worker's side ------------------------------------------------------------------------
+
+#: What this worker holds: key -> object.
+_kept: Dict[int, Any] = {}
+
+
+def _forget(keys: Sequence[int]) -> None:
+    """Drops the objects the parent no longer holds."""
+    for key in keys:
+        _kept.pop(key, None)
+
+
+def _held(key: int) -> Any:
+    """An object this worker received in an earlier lease."""
+    try:
+        return _kept[key]
+    except KeyError:
+        raise LookupError(
+            f"tether.Pool worker (pid {os.getpid()}) was sent a reference to object {key}, "
+            "which it does not hold"
+        ) from None
+
+
+def _map(fd: int, size: int, writable: bool) -> mmap.mmap:
+    try:
+        if writable:  # copy-on-write: what the worker writes stays its own, as after a fork
+            return mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def _received(
+    key: int,
+    keep: bool,
+    stream: Any,
+    size: int,
+    buffers: Any,
+    layout: Sequence[Tuple[int, int]],
+    fds: Sequence[Any],
+) -> Any:
+    """Unpickles a shipment (see ``Shipment``) and, with ``keep``, keeps the object."""
+    owned = [ref.detach() for ref in fds]
+    data: Any = stream
+    mapped = None
+    if not isinstance(stream, bytes):
+        mapped = _map(stream.detach(), size, writable=False)
+        data = memoryview(mapped)
+    views: List[memoryview] = []
+    if buffers is not None:
+        whole = memoryview(_map(buffers.detach(), layout[-1][0] + layout[-1][1], writable=True))
+        views = [whole[offset : offset + length] for offset, length in layout]
+        del whole
+    try:
+        obj = _channel.loads(data, owned, views)
+    finally:
+        if mapped is not None:
+            data.release()
+            mapped.close()
+    if keep:
+        _kept[key] = obj
+    return obj
+
+
+# -- the parent's side ------------------------------------------------------------------------
+
+
+def _sealed_memfd(name: str, size: int, parts: Sequence[Tuple[int, memoryview]]) -> int:
+    """A sealed memfd of ``size`` bytes holding each ``(offset, bytes)`` of ``parts``. The
+    pages are allocated first, so that running out of memory is an error, not a SIGBUS."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            raise MemoryError(
+                f"tether.Pool cannot allocate {size} bytes ({size / 2**20:.1f} MiB) of shared "
+                f"memory (a memfd) for {name}: {exc.strerror}"
+            ) from None
+        for offset, part in parts:
+            done = 0
+            while done < part.nbytes:
+                done += os.pwrite(fd, part[done:], offset + done)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Shipment:
+    """One pickle of an object for every worker of one loader: the stream (bytes, or a
+    sealed memfd when large), the out-of-band buffers (one sealed memfd, page-aligned), and
+    the fds the object's reductions named (duplicates owned here). It pickles, inside a
+    lease's message, as the call that rebuilds the object in the worker."""
+
+    def __init__(self, obj: Any, key: int, keep: bool) -> None:
+        self.key = key
+        self.keep = keep
+        collector = _channel._FdCollector(dup=True)
+        self._closer = weakref.finalize(self, _channel._close_all, collector.fds)
+        views: List[memoryview] = []
+
+        def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+            try:
+                view = buffer.raw()
+            except BufferError:  # neither C- nor Fortran-contiguous
+                return True
+            if view.nbytes < OUT_OF_BAND:
+                return True
+            views.append(view)
+            return False
+
+        what = f"a {type(obj).__name__}"
+        stream = io.BytesIO()
+        _channel.dump(obj, collector, stream, out_of_band)
+        self.fds = collector.fds
+        self.size = stream.getbuffer().nbytes
+        self.stream: Any = None
+        self.stream_fd: Optional[int] = None
+        self.buffers_fd: Optional[int] = None
+        self.layout: List[Tuple[int, int]] = []
+        if self.size <= INLINE:
+            self.stream = stream.getvalue()
+        else:
+            with stream.getbuffer() as view:
+                self.stream_fd = self._own(_sealed_memfd(what, self.size, [(0, view)]))
+        del stream
+        if views:
+            offset = 0
+            for view in views:
+                self.layout.append((offset, view.nbytes))
+                offset += -(-view.nbytes // _PAGE) * _PAGE
+            end = self.layout[-1][0] + self.layout[-1][1]
+            fd = _sealed_memfd(
+                f"the buffers of {what}", end, list(zip((o for o, _ in self.layout), views))
+            )
+            self.buffers_fd = self._own(fd)
+        for view in views:
+            view.release()
+
+    def _own(self, fd: int) -> int:
+        self.fds.append(fd)  # closed with the others (it never travels as one of them)
+        return fd
+
+    def close(self) -> None:
+        self._closer()
+
+    def __reduce__(self) -> Tuple[Callable[..., Any], Tuple[Any, ...]]:
+        carried = [fd for fd in self.fds if fd not in (self.stream_fd, self.buffers_fd)]
+        return _received, (
+            self.key,
+            self.keep,
+            self.stream if self.stream_fd is None else DupFd(self.stream_fd),
+            self.size,
+            None if self.buffers_fd is None else DupFd(self.buffers_fd),
+            self.layout,
+            [DupFd(fd) for fd in carried],
+        )
+
+
+class _Held:
+    """A reference to an object the worker holds: pickles as the lookup."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+    def __reduce__(self) -> Tuple[Callable[[int], Any], Tuple[int]]:
+        return _held, (self.key,)
+
+
+class Forgetting:
+    """The keys a worker drops: the first item of a lease's message, so that the worker
+    drops them while it unpickles the message, before any new object arrives."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: Sequence[int]) -> None:
+        self.keys = list(keys)
+
+    def __reduce__(self) -> Tuple[Callable[[Sequence[int]], None], Tuple[List[int]]]:
+        return _forget, (self.keys,)
+
+
+_SCALARS = (bool, int, float, complex)
+
+
+def _token(value: Any) -> Any:
+    """What stands for a value in a snapshot, without keeping it alive (a value kept could
+    keep the dataset itself alive, through a bound method, say): a small scalar itself, a
+    weak reference, or else the value's address."""
+    if (
+        value is None
+        or isinstance(value, _SCALARS)
+        or (isinstance(value, str) and len(value) < 256)
+    ):
+        return value
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return _Address(id(value))
+
+
+class _Address(int):
+    """The address of a value that takes no weak reference (a list, a dict)."""
+
+
+def _same_token(a: Any, b: Any) -> bool:
+    if isinstance(a, weakref.ref):
+        return isinstance(b, weakref.ref) and a() is not None and a() is b()
+    return type(a) is type(b) and a == b
+
+
+Snapshot = List[Tuple[Any, Any, int]]
+
+
+def _snapshot(obj: Any) -> Snapshot:
+    """What the change check compares: ``(path, token, tensor version)`` for the values in
+    ``obj``'s attribute graph (the attributes of objects, the items of short tuples; the
+    items of lists, dicts and sets are their container's business), down to
+    ``WALK_DEPTH``."""
+    torch = sys.modules.get("torch")
+    tensor = None if torch is None else getattr(torch, "Tensor", None)
+    out: Snapshot = []
+    seen = set()
+    todo: List[Tuple[Any, Any, int]] = [((), obj, 0)]
+    while todo and len(out) < WALK_NODES:
+        path, value, depth = todo.pop()
+        version = -1
+        if tensor is not None and isinstance(value, tensor):
+            version = value._version
+        out.append((path, None if depth == 0 else _token(value), version))
+        if depth >= WALK_DEPTH or id(value) in seen or version >= 0:
+            continue
+        seen.add(id(value))
+        if isinstance(value, tuple):
+            if len(value) <= WALK_ITEMS:
+                todo.extend(((path, i), item, depth + 1) for i, item in enumerate(value))
+        elif not isinstance(value, (list, dict, set, _OPAQUE)):
+            state = getattr(value, "__dict__", None)
+            if isinstance(state, dict) and len(state) <= WALK_ITEMS:
+                todo.extend(((path, name), item, depth + 1) for name, item in state.items())
+    return out
+
+
+def _same(a: Snapshot, b: Snapshot) -> bool:
+    return len(a) == len(b) and all(
+        x[2] == y[2] and x[0] == y[0] and _same_token(x[1], y[1]) for x, y in zip(a, b)
+    )
+
+
+class _Entry:
+    """An object the workers may hold."""
+
+    __slots__ = ("key", "address", "ref", "version", "snapshot", "holders")
+
+    def __init__(self, key: int, obj: Any) -> None:
+        self.key = key
+        self.address = id(obj)
+        self.ref = weakref.ref(obj)
+        self.version = 0
+        self.snapshot = _snapshot(obj)
+        #: slot -> (pid, version) of the worker there that holds the object.
+        self.holders: Dict[int, Tuple[int, int]] = {}
+
+
+class _Iteration:
+    """What one DataLoader iterator's leases share: each object's version, seen once, and
+    its shipment, made once."""
+
+    __slots__ = ("versions", "shipments", "__weakref__")
+
+    def __init__(self) -> None:
+        self.versions: Dict[int, Tuple[Any, Optional[_Entry], int]] = {}
+        self.shipments: Dict[int, Shipment] = {}
+
+    def close(self) -> None:
+        for shipment in self.shipments.values():
+            shipment.close()
+        self.shipments.clear()
+        self.versions.clear()
+
+
+class Kept:
+    """A pool's record of the objects its workers hold (see the module's documentation)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys = itertools.count(1)
+        self._entries: Dict[int, _Entry] = {}
+        #: Entries whose object is gone; appended by finalizers (which never take the lock).
+        self._dropped: Deque[_Entry] = collections.deque()
+        #: slot -> keys its worker drops with its next lease.
+        self._forget: Dict[int, List[int]] = {}
+        self._iterations: "weakref.WeakKeyDictionary[Any, _Iteration]" = weakref.WeakKeyDictionary()
+
+    def prepare(
+        self, call: Dict[str, Any], slot: int, pid: int, keep: bool
+    ) -> Tuple[Dict[str, Any], Forgetting, Callable[[], None]]:
+        """torch's worker-loop ``call`` (its arguments by name) as worker ``pid`` in ``slot``
+        gets it: each kept object replaced by a reference to the worker's copy or by a
+        shipment; the keys it drops; and what to record once the lease is sent."""
+        with self._lock:
+            self._collect_dropped()
+            done_event = call.get("done_event")
+            iteration = self._iterations.get(done_event) if done_event is not None else None
+            if iteration is None:
+                iteration = _Iteration()
+                if done_event is not None:
+                    self._iterations[done_event] = iteration
+            sent: List[Tuple[_Entry, int]] = []
+            out = dict(call)
+            for name in KEPT_ARGUMENTS:
+                value = call.get(name)
+                if value is None:
+                    continue
+                if name == "dataset_holder":
+                    if isinstance(value, list) and len(value) == 1:
+                        out[name] = [self._stand_in(value[0], iteration, slot, pid, keep, sent)]
+                else:
+                    out[name] = self._stand_in(value, iteration, slot, pid, keep, sent)
+            forget = Forgetting(self._forget.get(slot, ()))
+            last = call.get("worker_id") == call.get("num_workers", 0) - 1
+
+        def commit() -> None:
+            with self._lock:
+                for entry, version in sent:
+                    entry.holders[slot] = (pid, version)
+                keys = set(forget.keys)
+                left = [key for key in self._forget.pop(slot, ()) if key not in keys]
+                if left:
+                    self._forget[slot] = left
+                if last and done_event is not None:
+                    # The loader's last worker has what it needs: the shipments go.
+                    done = self._iterations.pop(done_event, None)
+                    if done is not None:
+                        done.close()
+
+        return out, forget, commit
+
+    def _stand_in(
+        self,
+        obj: Any,
+        iteration: _Iteration,
+        slot: int,
+        pid: int,
+        keep: bool,
+        sent: List[Tuple[_Entry, int]],
+    ) -> Any:
+        """What travels in place of ``obj``: a reference, or its shipment."""
+        seen = iteration.versions.get(id(obj))
+        if seen is None:
+            entry = self._entry(obj) if keep else None
+            seen = (obj, entry, -1 if entry is None else entry.version)
+            iteration.versions[id(obj)] = seen
+        _, entry, version = seen
+        if entry is not None and entry.holders.get(slot) == (pid, version):
+            return _Held(entry.key)
+        shipment = iteration.shipments.get(id(obj))
+        if shipment is None:
+            key = next(self._keys) if entry is None else entry.key
+            shipment = Shipment(obj, key, entry is not None)
+            iteration.shipments[id(obj)] = shipment
+        if entry is not None:
+            sent.append((entry, version))
+        return shipment
+
+    def _entry(self, obj: Any) -> Optional[_Entry]:
+        """``obj``'s entry, made now or with a new version when it changed; None for an
+        object that cannot be watched (no weak reference: a plain list, say), which is
+        sent with every loader."""
+        entry = self._entries.get(id(obj))
+        if entry is not None and entry.ref() is obj:
+            snapshot = _snapshot(obj)
+            if not _same(entry.snapshot, snapshot):
+                entry.version += 1
+                entry.snapshot = snapshot
+            return entry
+        try:
+            entry = _Entry(next(self._keys), obj)
+            weakref.finalize(obj, self._dropped.append, entry)
+        except TypeError:
+            return None
+        self._entries[entry.address] = entry
+        return entry
+
+    def _collect_dropped(self) -> None:
+        while self._dropped:
+            entry = self._dropped.popleft()
+            if self._entries.get(entry.address) is entry:
+                del self._entries[entry.address]
+            entry.snapshot = []
+            for slot in entry.holders:
+                self._forget.setdefault(slot, []).append(entry.key)
+
+    def refresh(self, obj: Any = None) -> None:
+        """The next loader sends ``obj`` again (every object, when None)."""
+        with self._lock:
+            entries = (
+                list(self._entries.values())
+                if obj is None
+                else [e for e in [self._entries.get(id(obj))] if e is not None and e.ref() is obj]
+            )
+            for entry in entries:
+                entry.version += 1
+
+    def lost(self, slot: int) -> None:
+        """The worker in ``slot`` may not hold what it was sent (its lease failed)."""
+        with self._lock:
+            for entry in self._entries.values():
+                entry.holders.pop(slot, None)
+
+    def held(self) -> int:
+        """How many objects the workers hold, as far as the parent knows."""
+        with self._lock:
+            self._collect_dropped()
+            return sum(1 for e in self._entries.values() if e.holders)

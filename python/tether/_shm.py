@@ -1,0 +1,105 @@
+"""Shared memory for the tensors a pool worker sends: memfds, never ``/dev/shm``.
+
+torch puts a DataLoader worker's batches in shared memory (collate allocates them with
+``storage._new_shared``, and a tensor put on a queue is moved there), through ``shm_open``,
+that is in ``/dev/shm``: where that is small (64 MiB in a container, by default), loaders
+of big batches fail. In a pool worker with torch loaded, ``install`` makes both paths
+allocate memfds instead, which only the machine's memory limits; the receiving side maps a
+storage from the fd as it always does (``UntypedStorage._new_shared_fd_cpu``). The pages
+are allocated when the storage is made, so that running out of memory raises an error
+that says how much was asked, not a SIGBUS later.
+
+A tensor the program itself moves with ``share_memory_()`` still goes through torch's own
+path (it is moved in place, which only torch's C++ code can do)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from multiprocessing.context import get_spawning_popen
+from typing import Any, Callable, Tuple
+
+from . import _channel
+
+__all__ = ["install", "memfd_storage"]
+
+_installed = False
+
+
+def memfd_storage(cls: Any, size: int) -> Any:
+    """A new ``cls`` (torch's ``UntypedStorage``) of ``size`` bytes in a memfd."""
+    fd = os.memfd_create("tether-tensor", os.MFD_CLOEXEC)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            raise MemoryError(
+                f"tether.Pool worker (pid {os.getpid()}) cannot allocate {size} bytes "
+                f"({size / 2**20:.1f} MiB) of shared memory (a memfd) for a tensor: "
+                f"{exc.strerror}"
+            ) from None
+        storage = cls._new_shared_fd_cpu(fd, size)  # maps its own duplicate of the fd
+    finally:
+        os.close(fd)
+    if size >= POPULATE:
+        _populate(storage.data_ptr(), size)
+    return storage
+
+
+#: Storages at least this large get their page tables filled in one call.
+POPULATE = 1 << 16
+_MADV_POPULATE_WRITE = 23
+_madvise: Any = None
+
+
+def _populate(address: int, size: int) -> None:
+    """Maps every page of a new storage at once (``MADV_POPULATE_WRITE``, Linux 5.14):
+    a batch is written whole right after, and one call costs a third of what a write fault
+    per page does. Where the kernel lacks it, the pages fault in as usual."""
+    global _madvise
+    if _madvise is None:
+        import ctypes
+
+        _madvise = ctypes.CDLL(None, use_errno=True).madvise
+        _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _madvise(address, size, _MADV_POPULATE_WRITE)
+
+
+def install() -> None:
+    """In a pool worker, once torch is loaded: torch's shared CPU storages are memfds."""
+    global _installed
+    if _installed:
+        return
+    torch = sys.modules.get("torch")
+    storage = None if torch is None else getattr(torch, "UntypedStorage", None)
+    reductions = sys.modules.get("torch.multiprocessing.reductions")
+    if storage is None or reductions is None:
+        return
+    _installed = True
+    storage._new_using_fd_cpu = classmethod(memfd_storage)
+    _channel.register(storage, _moving_reducer(torch, reductions.reduce_storage))
+
+
+def _moving_reducer(
+    torch: Any, reduce_storage: Callable[[Any], Tuple[Any, ...]]
+) -> Callable[[Any], Tuple[Any, ...]]:
+    """torch's storage reduction, but a CPU storage not in shared memory yet is copied into
+    a memfd first (torch would move it into ``/dev/shm``)."""
+
+    def reduce(storage: Any) -> Tuple[Any, ...]:
+        if (
+            storage.device.type == "cpu"
+            and not storage.is_shared()
+            and storage.nbytes() > 0
+            and torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
+        ):
+            shared = memfd_storage(type(storage), storage.nbytes())
+            shared.copy_(storage)
+            storage = shared
+            # The copy owns the fd the message carries: it must live until it is sent.
+            owners = getattr(get_spawning_popen(), "owners", None)
+            if owners is not None:
+                owners.append(shared)
+        return reduce_storage(storage)
+
+    return reduce
