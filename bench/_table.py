@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
-from typing import Callable, Dict, List, Sequence, Tuple
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 
 def repeat(fn: Callable[[], float], reps: int) -> List[float]:
@@ -55,3 +60,19 @@ def ratio(reference: float, ours: float) -> str:
 
 
 Results = Dict[str, List[float]]
+
+
+@contextlib.contextmanager
+def busy_cores() -> Iterator[None]:
+    """A process spinning on every core."""
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 1)
+    ]
+    try:
+        time.sleep(0.2)
+        yield
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()

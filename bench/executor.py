@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import multiprocessing
 import os
 import statistics
-import subprocess
-import sys
 import time
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, List
 
-from _table import print_versus
+from _table import busy_cores, print_versus
 
 import tether
 
@@ -45,22 +42,6 @@ def map_rate(executor: concurrent.futures.Executor, items: int) -> float:
     count = sum(1 for _ in executor.map(noop, range(items), chunksize=1))
     assert count == items
     return items / (time.perf_counter() - start)
-
-
-@contextlib.contextmanager
-def busy_cores() -> Iterator[None]:
-    """A process spinning on every core."""
-    spinners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(os.cpu_count() or 1)
-    ]
-    try:
-        time.sleep(0.2)
-        yield
-    finally:
-        for proc in spinners:
-            proc.kill()
-            proc.wait()
 
 
 def measure(

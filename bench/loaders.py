@@ -1,6 +1,6 @@
 """DataLoaders on tether.Pool against torch's own workers, in the same run.
 
-    python bench/loaders.py [--reps N] [--spawn-reps N] [--batches N]
+    python bench/loaders.py [--reps N] [--spawn-reps N] [--batches N] [--no-big]
 
 1. Twenty DataLoaders (64 small items, batch 16, 2 workers) iterated one after the other:
    torch fork, torch fork with persistent_workers, torch spawn (``--spawn-reps``, slow),
@@ -8,7 +8,15 @@
    there, and ``tether.Pool``. The pools are made (and warmed with one loader) before the
    clock starts.
 2. Time to the first batch of a new loader.
-3. Steady-state throughput of one loader of 32 x 3x224x224 float batches.
+3. Datasets of real size (``--no-big`` leaves them out): an ImageFolder-like list of
+   1,281,167 ``(path, class)`` samples (torchvision's ImageFolder over ImageNet's train
+   set), a 512 MiB numpy array and a 512 MiB torch tensor, each against torch fork:
+   the first batch of a new loader over a dataset the pool has served; the first loader
+   over a new dataset object, against one ``ForkingPickler.dumps`` plus one
+   ``pickle.loads`` of it; 20 loaders in turn (8 batches of 64 each); the workers' PSS
+   after them.
+4. Steady-state throughput of one loader of 32 x 3x224x224 float batches, with the machine
+   otherwise idle, then with a busy-looping process on every core.
 
 Each figure is the median over repetitions; within a repetition the contenders take
 turns, so that a busy moment of the machine hits them alike. Ratios are against tether."""
@@ -18,13 +26,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import pickle
 import statistics
 import sys
 import time
-from typing import Callable, Dict, Iterator, List, Optional
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
+import numpy as np
 import torch
-from _table import print_versus
+from _table import busy_cores, print_versus
 from torch.utils.data import DataLoader, Dataset
 
 import tether
@@ -49,6 +60,142 @@ class Images(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.empty(3, 224, 224).fill_(float(i))
+
+
+class Folder(Dataset):
+    """As torchvision's ImageFolder over ImageNet's train set: 1,281,167 (path, class)."""
+
+    def __init__(self, n: int = 1_281_167) -> None:
+        self.samples = [
+            (f"/data/imagenet/train/n{i // 1300:08d}/n{i // 1300:08d}_{i}.JPEG", i // 1300)
+            for i in range(n)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> int:
+        return self.samples[i][1]
+
+
+class Rows(Dataset):
+    """Rows of 1,024 float32 of a 512 MiB array (numpy or torch); item i is row i."""
+
+    def __init__(self, torch_tensor: bool) -> None:
+        rows = 512 * 2**20 // 4096
+        array = np.ones((rows, 1024), dtype=np.float32)
+        self.rows = torch.from_numpy(array) if torch_tensor else array
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> Any:
+        row = self.rows[i]
+        return row if isinstance(row, torch.Tensor) else torch.from_numpy(row)
+
+
+BIG: Dict[str, Callable[[], Dataset]] = {
+    "ImageFolder-like, 1,281,167 samples": Folder,
+    "numpy array, 512 MiB": lambda: Rows(torch_tensor=False),
+    "torch tensor, 512 MiB": lambda: Rows(torch_tensor=True),
+}
+
+
+def first_of(dataset: Dataset, context: Any) -> float:
+    """Seconds to the first batch (64, 2 workers) of a new loader over ``dataset``."""
+    start = time.perf_counter()
+    it = iter(DataLoader(dataset, batch_size=64, num_workers=2, multiprocessing_context=context))
+    next(it)
+    elapsed = time.perf_counter() - start
+    del it
+    return elapsed
+
+
+def dumps_loads(dataset: Dataset) -> float:
+    start = time.perf_counter()
+    pickle.loads(ForkingPickler.dumps(dataset))
+    return time.perf_counter() - start
+
+
+def pss_kib(pids: List[int]) -> int:
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+    return total
+
+
+def loaders_in_turn(dataset: Dataset, context: Any, count: int = 20) -> Dict[str, float]:
+    """``count`` loaders over ``dataset``, 8 batches of 64 each: seconds, and the workers'
+    PSS (MiB) measured during the last loader."""
+    start = time.perf_counter()
+    pss = 0.0
+    for n in range(count):
+        loader = DataLoader(
+            dataset,
+            batch_size=64,
+            num_workers=2,
+            multiprocessing_context=context,
+            sampler=range(0, len(dataset), len(dataset) // 512)[:512],
+        )
+        it = iter(loader)
+        for _ in range(8):
+            next(it)
+        if n == count - 1:
+            pss = pss_kib([w.pid for w in it._workers]) / 1024
+        del it, loader
+    return {"seconds": time.perf_counter() - start, "pss": pss}
+
+
+def big_datasets(ctx: Any, reps: int) -> None:
+    """Section 3, one dataset at a time (each is dropped before the next is made)."""
+    for name, make in BIG.items():
+        one_big_dataset(name, make, ctx, reps)
+
+
+def one_big_dataset(name: str, make: Callable[[], Dataset], ctx: Any, reps: int) -> None:
+    dataset = make()
+    first_of(dataset, ctx)  # the pool has served it
+    served = interleaved(
+        {
+            "torch fork": lambda: first_of(dataset, "fork") * 1000,
+            "tether.Pool": lambda: first_of(dataset, ctx) * 1000,
+        },
+        reps,
+    )
+    print_versus(f"{name}: first batch of a new loader, dataset served", "ms", served, True)
+    new_object = interleaved(
+        {
+            # Of a new object too: a tensor's storage moves to shared memory at its first
+            # pickling only.
+            "one dumps + loads": lambda: dumps_loads(make()) * 1000,
+            "torch fork": lambda: first_of(dataset, "fork") * 1000,
+            # A new object of the same contents (made before the clock starts).
+            "tether.Pool": lambda: first_of(make(), ctx) * 1000,
+        },
+        max(1, reps // 2),
+    )
+    print_versus(f"{name}: first loader over a new dataset object", "ms", new_object, True)
+    turns = {
+        "torch fork": loaders_in_turn(dataset, "fork"),
+        "tether.Pool": loaders_in_turn(dataset, ctx),
+    }
+    print_versus(
+        f"{name}: 20 loaders in turn (8 batches each)",
+        "seconds",
+        {k: v["seconds"] for k, v in turns.items()},
+        True,
+        digits=2,
+    )
+    print_versus(
+        f"{name}: the 2 workers' PSS during the 20th loader",
+        "MiB",
+        {k: v["pss"] for k, v in turns.items()},
+        True,
+        digits=0,
+    )
 
 
 def twenty(**kwargs) -> float:
@@ -108,6 +255,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--spawn-reps", type=int, default=1)
     parser.add_argument("--batches", type=int, default=30)
+    parser.add_argument("--no-big", dest="big", action="store_false")
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, medians of {args.reps} runs "
@@ -149,16 +297,19 @@ def main() -> None:
         digits=3,
     )
     print_versus("Time to the first batch of a new loader", "ms", first, True)
-    rates = interleaved(
-        {
-            "torch fork": lambda: throughput(args.batches, multiprocessing_context="fork"),
-            "tether.Pool": lambda: throughput(args.batches, multiprocessing_context=ctx),
-        },
-        max(args.reps, 5),
-    )
+    if args.big:
+        big_datasets(ctx, args.reps)
+    steady: Dict[str, Callable[[], float]] = {
+        "torch fork": lambda: throughput(args.batches, multiprocessing_context="fork"),
+        "tether.Pool": lambda: throughput(args.batches, multiprocessing_context=ctx),
+    }
+    rates = interleaved(steady, max(args.reps, 5))
     print_versus(
         "Steady state: batches of 32 x 3x224x224 float32, 2 workers", "batches/s", rates, False
     )
+    with busy_cores():
+        busy = interleaved(steady, max(args.reps, 5))
+    print_versus("Steady state, a busy-looping process on every core", "batches/s", busy, False)
     pool.shutdown()
 
 

@@ -468,10 +468,13 @@ class Kept:
                 entry.version += 1
 
     def lost(self, slot: int) -> None:
-        """The worker in ``slot`` may not hold what it was sent (its lease failed)."""
+        """The worker in ``slot`` may not hold what it was sent (its lease failed): the next
+        loader sends it again, and the worker is still told when to drop it."""
         with self._lock:
             for entry in self._entries.values():
-                entry.holders.pop(slot, None)
+                held = entry.holders.get(slot)
+                if held is not None:
+                    entry.holders[slot] = (held[0], -1)
 
     def held(self) -> int:
         """How many objects the workers hold, as far as the parent knows."""
