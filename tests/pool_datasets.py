@@ -110,3 +110,14 @@ class Images(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.full((3, 224, 224), float(i))
+
+
+def refuse_shared_memory(worker_id: int) -> None:
+    """A ``worker_init_fn`` after which this worker's process cannot allocate shared memory
+    (as when the machine's memory runs out)."""
+    import errno
+
+    def refuse(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    os.posix_fallocate = refuse

@@ -7,6 +7,7 @@ notices what the parent changes; big buffers travel in shared memory; batches ne
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -208,3 +209,23 @@ def test_big_batches_need_no_dev_shm_where_torch_fork_fails():
     assert control.returncode != 0 and "shared memory" in control.stderr, control.stderr[-2000:]
     assert got.returncode == 0, got.stderr[-3000:]
     assert got.stdout.split() == ["batches", "6"]
+
+
+def test_shared_memory_that_runs_out_is_an_error_naming_the_worker_and_the_size(pool):
+    loader = DataLoader(
+        pdata.Images(8),
+        batch_size=4,
+        num_workers=1,
+        worker_init_fn=pdata.refuse_shared_memory,
+        multiprocessing_context=pool.context(),
+    )
+    with pytest.raises(MemoryError) as info:
+        next(iter(loader))
+    text = str(info.value)
+    assert "in DataLoader worker process 0" in text
+    pids = "|".join(map(str, pool.pids()))
+    assert re.search(
+        rf"tether.Pool worker \(pid ({pids})\) cannot allocate 2408448 bytes \(2.3 MiB\) of "
+        r"shared memory \(a memfd\) for a tensor: Cannot allocate memory",
+        text,
+    ), text
