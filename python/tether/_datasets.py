@@ -18,7 +18,7 @@ bytes instead of the objects. ``Kept`` is the parent's record of it, one per poo
 When an object must cross (its first loader, a new version, or a context made with
 ``keep_datasets=False``, which keeps nothing), it is pickled once per loader, not once per
 worker: a ``Shipment`` is one pickle stream (inline when small, else in a sealed memfd)
-whose large buffers (numpy arrays, ``bytes``: protocol 5's out-of-band buffers) lie
+whose large buffers (numpy arrays, anything offering protocol 5's out-of-band buffers) lie
 page-aligned in a second sealed memfd. Every worker of the loader maps both and unpickles
 at the same time as the others; the buffers are not copied into any worker (a worker
 maps them copy-on-write, as a fork would share them)."""
