@@ -19,6 +19,8 @@ const C10D_PORT: u16 = 29400;
 const MASTER_PORT: u16 = 29500;
 /// MASTER_ADDR on one node when none is given, as torchrun gives it.
 const LOCAL_MASTER: &str = "localhost";
+/// torchrun's `--rdzv-id` when none is given.
+const DEFAULT_RUN_ID: &str = "none";
 /// Seconds between the stop signal and SIGKILL when no --grace-period is given.
 const DEFAULT_GRACE_SECONDS: f64 = 30.0;
 
@@ -139,6 +141,9 @@ pub struct Config {
     pub grace: Duration,
     pub output: Output,
     pub run_id: String,
+    /// The name of the run's directory under `--log-dir`: the run id when one was given,
+    /// else a random one (the default id, `none`, is every run's).
+    pub log_name: String,
     pub role: String,
     /// With `--virtual-local-rank`: each local rank's GPU.
     pub virtual_devices: Option<VirtualDevices>,
@@ -209,6 +214,7 @@ pub fn resolve(args: RunArgs, ctx: &Context) -> Result<Config, clap::Error> {
     let nproc = nproc(args.nodes.nproc_per_node.as_deref(), ctx)?;
     let (nnodes, node_rank) = nodes(&args.nodes, &slurm, c10d)?;
     let (master_addr, master_port) = master(&args, nnodes, &slurm, c10d)?;
+    let run_id = run_id(args.rdzv.id.as_deref(), args.nodes.standalone, &slurm)?;
     let stop = &args.stopping;
     if stop.max_restarts > 0 && nnodes > 1 {
         return Err(conflict(format!(
@@ -244,7 +250,11 @@ pub fn resolve(args: RunArgs, ctx: &Context) -> Result<Config, clap::Error> {
         max_restarts: stop.max_restarts,
         grace: Duration::from_secs_f64(grace),
         output: output(&args.output, ctx)?,
-        run_id: run_id(args.rdzv.id.as_deref(), &slurm)?,
+        log_name: match args.rdzv.id.as_deref() {
+            None | Some("") if run_id == DEFAULT_RUN_ID => random_id(),
+            _ => run_id.clone(),
+        },
+        run_id,
         role: args.program.role.clone(),
         virtual_devices: virtual_devices(args.program.virtual_local_rank, nproc, ctx)?,
         stop_signals,
@@ -405,9 +415,14 @@ fn virtual_devices(
     }))
 }
 
-/// `--nnodes` and this node's rank.
+/// `--nnodes` and this node's rank. The command line wins over SLURM's environment:
+/// `--standalone` and `--nnodes 1` are one node on its own, whatever the allocation.
 fn nodes(args: &NodeArgs, slurm: &SlurmJob, c10d: bool) -> Result<(usize, usize), clap::Error> {
-    let spec = args.nnodes.clone().or(slurm.nnodes.clone());
+    let spec = match (&args.nnodes, args.standalone) {
+        (Some(spec), _) => Some(spec.clone()),
+        (None, true) => None,
+        (None, false) => slurm.nnodes.clone(),
+    };
     let nnodes = match spec.as_deref() {
         None => 1,
         Some(spec) => parse_nnodes(spec)?,
@@ -419,17 +434,18 @@ fn nodes(args: &NodeArgs, slurm: &SlurmJob, c10d: bool) -> Result<(usize, usize)
     }
     let node_rank = match (args.node_rank, &slurm.node_rank) {
         (Some(r), _) => r,
-        (None, Some(r)) => r
+        (None, Some(r)) if nnodes > 1 => r
             .trim()
             .parse()
             .map_err(|_| invalid(format!("invalid SLURM_NODEID {r:?}: expected a node rank")))?,
-        (None, None) if nnodes > 1 && c10d => {
+        (None, _) if nnodes > 1 && c10d => {
             return Err(invalid(format!(
                 "--nnodes {nnodes} with --rdzv-backend c10d needs each node's --node-rank: \
-                 tether assigns node ranks by --node-rank, not in order of arrival"
+                 tether assigns node ranks by --node-rank (torchrun's c10d rendezvous sorts \
+                 the nodes itself)"
             )))
         }
-        (None, None) => 0,
+        (None, _) => 0,
     };
     if node_rank >= nnodes {
         return Err(invalid(format!(
@@ -503,7 +519,7 @@ fn master(
     let addr = nodes
         .master_addr
         .clone()
-        .or(slurm.first_host.clone())
+        .or(slurm.first_host.clone().filter(|_| nnodes > 1))
         .unwrap_or_else(|| match nnodes {
             1 => LOCAL_MASTER.into(),
             _ => "127.0.0.1".into(),
@@ -625,11 +641,14 @@ fn filter_list(spec: Option<&str>) -> Vec<String> {
     items
 }
 
-fn run_id(id: Option<&str>, slurm: &SlurmJob) -> Result<String, clap::Error> {
+/// TORCHELASTIC_RUN_ID, the same on every node as torchrun gives it: `--rdzv-id`, else
+/// SLURM's job id, else `none` (a random one with `--standalone`, whose node is alone).
+fn run_id(id: Option<&str>, standalone: bool, slurm: &SlurmJob) -> Result<String, clap::Error> {
     let run_id = match id {
         Some(id) if !id.is_empty() => id.to_string(),
+        _ if standalone => random_id(),
         _ if !slurm.job_id.is_empty() => format!("slurm-{}", slurm.job_id),
-        _ => random_id(),
+        _ => DEFAULT_RUN_ID.to_string(),
     };
     if run_id.contains('/') || run_id == "." || run_id == ".." {
         return Err(invalid(format!(
@@ -731,6 +750,7 @@ fn program(
 mod tests {
     use super::*;
     use crate::args::parse_run;
+    use std::collections::HashMap;
 
     fn ctx_with(slurm: Option<SlurmJob>, vars: &'static [(&'static str, &'static str)]) -> Context {
         Context {
@@ -950,6 +970,83 @@ mod tests {
             resolve(run, &ctx_with(Some(job), &[])).unwrap().master_addr,
             "h"
         );
+    }
+
+    #[test]
+    fn the_command_line_wins_over_slurm_and_one_node_is_local() {
+        let job = SlurmJob {
+            nnodes: Some("2".into()),
+            node_rank: Some("1".into()),
+            first_host: Some("gpu03".into()),
+            job_id: "42".into(),
+        };
+        for form in [
+            &["--standalone", "-n", "2", "--no-python", "x"][..],
+            &["--nnodes", "1", "-n", "2", "--no-python", "x"][..],
+            &[
+                "--nnodes",
+                "1",
+                "--node-rank",
+                "0",
+                "-n",
+                "2",
+                "--no-python",
+                "x",
+            ][..],
+        ] {
+            let c = resolve(parse_run(form).unwrap(), &ctx_with(Some(job.clone()), &[]))
+                .unwrap_or_else(|e| panic!("{form:?}: {e}"));
+            assert_eq!(
+                (c.nnodes, c.node_rank, c.master_addr.as_str()),
+                (1, 0, "localhost"),
+                "{form:?}"
+            );
+        }
+        // Given on the command line, a node count still takes SLURM's node rank and host.
+        let c = resolve(
+            parse_run(&["--nnodes", "2", "--no-python", "x"]).unwrap(),
+            &ctx_with(Some(job), &[]),
+        )
+        .unwrap();
+        assert_eq!(
+            (c.nnodes, c.node_rank, c.master_addr.as_str()),
+            (2, 1, "gpu03")
+        );
+    }
+
+    #[test]
+    fn a_slurm_steps_nodes_win_over_the_jobs() {
+        let env: HashMap<&str, &str> = [
+            ("SLURM_JOB_ID", "7"),
+            ("SLURM_JOB_NUM_NODES", "4"),
+            ("SLURM_JOB_NODELIST", "n[1-4]"),
+            ("SLURM_STEP_NUM_NODES", "2"),
+            ("SLURM_STEP_NODELIST", "n[3-4]"),
+        ]
+        .into_iter()
+        .collect();
+        let job = SlurmJob::from_env(|k| env.get(k).map(|v| v.to_string())).unwrap();
+        assert_eq!(
+            (job.nnodes.as_deref(), job.first_host.as_deref()),
+            (Some("2"), Some("n3"))
+        );
+    }
+
+    #[test]
+    fn every_node_gets_the_rdzv_id_as_run_id() {
+        let static_form = ["--nnodes", "2", "--node-rank", "1", "--no-python", "x"];
+        let c = resolve(parse_run(&static_form).unwrap(), &ctx_with(None, &[])).unwrap();
+        assert_eq!(c.run_id, "none");
+        assert_ne!(c.log_name, "none", "a run's log directory is its own");
+        let given = [&["--rdzv-id", "job1"][..], &static_form[..]].concat();
+        let c = resolve(parse_run(&given).unwrap(), &ctx_with(None, &[])).unwrap();
+        assert_eq!((c.run_id.as_str(), c.log_name.as_str()), ("job1", "job1"));
+        let c = resolve(
+            parse_run(&["--standalone", "--no-python", "x"]).unwrap(),
+            &ctx_with(None, &[]),
+        )
+        .unwrap();
+        assert!(c.run_id != "none" && c.run_id.len() == 16, "{}", c.run_id);
     }
 
     #[test]

@@ -193,7 +193,7 @@ fn run_log_dir(cfg: &Config) -> Result<Option<PathBuf>, RunError> {
         }
         (None, false) => return Ok(None),
     };
-    let dir = base.join(&cfg.run_id);
+    let dir = base.join(&cfg.log_name);
     std::fs::create_dir_all(&dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
     output::message(&format!(
         "tether: logs of run {} in {}",

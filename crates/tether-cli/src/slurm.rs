@@ -14,12 +14,22 @@ pub struct SlurmJob {
 }
 
 impl SlurmJob {
-    /// Reads the job from `get` (the environment); `None` outside a SLURM job.
+    /// Reads the job from `get` (the environment); `None` outside a SLURM job. A job
+    /// step's values (`srun` on part of the allocation) win over the job's.
     pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Option<SlurmJob> {
         let job_id = get("SLURM_JOB_ID")?;
-        let nodelist = get("SLURM_JOB_NODELIST").or_else(|| get("SLURM_NODELIST"));
+        let first = |names: &[&str]| names.iter().find_map(|name| get(name));
+        let nodelist = first(&[
+            "SLURM_STEP_NODELIST",
+            "SLURM_JOB_NODELIST",
+            "SLURM_NODELIST",
+        ]);
         Some(SlurmJob {
-            nnodes: get("SLURM_JOB_NUM_NODES").or_else(|| get("SLURM_NNODES")),
+            nnodes: first(&[
+                "SLURM_STEP_NUM_NODES",
+                "SLURM_JOB_NUM_NODES",
+                "SLURM_NNODES",
+            ]),
             node_rank: get("SLURM_NODEID"),
             first_host: nodelist.and_then(|list| first_host(&list)),
             job_id,

@@ -156,6 +156,34 @@ fn slurm_sets_nodes_and_master() {
     assert_eq!(envs[&4]["GROUP_WORLD_SIZE"], "3");
 }
 
+#[test]
+fn under_slurm_standalone_and_one_node_run_two_local_ranks_on_localhost() {
+    let slurm = [
+        ("SLURM_JOB_ID", "99"),
+        ("SLURM_JOB_NUM_NODES", "2"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_JOB_NODELIST", "gpu[03-04]"),
+    ];
+    for form in [
+        &["--standalone"][..],
+        &["--nnodes", "1"],
+        &["--nnodes", "1", "--node-rank", "0"],
+    ] {
+        let args = [
+            &["run"][..],
+            form,
+            &["-n", "2", "--no-python", "sh", "-c", PRINT_ENV],
+        ]
+        .concat();
+        let out = run_env(&args, &slurm);
+        assert_eq!(out.code, Some(0), "{form:?}: {out:?}");
+        let envs = env_of(&out.stdout);
+        assert_eq!(envs.keys().copied().collect::<Vec<_>>(), [0, 1], "{form:?}");
+        assert_eq!(envs[&0]["MASTER_ADDR"], "localhost", "{form:?}");
+        assert_eq!(envs[&1]["WORLD_SIZE"], "2", "{form:?}");
+    }
+}
+
 const FLOOD: &str = r#"
 import os, random, sys
 r = int(os.environ["RANK"])
