@@ -154,7 +154,8 @@ def python_start(reps: int) -> List[List[float]]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     with ours, theirs:
         plain = {k: v for k, v in os.environ.items() if k != "TETHER_STACKS_FD"}
-        channel = dict(plain, TETHER_STACKS_FD=str(theirs.fileno()))
+        value = f"{theirs.fileno()}:{os.fstat(theirs.fileno()).st_ino}"
+        channel = dict(plain, TETHER_STACKS_FD=value)
         samples: List[List[float]] = [[], []]
         for _ in range(reps):
             for i, env in enumerate((plain, channel)):

@@ -208,3 +208,38 @@ def test_the_launcher_leaves_the_host_processs_own_children_alone() -> None:
         [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
     )
     assert (proc.returncode, proc.stdout) == (0, "ok\n"), proc.stderr
+
+
+@pytest.mark.parametrize("closed", ["0", "1", "2", "0 1 2"])
+@pytest.mark.parametrize("entry", [tether, python_m_tether])
+def test_tether_run_runs_with_any_standard_stream_closed(
+    entry, closed: str, tmp_path: Path
+) -> None:
+    script = write_script(
+        tmp_path,
+        "rank.py",
+        """
+        import os, sys
+        open(os.path.join(sys.argv[1], "ran." + os.environ["RANK"]), "w").close()
+        print("done")
+        """,
+    )
+    command = " ".join(f"'{a}'" for a in entry("run", "-n", "2", str(script), str(tmp_path)))
+    closing = " ".join(f"{fd}>&-" if fd != "0" else "0<&-" for fd in closed.split())
+    proc = subprocess.run(
+        ["sh", "-c", f"{command} {closing}"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.glob("ran.*")) == ["ran.0", "ran.1"]
+    if "1" not in closed:
+        assert sorted(proc.stdout.splitlines()) == ["[rank 0]: done", "[rank 1]: done"]
+
+
+def test_tether_run_with_stderr_closed_reports_a_failure_on_stdout(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "fail.py", "raise SystemExit(3)\n")
+    command = " ".join(f"'{a}'" for a in tether("run", "-n", "1", str(script)))
+    proc = subprocess.run(
+        ["sh", "-c", f"{command} 2>&-"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 3
+    assert "exit code 3" in proc.stdout, proc.stdout

@@ -137,6 +137,69 @@ def test_a_module_that_fails_to_preload_is_a_warning(own_zygote):
         tether.start_processes(success, nprocs=2, start_method="forkserver", preload=preload)
 
 
+THREADED_PACKAGE = """
+import threading
+import time
+
+lock = threading.Lock()
+held = threading.Event()
+
+
+def _hold():
+    # An agent's thread: it holds its lock while it works, nearly all the time.
+    while True:
+        with lock:
+            held.set()
+            time.sleep(0.05)
+        time.sleep(0.001)
+
+
+threading.Thread(target=_hold, daemon=True, name="agent").start()
+held.wait(10)
+
+
+def use():
+    # What a call into the package does: take the agent's lock (for a moment).
+    if not lock.acquire(timeout=10):
+        raise RuntimeError("the agent's lock is held for ever")
+    lock.release()
+"""
+
+
+def use_threaded_package(i):
+    import tether_threaded_agent
+
+    tether_threaded_agent.use()
+
+
+def test_a_preloaded_module_that_starts_a_thread_is_left_out_and_children_do_not_hang(
+    own_zygote, tmp_path, monkeypatch
+):
+    (tmp_path / "tether_threaded_agent").mkdir()
+    (tmp_path / "tether_threaded_agent" / "__init__.py").write_text(THREADED_PACKAGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    preload = own_zygote(("json", "tether_threaded_agent", "csv"))
+    with pytest.warns(RuntimeWarning) as caught:
+        tether.start_processes(
+            use_threaded_package, nprocs=2, start_method="forkserver", preload=preload
+        )
+    said = [str(w.message) for w in caught]
+    assert any(
+        "left 'tether_threaded_agent' out of the preload: importing it started a thread" in s
+        for s in said
+    ), said
+    assert not any("forking such a process is unsafe" in s for s in said), said
+    # The zygote is single-threaded again, and has the rest of its preload.
+    zygote = _zygote.get(preload)
+    assert len(os.listdir(f"/proc/{zygote.pid}/task")) == 1
+    # Later starts reuse it without another warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tether.start_processes(
+            use_threaded_package, nprocs=2, start_method="forkserver", preload=preload
+        )
+
+
 def test_set_preload_chooses_the_zygote(own_zygote):
     preload = own_zygote(("json", "csv"))
     tether.set_preload(preload)

@@ -9,7 +9,8 @@ On an exception (``KeyboardInterrupt`` included) it writes a report to the pipe 
 
 Every child registers its stack dump handler first of all (``install_stacks``) on its
 parent's stacks channel: named by ``TETHER_STACKS_FD`` for a spawn child, carried in the
-preparation data for a zygote's child, known to a fork child."""
+preparation data for a zygote's child, known to a fork child (an fd, checked to be that
+socket)."""
 
 from __future__ import annotations
 
@@ -109,19 +110,30 @@ def set_title(title: Optional[Title], rank: int) -> None:
         pass  # a name is a courtesy: never a reason to fail
 
 
-def install_stacks(fd: Optional[int]) -> None:
-    """Makes this process answer its parent's requests for its stacks: every thread's stack
-    goes to ``fd`` (the parent's stacks channel, made close-on-exec here), written by the
-    interpreter in the main thread, or by ``faulthandler`` when the main thread cannot run
-    Python (see ``tether_core::stacks``). Without it the process only cannot answer: never
-    a reason to fail."""
-    if fd is None:
+def install_stacks(channel: Optional[Tuple[int, int]]) -> None:
+    """Makes this process answer its parent's requests for its stacks through ``channel``
+    (the fd of its parent's stacks channel and that socket's inode; the fd is moved to a
+    private close-on-exec number): every thread's stack, written by the interpreter in the
+    main thread, or the main thread's by ``faulthandler`` when it cannot run Python (see
+    ``tether_core::stacks``). Without it the process only cannot answer: never a reason to
+    fail."""
+    if channel is None:
         return
     try:
-        _native.install_stack_handler(fd)
-        os.set_inheritable(fd, False)
+        _native.install_stack_handler(*channel)
     except Exception:  # noqa: BLE001 - a debugging aid must never stop a rank
         pass
+
+
+def stacks_channel_from_env() -> Optional[Tuple[int, int]]:
+    """The channel ``TETHER_STACKS_FD`` names (``FD:INODE``), taken out of the environment
+    (so that this process's own children do not take an fd they do not hold)."""
+    value = os.environ.pop(_native.STACKS_FD_ENV, None)
+    fd, _, inode = (value or "").partition(":")
+    try:
+        return int(fd), int(inode)
+    except ValueError:
+        return None
 
 
 def run_payload(
@@ -140,7 +152,7 @@ def run_payload(
             raise OSError(*setup_error)
         data = pickle.loads(prep)
         set_title(data.pop("tether_title", None), rank)
-        install_stacks(data.pop("tether_stacks_fd", None))
+        install_stacks(data.pop("tether_stacks_channel", None))
         _prepare(data)
         fn, args = pickle.loads(work)
         fn(rank, *args)
@@ -165,8 +177,7 @@ def make_payload(rank: int, prep: bytes, work: bytes) -> bytes:
 
 def main() -> None:
     """Entry point of a spawn child: ``python -c 'from tether._child import main; main()'``."""
-    stacks_fd = os.environ.pop(_native.STACKS_FD_ENV, None)
-    install_stacks(None if stacks_fd is None else int(stacks_fd))
+    install_stacks(stacks_channel_from_env())
     payload_fd = int(os.environ.pop("TETHER_PAYLOAD_FD"))
     report_fd = int(os.environ.pop("TETHER_REPORT_FD"))
     os.set_inheritable(report_fd, False)
@@ -207,13 +218,13 @@ def run_forked(
     parent_pid: int,
     from_main_thread: bool,
     title: Optional[Title] = None,
-    stacks_fd: Optional[int] = None,
+    stacks_channel: Optional[Tuple[int, int]] = None,
 ) -> NoReturn:
     """Entry point of a fork child, right after ``os.fork()``; never returns."""
     code = 1
     try:
         _native.setup_forked_child(parent_pid, from_main_thread)
-        install_stacks(stacks_fd)
+        install_stacks(stacks_channel)
         set_title(title, rank)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

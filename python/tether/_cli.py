@@ -51,12 +51,40 @@ def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
     raise SystemExit(run_native(args))
 
 
+def _standard_fds() -> None:
+    """Gives every closed standard fd something to stand on, so that no fd the launcher
+    makes takes its number (and its ranks' output with it): a closed stderr gets stdout
+    when that is open (tether's messages go where they can), anything else /dev/null."""
+    import os
+
+    def is_open(fd: int) -> bool:
+        try:
+            os.fstat(fd)
+        except OSError:
+            return False
+        return True
+
+    closed = [fd for fd in (0, 1, 2) if not is_open(fd)]
+    for fd in closed:
+        if fd == 2 and 1 not in closed:
+            os.dup2(1, 2, inheritable=True)
+            continue
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:
+            os.dup2(null, fd, inheritable=True)
+            os.close(null)
+        else:
+            os.set_inheritable(fd, True)
+
+
 def run_native(args: List[str]) -> int:
     """Runs ``tether ARGS`` with the native launcher, in this process."""
     from tether import _native
 
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _standard_fds()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
     summaries = [(name, command.summary) for name, command in sorted(COMMANDS.items())]
     return _native.cli_main(["tether", *args], sys.executable or None, summaries)
 

@@ -143,7 +143,8 @@ def start(
     data["tether_title"] = title
     if method == "forkserver":
         # A spawn child is given the stacks channel by the supervisor (TETHER_STACKS_FD).
-        data["tether_stacks_fd"] = popen.duplicate_for_child(_native.stacks_fd())
+        fd, inode = _native.stacks_fd()
+        data["tether_stacks_channel"] = (popen.duplicate_for_child(fd), inode)
     prep = _dumps(data, popen)
     work = _dumps((fn, tuple(args)), popen)
     passed = list(dict.fromkeys([*popen.fds, *keep_fds]))
@@ -206,11 +207,13 @@ def _start_fork(
     """Forks one child per rank, then hands them all to the supervisor in one call."""
     parent = os.getpid()
     from_main = threading.current_thread() is threading.main_thread()
-    stacks_fd = _native.stacks_fd()
+    stacks_channel = _native.stacks_fd()
     children: List[Tuple[int, int]] = []  # (pid, read end of its report pipe)
     try:
         for rank in ranks:
-            child = _fork_one(fn, rank, args, close_in_child, parent, from_main, title, stacks_fd)
+            child = _fork_one(
+                fn, rank, args, close_in_child, parent, from_main, title, stacks_channel
+            )
             children.append(child)
     except BaseException:
         _stop_unsupervised(children)
@@ -228,7 +231,7 @@ def _fork_one(
     parent: int,
     from_main: bool,
     title: _child.Title,
-    stacks_fd: int,
+    stacks_channel: Tuple[int, int],
 ) -> Tuple[int, int]:
     try:
         read_fd, write_fd = os.pipe()
@@ -249,7 +252,7 @@ def _fork_one(
                 os.close(fd)
             except OSError:
                 pass
-        _child.run_forked(fn, rank, args, write_fd, parent, from_main, title, stacks_fd)
+        _child.run_forked(fn, rank, args, write_fd, parent, from_main, title, stacks_channel)
     os.close(write_fd)
     try:
         os.setpgid(pid, pid)

@@ -38,13 +38,18 @@ def check_timeout(value: Any, name: str = "timeout") -> float:
 
 
 def ask(
-    targets: Sequence[Tuple[_native.Group, int]], timeout: Any, native: bool
+    targets: Sequence[Tuple[_native.Group, int]],
+    timeout: Any,
+    native: bool,
+    dump_after: Optional[float] = None,
 ) -> List[Tuple[int, bool, str]]:
     """Asks every ``(group, index)`` at once; ``(pid, answered, text)`` for each, in order.
     With ``native``, py-spy's view is added when py-spy is installed (and silently left
-    out when it is not)."""
+    out when it is not). ``dump_after`` (seconds) is how long a process may take to begin
+    answering from its interpreter before its main thread is dumped from a signal handler
+    (0.1 s by default)."""
     seconds = check_timeout(timeout)
-    return _native.stacks(list(targets), seconds, py_spy() if native else None)
+    return _native.stacks(list(targets), seconds, py_spy() if native else None, dump_after)
 
 
 def _mask(pid: int, field: str) -> int:

@@ -28,15 +28,45 @@ from ._log import logger
 ZygoteError = _native.ZygoteError
 
 
-def _preload(modules: Sequence[str]) -> List[Tuple[str, str]]:
-    """Imports each module; returns (module, error) for those that fail."""
+#: Where a zygote that started again without some modules finds its configuration.
+_CONFIG_ENV = "TETHER_ZYGOTE_CONFIG"
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _preload(modules: Sequence[str]) -> Tuple[List[Tuple[str, str]], List[str]]:
+    """Imports each module; returns (module, error) for those that fail, and the modules
+    whose import left a thread running (one that a throwaway fork, see ``_quiesce``, does
+    not wind down): forking a process with another thread copies the locks that thread
+    holds, held for ever in every child."""
     failures = []
+    threaded = []
     for name in modules:
+        before = _threads()
         try:
             importlib.import_module(name)
         except BaseException as exc:  # noqa: BLE001 - an import may even call sys.exit
             failures.append((name, f"{type(exc).__name__}: {exc}"))
-    return failures
+        if _threads() > before:
+            _quiesce()
+            if _threads() > before:
+                threaded.append(name)
+    return failures, threaded
+
+
+def _start_again_without(config: Dict[str, object], fds: Sequence[int]) -> NoReturn:
+    """Replaces this zygote (same pid, same fds ``fds``) by a fresh one whose preload leaves
+    out the modules in ``config["left_out"]``; its threads do not survive the exec."""
+    import base64
+
+    for fd in fds:
+        os.set_inheritable(fd, True)
+    env = dict(os.environ)
+    env[_CONFIG_ENV] = base64.b64encode(pickle.dumps(config)).decode()
+    argv = _launch.python_argv("from tether._zygote import main; main()")
+    os.execve(argv[0], argv, env)
 
 
 def _quiesce() -> None:
@@ -56,20 +86,36 @@ def main() -> None:
     the terminal."""
     report_fd = int(os.environ.pop("TETHER_REPORT_FD"))
     try:
-        request_fd, notices_fd = map(int, os.environ.pop(_native.ZYGOTE_FDS_ENV).split(","))
-        payload_fd = int(os.environ.pop("TETHER_PAYLOAD_FD"))
-        config = pickle.loads(_child._read_all(payload_fd))
-        os.close(payload_fd)
+        fds_value = os.environ.pop(_native.ZYGOTE_FDS_ENV)
+        request_fd, notices_fd = map(int, fds_value.split(","))
+        again = os.environ.pop(_CONFIG_ENV, None)
+        if again is None:
+            payload_fd = int(os.environ.pop("TETHER_PAYLOAD_FD"))
+            config = pickle.loads(_child._read_all(payload_fd))
+            os.close(payload_fd)
+        else:
+            import base64
+
+            config = pickle.loads(base64.b64decode(again))
+        left_out: List[str] = config.setdefault("left_out", [])
+        preload = [m for m in config["preload"] if m not in left_out]
         sys.path[:] = config["sys_path"]
-        _name_zygote(config["preload"])
-        failures = _preload(config["preload"])
+        _name_zygote(preload)
+        failures, threaded = _preload(preload)
+        if threaded and len(left_out) < 3 * len(config["preload"]):
+            # Start again without them: a thread cannot be stopped from outside, and a
+            # zygote must fork from a single thread.
+            config["left_out"] = left_out + threaded
+            os.environ["TETHER_REPORT_FD"] = str(report_fd)
+            os.environ[_native.ZYGOTE_FDS_ENV] = fds_value
+            _start_again_without(config, [report_fd, request_fd, notices_fd])
         _quiesce()
         # What the zygote holds now is shared by every child, page for page, until written
         # to: keep the garbage collector from walking it (and copying every page it visits)
         # in each child.
         gc.freeze()
         threads = len(os.listdir("/proc/self/task"))
-        ready = pickle.dumps({"failures": failures, "threads": threads})
+        ready = pickle.dumps({"failures": failures, "threads": threads, "left_out": left_out})
         served = _native.zygote_serve(
             request_fd, notices_fd, os.getppid(), ready, config["reserve"]
         )
@@ -264,6 +310,14 @@ class Zygote:
             warnings.warn(
                 f"tether zygote: cannot preload module {module!r} ({error}); "
                 "children will import it themselves",
+                RuntimeWarning,
+                5,
+            )
+        for module in info.get("left_out", ()):
+            warnings.warn(
+                f"tether zygote: left {module!r} out of the preload: importing it started a "
+                "thread, and forking a process that has another thread can leave a lock "
+                "held for ever in every child; forkserver children import it themselves",
                 RuntimeWarning,
                 5,
             )

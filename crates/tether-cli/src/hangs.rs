@@ -128,10 +128,7 @@ pub struct Ranks {
 /// rank's prefix, in one block on the launcher's stderr: first `tether: {why}`, how many
 /// answered, and `then`.
 pub fn print_stacks(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) {
-    let request = Request {
-        timeout: STACKS_TIMEOUT,
-        py_spy,
-    };
+    let request = Request::new(STACKS_TIMEOUT, py_spy);
     let started = Instant::now();
     let answers = match ranks.group.stacks(&request) {
         Ok(answers) => answers,

@@ -195,6 +195,14 @@ pub fn process_state(pid: i32) -> Option<char> {
     stat[stat.rfind(')')? + 1..].trim_start().chars().next()
 }
 
+/// When a process started (field 22 of /proc/PID/stat, in clock ticks since boot): with its
+/// pid, it names one process for good.
+pub fn process_start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields = &stat[stat.rfind(')')? + 1..];
+    fields.split_whitespace().nth(19)?.parse().ok()
+}
+
 pub fn describe_state(state: Option<char>) -> String {
     let name = match state {
         Some('R') => "running",

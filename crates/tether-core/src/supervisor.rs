@@ -434,8 +434,8 @@ impl Loop {
         };
         if spec.stacks {
             let sender = self.sup.stacks.sender().as_raw_fd();
-            spec.env
-                .push((stacks::FD_ENV.into(), sender.to_string().into()));
+            let value = stacks::handler::env_value(sender, self.sup.stacks.inode());
+            spec.env.push((stacks::FD_ENV.into(), value.into()));
             extra_keep.push(sender);
         }
         let payload = match spec.payload.take() {

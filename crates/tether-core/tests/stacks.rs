@@ -61,8 +61,9 @@ extern "C" fn fake_dump(_signal: libc::c_int) {
 
 /// A child: installs the fake handler on the stacks channel, wraps it, and waits.
 fn helper_main() -> ! {
-    let fd: RawFd = std::env::var(stacks::FD_ENV).unwrap().parse().unwrap();
-    assert!(stacks::handler::is_channel(fd));
+    let value = std::env::var(stacks::FD_ENV).unwrap();
+    let (fd, inode) = stacks::handler::parse_env_value(&value).unwrap();
+    let fd: RawFd = stacks::handler::adopt(fd, Some(inode)).unwrap();
     FD.store(fd, Ordering::SeqCst);
     // SAFETY: installs a plain handler that only calls async-signal-safe functions.
     unsafe {
@@ -71,7 +72,7 @@ fn helper_main() -> ! {
             fake_dump as *const () as libc::sighandler_t,
         )
     };
-    stacks::handler::wrap(stacks::signal(), fd).unwrap();
+    stacks::handler::wrap(stacks::signal()).unwrap();
     loop {
         std::thread::sleep(Duration::from_secs(60));
     }
@@ -96,10 +97,7 @@ fn launch(n: usize, helper: bool) -> Group {
 }
 
 fn request(timeout: Duration) -> Request {
-    Request {
-        timeout,
-        py_spy: None,
-    }
+    Request::new(timeout, None)
 }
 
 /// Asks until every member answers (their handlers are installed a moment after start).
@@ -122,17 +120,19 @@ fn stop(group: &Group) {
 const WHOLE: &str = "Current thread 0x0001 (most recent call first):\n  File \"helper.rs\", \
                      line 7 in stuck_here\n  File \"helper.rs\", line 3 in main";
 
+/// A whole dump from the signal handler: the helper's lines, then the line that says only
+/// the interrupted thread is shown.
+fn whole() -> String {
+    format!("{WHOLE}\n{}", stacks::handler::ONE_THREAD)
+}
+
 fn every_child_answers_at_once_with_its_whole_stack() {
     let group = launch(8, true);
     let answers = ready(&group);
     for (i, answer) in answers.iter().enumerate() {
         assert_eq!(Some(answer.pid), group.pid(i));
-        assert_eq!(
-            answer.reply,
-            Reply::Stack(format!("{WHOLE}\n")),
-            "{answer:?}"
-        );
-        assert_eq!(answer.text(Duration::from_secs(1)), WHOLE);
+        assert_eq!(answer.reply, Reply::Stack(whole()), "{answer:?}");
+        assert_eq!(answer.text(Duration::from_secs(1)), whole().trim_end());
     }
     stop(&group);
 }
@@ -191,6 +191,6 @@ fn a_late_dump_never_passes_for_a_later_answer() {
     // SAFETY: as above.
     unsafe { libc::kill(pid, libc::SIGCONT) };
     let second = group.stacks(&request(Duration::from_secs(5))).unwrap();
-    assert_eq!(second[0].reply, Reply::Stack(format!("{WHOLE}\n")));
+    assert_eq!(second[0].reply, Reply::Stack(whole()));
     stop(&group);
 }

@@ -6,40 +6,144 @@ use std::path::PathBuf;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 use tether_core::stacks::{self as core_stacks, Request};
 
 use crate::group::Group;
 use crate::{core_error, os_error, timeout_of};
 
-/// In a child: makes this process answer its parent's requests for its stacks on `fd` (the
-/// sending end of the parent's stacks channel): Python's own handler of the request signal
-/// dumps every thread from the main thread ([`answer_request`]), and `faulthandler` does on
-/// the dump signal (see `tether_core::stacks::handler`). A ValueError when `fd` is no such
-/// channel.
+/// In a child: makes this process answer its parent's requests for its stacks through `fd`
+/// (the sending end of the parent's stacks channel; when `inode` is given, that very
+/// socket), moved to a private high fd number first; returns the fd it now has. Python's
+/// own handler of the request signal dumps every thread from the main thread
+/// ([`answer_request`]), and `faulthandler` dumps the main thread on the dump signal (see
+/// `tether_core::stacks::handler`). A ValueError, with nothing changed, when `fd` is no
+/// such channel.
+///
+/// It also watches the program's own calls (`signal.signal`, `faulthandler.register`) for
+/// a handler of its own on tether's signals, which withdraws this process from requests,
+/// and `signal.set_wakeup_fd`, whose fd Python's handler would write to.
 #[pyfunction]
-fn install_stack_handler(py: Python<'_>, fd: RawFd) -> PyResult<()> {
-    if !core_stacks::handler::is_channel(fd) {
-        return Err(PyValueError::new_err(format!(
-            "fd {fd} is not a tether stacks channel"
-        )));
-    }
+#[pyo3(signature = (fd, inode=None))]
+fn install_stack_handler(py: Python<'_>, fd: RawFd, inode: Option<u64>) -> PyResult<RawFd> {
+    let fd = core_stacks::handler::adopt(fd, inode)
+        .map_err(|err| PyValueError::new_err(err.to_string()))?;
+    let faulthandler = py.import("faulthandler")?;
     let kwargs = PyDict::new(py);
     kwargs.set_item("file", fd)?;
-    kwargs.set_item("all_threads", true)?;
+    kwargs.set_item("all_threads", false)?;
     kwargs.set_item("chain", false)?;
-    py.import("faulthandler")?.call_method(
-        "register",
-        (core_stacks::dump_signal(),),
-        Some(&kwargs),
-    )?;
-    core_stacks::handler::wrap(core_stacks::dump_signal(), fd).map_err(os_error)?;
+    original(&faulthandler.getattr("register")?)?
+        .call((core_stacks::dump_signal(),), Some(&kwargs))?;
+    core_stacks::handler::wrap(core_stacks::dump_signal()).map_err(os_error)?;
     let answer = wrap_pyfunction!(answer_request, py)?;
     // `_signal`, the C module: `signal` would import `enum`, milliseconds in a `tether
     // run` rank that registers at interpreter start.
-    py.import("_signal")?
-        .call_method1("signal", (core_stacks::signal(), answer))?;
-    core_stacks::handler::wrap_request(core_stacks::signal(), fd).map_err(os_error)
+    let signal_module = py.import("_signal")?;
+    original(&signal_module.getattr("signal")?)?.call1((core_stacks::signal(), answer))?;
+    core_stacks::handler::wrap_request(core_stacks::signal()).map_err(os_error)?;
+    note_wakeup_fd(py, &signal_module);
+    guard(py, &faulthandler, "register", Watch::Handler)?;
+    guard(py, &signal_module, "signal", Watch::Handler)?;
+    guard(py, &signal_module, "set_wakeup_fd", Watch::Wakeup)?;
+    if let Ok(module) = py.import("sys")?.getattr("modules")?.get_item("signal") {
+        // `signal` copied `set_wakeup_fd` from `_signal` when it was imported.
+        guard(py, &module, "set_wakeup_fd", Watch::Wakeup)?;
+    }
+    Ok(fd)
+}
+
+/// What a [`SignalGuard`] watches for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Watch {
+    /// A handler of the program's own for one of tether's signals.
+    Handler,
+    /// The interpreter's wakeup fd.
+    Wakeup,
+}
+
+/// A function of `signal` or `faulthandler` as the program calls it, watched: it does what
+/// the function does, having noted what tether must know (see [`install_stack_handler`]).
+#[pyclass(module = "tether._native", frozen)]
+struct SignalGuard {
+    original: PyObject,
+    watch: Watch,
+}
+
+#[pymethods]
+impl SignalGuard {
+    #[pyo3(signature = (*args, **kwargs))]
+    fn __call__(
+        &self,
+        py: Python<'_>,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PyObject> {
+        let first: Option<i64> = args.get_item(0).ok().and_then(|a| a.extract().ok());
+        let ours = [core_stacks::signal(), core_stacks::dump_signal()];
+        if self.watch == Watch::Handler
+            && first.is_some_and(|n| ours.iter().any(|&s| n == s as i64))
+        {
+            core_stacks::handler::withdraw();
+        }
+        let result = self.original.bind(py).call(args, kwargs)?;
+        if let (Watch::Wakeup, Some(fd)) = (self.watch, first) {
+            core_stacks::handler::set_wakeup_fd(fd.try_into().unwrap_or(-1));
+        }
+        Ok(result.unbind())
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.original.bind(py).repr()?.to_string())
+    }
+
+    #[getter]
+    fn __wrapped__(&self, py: Python<'_>) -> PyObject {
+        self.original.clone_ref(py)
+    }
+
+    #[getter]
+    fn __doc__(&self, py: Python<'_>) -> PyResult<PyObject> {
+        Ok(self.original.bind(py).getattr("__doc__")?.unbind())
+    }
+}
+
+/// The function a guard watches, or `function` itself.
+fn original<'py>(function: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    match function.downcast::<SignalGuard>() {
+        Ok(guard) => Ok(guard.get().original.bind(function.py()).clone()),
+        Err(_) => Ok(function.clone()),
+    }
+}
+
+/// Puts a guard of `watch` on `module.name` (once).
+fn guard(py: Python<'_>, module: &Bound<'_, PyAny>, name: &str, watch: Watch) -> PyResult<()> {
+    let function = module.getattr(name)?;
+    if function.downcast::<SignalGuard>().is_ok() {
+        return Ok(());
+    }
+    let guard = SignalGuard {
+        original: function.unbind(),
+        watch,
+    };
+    module.setattr(name, Py::new(py, guard)?)
+}
+
+/// Notes the wakeup fd the interpreter has now (a fork child keeps its parent's); only the
+/// main thread can read it.
+fn note_wakeup_fd(py: Python<'_>, signal_module: &Bound<'_, PyModule>) {
+    let read = || -> PyResult<i32> {
+        let set = original(&signal_module.getattr("set_wakeup_fd")?)?;
+        let fd: i32 = set.call1((-1,))?.extract()?;
+        if fd >= 0 {
+            set.call1((fd,))?;
+        }
+        Ok(fd)
+    };
+    match read() {
+        Ok(fd) => core_stacks::handler::set_wakeup_fd(fd),
+        Err(err) => drop(err.value(py)),
+    }
 }
 
 /// Python's handler of the request signal (in the main thread, with the GIL): writes every
@@ -107,9 +211,10 @@ fn every_thread(py: Python<'_>) -> PyResult<String> {
     Ok(out)
 }
 
-/// The fd number of this process's stacks channel (the end its children write to).
+/// This process's stacks channel (the end its children write to): its fd number and its
+/// socket's inode.
 #[pyfunction]
-fn stacks_fd() -> PyResult<RawFd> {
+fn stacks_fd() -> PyResult<(RawFd, u64)> {
     core_stacks::channel_fd().map_err(core_error)
 }
 
@@ -121,19 +226,23 @@ type PyAnswer = (i32, bool, String);
 /// `(pid, answered, text)` per target, in order; the text of one that did not answer says
 /// why.
 #[pyfunction]
-#[pyo3(signature = (targets, timeout, py_spy=None))]
+#[pyo3(signature = (targets, timeout, py_spy=None, dump_after=None))]
 fn stacks(
     py: Python<'_>,
     targets: Vec<(PyRef<'_, Group>, usize)>,
     timeout: f64,
     py_spy: Option<PathBuf>,
+    dump_after: Option<f64>,
 ) -> PyResult<Vec<PyAnswer>> {
     let timeout = timeout_of(Some(timeout))?.unwrap_or(std::time::Duration::from_secs(1 << 30));
     let groups: Vec<(tether_core::Group, usize)> = targets
         .iter()
         .map(|(group, index)| (group.inner.clone(), *index))
         .collect();
-    let request = Request { timeout, py_spy };
+    let mut request = Request::new(timeout, py_spy);
+    if let Some(after) = timeout_of(dump_after)? {
+        request.dump_after = after;
+    }
     let answers = py
         .allow_threads(|| {
             let members: Vec<(&tether_core::Group, usize)> =
@@ -152,6 +261,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STACKS_DUMP_SIGNAL", core_stacks::dump_signal())?;
     m.add("STACKS_FD_ENV", core_stacks::FD_ENV)?;
     m.add("PY_SPY_ENV", core_stacks::PY_SPY_ENV)?;
+    m.add_class::<SignalGuard>()?;
     m.add_function(wrap_pyfunction!(install_stack_handler, m)?)?;
     m.add_function(wrap_pyfunction!(stacks_fd, m)?)?;
     m.add_function(wrap_pyfunction!(stacks, m)?)?;

@@ -3,12 +3,14 @@ interpreter start-up by ``tether_stacks.pth`` only when ``TETHER_STACKS_FD`` is 
 every other process the ``.pth`` line costs one lookup in ``os.environ``).
 
 ``tether run`` starts a rank as ``python -u SCRIPT`` or ``python -u -m MODULE``, as torchrun
-does, and leaves that command line as it is. It passes its stacks channel instead: an fd
-named by ``TETHER_STACKS_FD``, on which this module registers the handler that answers the
-launcher's requests for the rank's stacks, as ``tether._child`` does in tether's own
-children. The variable is removed, so that the rank's own Python children do not take an
-fd they do not hold. Only tether's compiled module is loaded: importing the ``tether``
-package would cost every rank tens of milliseconds."""
+does, and leaves that command line as it is. It passes its stacks channel instead: an fd and
+its socket's inode, ``FD:INODE`` in ``TETHER_STACKS_FD``, on which this module registers the
+handler that answers the launcher's requests for the rank's stacks, as ``tether._child``
+does in tether's own children. A value that names no such socket (a stray variable in some
+other program) installs nothing and changes no fd. The variable is removed, so that the
+rank's own Python children do not take an fd they do not hold. Only tether's compiled
+module is loaded: importing the ``tether`` package would cost every rank tens of
+milliseconds."""
 
 import os
 import sys
@@ -20,10 +22,9 @@ def install() -> None:
     """Registers the handler on the fd that ``TETHER_STACKS_FD`` names; any failure leaves
     the process as it was (it only cannot show its stacks)."""
     value = os.environ.pop(_VARIABLE, None)
+    fd, _, inode = (value or "").partition(":")
     try:
-        fd = int(value or "")
-        _native().install_stack_handler(fd)  # type: ignore[attr-defined]
-        os.set_inheritable(fd, False)
+        _native().install_stack_handler(int(fd), int(inode))  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - a debugging aid must never stop a program's start
         pass
 

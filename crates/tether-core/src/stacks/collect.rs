@@ -43,7 +43,12 @@ struct Wanted {
 pub(crate) struct Channel {
     receiver: OwnedFd,
     sender: OwnedFd,
+    /// The sending end's inode: what a child must still hold to be asked.
+    inode: u64,
     wanted: Mutex<HashMap<i32, Wanted>>,
+    /// The processes that installed their own handler for tether's signals, by pid, with
+    /// their start time (a pid used again by a new process is asked again).
+    withdrawn: Mutex<HashMap<i32, Option<u64>>>,
     arrived: Condvar,
 }
 
@@ -57,10 +62,13 @@ impl Channel {
         )?;
         rustix::net::sockopt::set_socket_passcred(&receiver, true)?;
         rustix::io::ioctl_fionbio(&receiver, true)?;
+        let inode = rustix::fs::fstat(&sender)?.st_ino;
         Ok(Channel {
             receiver,
             sender,
+            inode,
             wanted: Mutex::new(HashMap::new()),
+            withdrawn: Mutex::new(HashMap::new()),
             arrived: Condvar::new(),
         })
     }
@@ -73,6 +81,19 @@ impl Channel {
     /// losing lines).
     pub(crate) fn sender(&self) -> BorrowedFd<'_> {
         self.sender.as_fd()
+    }
+
+    /// The sending end's inode.
+    pub(crate) fn inode(&self) -> u64 {
+        self.inode
+    }
+
+    /// Whether `pid` said it installed its own handler for tether's signals.
+    pub(crate) fn withdrawn(&self, pid: i32) -> bool {
+        let withdrawn = self.withdrawn.lock().unwrap_or_else(|e| e.into_inner());
+        withdrawn
+            .get(&pid)
+            .is_some_and(|&since| since == crate::status::process_start_time(pid))
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<i32, Wanted>> {
@@ -104,6 +125,11 @@ impl Channel {
 
     /// Files a datagram from `pid` under the request it answers; anything else is dropped.
     fn take(&self, pid: i32, datagram: &[u8]) {
+        if Marker::decode(datagram) == Some(Marker::Withdraw) {
+            let mut withdrawn = self.withdrawn.lock().unwrap_or_else(|e| e.into_inner());
+            withdrawn.insert(pid, crate::status::process_start_time(pid));
+            return;
+        }
         let mut wanted = self.lock();
         let Some(from) = wanted.get_mut(&pid) else {
             return;
@@ -126,6 +152,7 @@ impl Channel {
                     self.arrived.notify_all();
                 }
             }
+            Some(Marker::Withdraw) => {}
             None => {
                 let dump = from.current.and_then(|id| from.dumps.get_mut(&id));
                 if let Some(dump) = dump.filter(|d| d.text.len() < DUMP_LIMIT) {

@@ -4,16 +4,20 @@
 //! - The request is a real-time signal, [`signal`] (`SIGRTMIN+4`), so that SIGUSR1 and
 //!   SIGUSR2 stay the program's own. It goes out queued through the process's pidfd and
 //!   carries the request's id.
-//! - A child answers on the sending end of its parent's stacks channel (the fd named by
-//!   [`FD_ENV`], or passed another way), in one of two ways ([`handler`]): its interpreter
-//!   dumps every thread from Python's own handler of the request signal, in the main
-//!   thread, between two bytecodes, which is safe at any moment; or, when that has not
-//!   begun within [`DUMP_AFTER`] (the main thread runs C code, holding the GIL or not), the
-//!   parent sends the dump signal, [`dump_signal`], on which `faulthandler` dumps every
-//!   thread from a C signal handler without taking the GIL: it answers wherever the
-//!   program is, but reads the other threads without a lock, which CPython cannot make
-//!   safe while a thread is being created or ending. Each dump is bracketed with markers
-//!   carrying the request's id.
+//! - A child answers on the sending end of its parent's stacks channel (the fd and socket
+//!   named by [`FD_ENV`], or passed another way), in one of two ways ([`handler`]): its
+//!   interpreter dumps every thread from Python's own handler of the request signal, in
+//!   the main thread, between two bytecodes, which is safe at any moment; or, when that has
+//!   not begun within [`DUMP_AFTER`] (the main thread runs C code, holding the GIL or not),
+//!   the parent sends the dump signal, [`dump_signal`], on which `faulthandler` dumps the
+//!   main thread from a C signal handler without taking the GIL (the one thread it can read
+//!   safely there). Each dump is bracketed with markers carrying the request's id.
+//! - A request changes nothing in what the program does. A child is not signalled when it
+//!   no longer holds the channel (it closed or replaced the fd: it would have nowhere of
+//!   its own to answer), when it installed its own handler for either signal, when its main
+//!   thread blocks the request signal (a `sigwait` or a signalfd of the program's would
+//!   take it) or waits in `pause()`/`sigsuspend()` (which any handler ends); the answer
+//!   says which.
 //! - The channel is one `SOCK_DGRAM` socket pair per parent process (one fd there, one in
 //!   each child, whatever the number of children). The supervisor thread drains the
 //!   receiving end; the kernel tags each datagram with its sender's pid (`SO_PASSCRED`),
@@ -61,10 +65,12 @@ pub fn dump_signal() -> i32 {
 pub const DUMP_AFTER: Duration = Duration::from_millis(100);
 
 /// The fd number of this process's stacks channel (its sending end, close-on-exec), for a
-/// child this process forks or hands to the zygote.
-pub fn channel_fd() -> Result<RawFd, Error> {
+/// child this process forks or hands to the zygote, and its socket's inode (which the
+/// child checks).
+pub fn channel_fd() -> Result<(RawFd, u64), Error> {
     use std::os::fd::AsRawFd;
-    Ok(crate::supervisor::stacks_channel()?.sender().as_raw_fd())
+    let channel = crate::supervisor::stacks_channel()?;
+    Ok((channel.sender().as_raw_fd(), channel.inode()))
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -76,6 +82,20 @@ pub struct Request {
     pub timeout: Duration,
     /// py-spy's path, for the native frames too.
     pub py_spy: Option<PathBuf>,
+    /// How long a process may take to begin answering from its interpreter before the dump
+    /// signal is sent ([`DUMP_AFTER`] unless a test wants the signal path at once).
+    pub dump_after: Duration,
+}
+
+impl Request {
+    /// A request for the Python stacks within `timeout`, with py-spy's view when given.
+    pub fn new(timeout: Duration, py_spy: Option<PathBuf>) -> Request {
+        Request {
+            timeout,
+            py_spy,
+            dump_after: DUMP_AFTER,
+        }
+    }
 }
 
 /// What one process answered.
@@ -94,6 +114,21 @@ pub enum Reply {
     Exited(Option<ExitStatus>),
     /// The request could not be sent.
     Unreachable(String),
+    /// It was not asked, since asking would change what it does (see [`Untouched`]).
+    LeftAlone(Untouched),
+}
+
+/// Why a process was not sent a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Untouched {
+    /// It no longer holds the stacks channel: it closed the fd, or reused its number.
+    ChannelGone,
+    /// It installed its own handler for one of tether's signals.
+    OwnHandler,
+    /// Its main thread blocks the request signal, or waits for it (`sigwait`).
+    Blocked,
+    /// Its main thread waits in `pause()` or `sigsuspend()`.
+    Paused,
 }
 
 /// One process's answer.
@@ -137,12 +172,37 @@ impl Answer {
             }
             Reply::Exited(None) => format!("(no Python stack: pid {pid} has exited)"),
             Reply::Unreachable(why) => format!("(no Python stack: cannot ask pid {pid}: {why})"),
+            Reply::LeftAlone(why) => format!("(no Python stack: pid {pid} {})", why.words()),
         };
         if let Some(native) = &self.native {
             text.push_str("\n\nNative stack (py-spy dump --native):\n");
             text.push_str(native.trim_end());
         }
         text
+    }
+}
+
+impl Untouched {
+    fn words(self) -> &'static str {
+        match self {
+            Untouched::ChannelGone => {
+                "closed its stacks channel or reused its fd number; tether writes into no fd \
+                 it does not own, so this process cannot answer"
+            }
+            Untouched::OwnHandler => {
+                "installed its own handler for tether's stack signals (SIGRTMIN+4, \
+                 SIGRTMIN+5); tether no longer sends them"
+            }
+            Untouched::Blocked => {
+                "blocks or waits for tether's stack signal (SIGRTMIN+4) in its main \
+                 thread, where a sigwait or signalfd of its own would take it; it was not \
+                 asked"
+            }
+            Untouched::Paused => {
+                "waits in signal.pause() (or sigsuspend) in its main thread, which any \
+                 signal handler would end; it was not asked"
+            }
+        }
     }
 }
 
@@ -187,6 +247,100 @@ fn catches(pid: i32, signal: i32) -> bool {
     mask.is_some_and(|m| (1..=64).contains(&signal) && m & (1u64 << (signal - 1)) != 0)
 }
 
+/// Why `pid` must not be sent a request now, if it must not: a signal would reach no
+/// channel of ours, or change what the program does.
+fn leave_alone(channel: &Channel, pid: i32) -> Option<Untouched> {
+    if channel.withdrawn(pid) {
+        return Some(Untouched::OwnHandler);
+    }
+    if !holds_socket(pid, channel.inode()) {
+        return Some(Untouched::ChannelGone);
+    }
+    if blocks_for_a_while(pid, signal()) {
+        return Some(Untouched::Blocked);
+    }
+    main_thread_wait(pid, signal())
+}
+
+/// Whether `pid` holds the socket `inode` on some fd (true when /proc does not tell).
+fn holds_socket(pid: i32, inode: u64) -> bool {
+    let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return true;
+    };
+    let want = format!("socket:[{inode}]");
+    entries
+        .flatten()
+        .any(|entry| std::fs::read_link(entry.path()).is_ok_and(|link| link.as_os_str() == &*want))
+}
+
+/// Whether the main thread of `pid` keeps `signal` blocked for some milliseconds: glibc
+/// blocks every signal for a moment while it creates a thread, a program that waits for a
+/// signal blocks it for good.
+fn blocks_for_a_while(pid: i32, signal: i32) -> bool {
+    for _ in 0..10 {
+        if !blocks(pid, signal) {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    true
+}
+
+/// Whether the main thread of `pid` blocks `signal` (`SigBlk` in /proc/PID/status).
+fn blocks(pid: i32, signal: i32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    let mask = status
+        .lines()
+        .find_map(|line| line.strip_prefix("SigBlk:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok());
+    mask.is_some_and(|m| (1..=64).contains(&signal) && m & (1u64 << (signal - 1)) != 0)
+}
+
+/// Whether the main thread of `pid` waits where a request would change what it does, from
+/// /proc/PID/syscall (nothing when it cannot be read): in a call that any signal handler
+/// ends for good (`pause`, `rt_sigsuspend`, `ppoll` on no fd without a timeout), or in a
+/// `sigwait` whose set holds `signal` (the kernel unblocks the set while it waits).
+fn main_thread_wait(pid: i32, signal: i32) -> Option<Untouched> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/syscall")).ok()?;
+    let mut fields = text.split_whitespace();
+    let number: i64 = fields.next()?.parse().ok()?;
+    let args: Vec<u64> = fields
+        .take(3)
+        .filter_map(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).ok())
+        .collect();
+    #[cfg(target_arch = "x86_64")]
+    if number == libc::SYS_pause {
+        return Some(Untouched::Paused);
+    }
+    if number == libc::SYS_rt_sigsuspend
+        || (number == libc::SYS_ppoll && args.len() == 3 && args.iter().all(|&a| a == 0))
+    {
+        return Some(Untouched::Paused);
+    }
+    if number == libc::SYS_rt_sigtimedwait {
+        // The set it waits for, read from its memory (taken as holding the signal when it
+        // cannot be read).
+        let set = args.first().and_then(|&at| read_u64(pid, at));
+        if set.map_or(true, |set| {
+            (1..=64).contains(&signal) && set & (1 << (signal - 1)) != 0
+        }) {
+            return Some(Untouched::Blocked);
+        }
+    }
+    None
+}
+
+/// Eight bytes of the memory of `pid` at `address`.
+fn read_u64(pid: i32, address: u64) -> Option<u64> {
+    use std::os::unix::fs::FileExt;
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).ok()?;
+    let mut bytes = [0u8; 8];
+    mem.read_exact_at(&mut bytes, address).ok()?;
+    Some(u64::from_ne_bytes(bytes))
+}
+
 /// Sends `signal` queued with `id` through `pidfd`.
 fn send(pidfd: BorrowedFd<'_>, signal: i32, id: u64) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
@@ -226,6 +380,9 @@ fn ask_one(channel: &Channel, group: &Group, index: usize, id: u64) -> (i32, Opt
     if !catches(pid, signal) {
         return (pid, Some(Reply::NoHandler));
     }
+    if let Some(why) = leave_alone(channel, pid) {
+        return (pid, Some(Reply::LeftAlone(why)));
+    }
     channel.expect(pid, id);
     // SAFETY: a live member's sentinel is its pidfd, open as long as the group.
     let pidfd = unsafe { BorrowedFd::borrow_raw(sentinel) };
@@ -262,12 +419,12 @@ pub fn ask(members: &[(&Group, usize)], request: &Request) -> Result<Vec<Answer>
         .zip(members)
         .map(|(&(pid, _), &member)| (pid, member))
         .collect();
-    let silent = channel.wait_started(id, &waiting, deadline.min(start + DUMP_AFTER));
+    let silent = channel.wait_started(id, &waiting, deadline.min(start + request.dump_after));
     for pid in silent {
         let Some(&(group, index)) = by_pid.get(&pid) else {
             continue;
         };
-        if catches(pid, dump_signal()) {
+        if catches(pid, dump_signal()) && leave_alone(channel, pid).is_none() {
             if let Some((_, None, sentinel)) = live(group, index) {
                 // SAFETY: a live member's sentinel is its pidfd, open as long as the group.
                 let _ = send(
@@ -292,7 +449,7 @@ pub fn ask(members: &[(&Group, usize)], request: &Request) -> Result<Vec<Answer>
         .map(|(pid, known)| {
             let reply = known.unwrap_or_else(|| {
                 let member = by_pid.get(&pid).copied();
-                reply_of(pid, dumps.remove(&pid), member)
+                reply_of(channel, pid, dumps.remove(&pid), member)
             });
             Answer {
                 pid,
@@ -308,7 +465,12 @@ pub fn ask(members: &[(&Group, usize)], request: &Request) -> Result<Vec<Answer>
 }
 
 /// The reply of a process that was asked, from what arrived.
-fn reply_of(pid: i32, dump: Option<collect::Dump>, member: Option<(&Group, usize)>) -> Reply {
+fn reply_of(
+    channel: &Channel,
+    pid: i32,
+    dump: Option<collect::Dump>,
+    member: Option<(&Group, usize)>,
+) -> Reply {
     let dump = dump.unwrap_or_default();
     let text = || String::from_utf8_lossy(&dump.text).into_owned();
     if dump.done {
@@ -316,6 +478,11 @@ fn reply_of(pid: i32, dump: Option<collect::Dump>, member: Option<(&Group, usize
     }
     if let Some(exit) = member.and_then(|(g, i)| g.exit(i)) {
         return Reply::Exited(Some(exit.status));
+    }
+    if !dump.started {
+        if let Some(why) = leave_alone(channel, pid) {
+            return Reply::LeftAlone(why);
+        }
     }
     let state = process_state(pid);
     match dump.started {
@@ -348,6 +515,32 @@ mod tests {
         assert_eq!(seconds(Duration::from_secs(5)), "5 s");
         assert_eq!(seconds(Duration::from_millis(500)), "0.5 s");
         assert_eq!(seconds(Duration::from_millis(1250)), "1.25 s");
+    }
+
+    #[test]
+    fn a_thread_in_pause_is_seen_and_a_running_one_is_not() {
+        // SAFETY: fork in a test binary; the child only calls pause and _exit (via a signal).
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            // SAFETY: async-signal-safe calls in the child.
+            unsafe {
+                libc::pause();
+                libc::_exit(0);
+            }
+        }
+        let end = Instant::now() + Duration::from_secs(10);
+        let paused = |pid| main_thread_wait(pid, signal()) == Some(Untouched::Paused);
+        while !paused(child) && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(paused(child));
+        assert!(!paused(std::process::id() as i32));
+        assert!(!blocks(child, signal()));
+        // SAFETY: kills and reaps the child forked above.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+            libc::waitpid(child, std::ptr::null_mut(), 0);
+        }
     }
 
     #[test]
