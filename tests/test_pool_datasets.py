@@ -6,6 +6,7 @@ notices what the parent changes; big buffers travel in shared memory; batches ne
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import subprocess
@@ -229,3 +230,42 @@ def test_shared_memory_that_runs_out_is_an_error_naming_the_worker_and_the_size(
         r"shared memory \(a memfd\) for a tensor: Cannot allocate memory",
         text,
     ), text
+
+
+def test_an_iterator_that_raised_and_was_dropped_gives_its_workers_back_at_once(pool):
+    gc.disable()  # without the garbage collector: nothing but reference counting frees it
+    try:
+        with pytest.raises(ValueError, match="Caught ValueError in DataLoader worker"):
+            for _ in DataLoader(
+                helpers.Squares(16, fail_at=5),
+                batch_size=2,
+                num_workers=2,
+                multiprocessing_context=pool.context(),
+            ):
+                pass
+        leased = [lease for _, _, _, lease, _ in pool._core.workers.workers()]
+        assert leased == [None, None]
+        assert pool.submit(helpers.square, 3).result(timeout=10) == 9
+    finally:
+        gc.enable()
+
+
+def test_an_executor_task_never_waits_on_workers_a_garbage_iterator_holds(pool):
+    gc.disable()  # the cycle below is only ever collected by the pool itself
+    try:
+        it = iter(
+            DataLoader(
+                helpers.Squares(16),
+                batch_size=2,
+                num_workers=2,
+                multiprocessing_context=pool.context(),
+            )
+        )
+        next(it)
+        cycle = [it]
+        cycle.append(cycle)
+        del it, cycle
+        assert all(lease is not None for _, _, _, lease, _ in pool._core.workers.workers())
+        assert pool.submit(helpers.square, 3).result(timeout=10) == 9
+    finally:
+        gc.enable()

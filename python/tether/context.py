@@ -21,6 +21,7 @@ from __future__ import annotations
 import multiprocessing.context
 import os
 import signal
+import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
 from . import _channel, _native
@@ -278,10 +279,10 @@ class PoolContext(multiprocessing.context.BaseContext):
     # Queues and events are tether's channels, not multiprocessing's classes: the type stubs
     # of BaseContext name its own return types, hence the overrides.
     def Queue(self, maxsize: int = 0) -> _channel.Queue:  # type: ignore[override]  # noqa: N802
-        return _channel.Queue(maxsize)
+        return _LoaderQueue(maxsize)
 
     def SimpleQueue(self) -> _channel.Queue:  # type: ignore[override]  # noqa: N802
-        return _channel.Queue()
+        return _LoaderQueue()
 
     def Event(self) -> _channel.Event:  # type: ignore[override]  # noqa: N802
         return _channel.Event()
@@ -298,3 +299,52 @@ class PoolContext(multiprocessing.context.BaseContext):
     def __repr__(self) -> str:
         keep = "" if self.keep_datasets else ", keep_datasets=False"
         return f"<tether PoolContext of a pool of {self._leaser.size}{keep}>"
+
+
+class _LoaderQueue(_channel.Queue):
+    """A queue of a pool context, as its maker sees it: an error a DataLoader worker sent
+    (torch's ``ExceptionWrapper``) is re-raised without a reference cycle, so that an
+    iterator that raised and was dropped gives its workers back at once (torch's own
+    ``reraise`` keeps the exception in a local of its frame, which its traceback holds:
+    the dropped iterator would wait for the garbage collector, holding the workers)."""
+
+    def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
+        item = super().get(block, timeout)
+        if type(item) is tuple and len(item) == 2:
+            _acyclic(item[1])
+        return item
+
+
+_acyclic_classes: Dict[type, type] = {}
+
+
+def _acyclic(data: Any) -> None:
+    """Gives a torch ``ExceptionWrapper`` a ``reraise`` that leaves no reference cycle."""
+    utils = sys.modules.get("torch._utils")
+    wrapper = getattr(utils, "ExceptionWrapper", None)
+    if wrapper is None or not isinstance(data, wrapper) or type(data) in _acyclic_classes.values():
+        return
+    cls = _acyclic_classes.get(type(data))
+    if cls is None:
+        cls = type(
+            type(data).__name__, (type(data),), {"reraise": _reraise, "__module__": __name__}
+        )
+        _acyclic_classes[type(data)] = cls
+    data.__class__ = cls
+
+
+def _reraise(self: Any) -> None:
+    """torch's ``reraise`` (the same exception and message), whose frame is dropped from the
+    traceback, and the exception from this frame's locals, before it propagates."""
+    error: Optional[BaseException] = None
+    try:
+        super(type(self), self).reraise()
+    except BaseException as caught:  # noqa: BLE001 - whatever torch raises is re-raised
+        error = caught
+    if error is None:
+        return
+    error.__traceback__ = None
+    try:
+        raise error
+    finally:
+        error = None

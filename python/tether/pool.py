@@ -222,6 +222,8 @@ class _TaskFuture(concurrent.futures.Future):
         if core is None or self.done():
             return timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not core.workers.started(self._tether_id):
+            core.free_held_workers()
         core.take(self, timeout)
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
@@ -393,6 +395,8 @@ class _Core:
         self.broken: Optional[str] = None
         #: Notified by the hub when a worker becomes ready or dies.
         self.changed = threading.Condition(self.lock)
+        #: When ``free_held_workers`` last collected garbage.
+        self.collected = -1.0
         try:
             self._start_workers(list(range(processes)))
             self.hub = threading.Thread(target=self._hub, name="tether-pool-hub", daemon=True)
@@ -568,6 +572,20 @@ class _Core:
             _delivery.active = was
         if self.state != "running":
             self.workers.wake()  # the hub closes the pool once no work is left
+
+    def free_held_workers(self) -> None:
+        """When no worker is free, a DataLoader iterator that is garbage but not collected
+        yet (in a reference cycle) may hold some: collects the garbage, at most once a
+        second, never from the hub (an iterator's finalizer waits for the hub)."""
+        now = time.monotonic()
+        if now - self.collected < 1.0 or threading.current_thread() is getattr(self, "hub", None):
+            return
+        workers = self.workers.workers()
+        if any(lease is None and not reserved for _, _, _, lease, reserved in workers):
+            return
+        if any(lease is not None for _, _, _, lease, _ in workers):
+            self.collected = now
+            gc.collect()
 
     def withdraw(self, ids: List[int]) -> List[int]:
         """Cancels those of the tasks ``ids`` not started yet (their sinks are dropped)."""
@@ -929,6 +947,7 @@ def _python_exit() -> None:
     given (as ``ProcessPoolExecutor`` does), then stops."""
     for core in list(_live):
         if core.pid == os.getpid():
+            core.free_held_workers()
             core.shutdown(wait=True, cancel_futures=False)
 
 
