@@ -143,7 +143,20 @@ pub fn supervisor_main(cfg: Config, tmp: PathBuf, keeper: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
+/// The supervisor's name in `/proc/PID/comm` (the kernel keeps its first 15 bytes,
+/// `tether-supervis`, as it keeps `systemd-journal` of `systemd-journald`).
+pub const SUPERVISOR_COMM: &str = "tether-supervisor";
+
 fn supervisor(cfg: Config, tmp: PathBuf, keeper: i32) -> i32 {
+    // Before any thread starts: the title may move the environment strings. Without it, the
+    // supervisor would show the keeper's command line and name, as a copy of it.
+    let title = format!(
+        "tether supervisor of run {} (keeper {keeper}, {} rank(s))",
+        cfg.run_id, cfg.nproc
+    );
+    if let Err(err) = tether_core::title::set(&title, SUPERVISOR_COMM) {
+        log::info!(target: "tether::run", "cannot set the supervisor's title: {err}");
+    }
     // SAFETY: setpgid on this process (a signal to the keeper's group must not reach it),
     // and SIGTTOU ignored: out of the terminal's foreground group, it still writes to the
     // terminal when `stty tostop` is set, instead of being stopped.
