@@ -764,6 +764,22 @@ fn bad_usage_is_exit_2_with_usage() {
 }
 
 #[test]
+fn help_wraps_to_the_terminals_width() {
+    for columns in ["80", "120"] {
+        for args in [&["run", "--help"][..], &["--help"]] {
+            let out = run_env(args, &[("COLUMNS", columns)]);
+            assert_eq!(out.code, Some(0), "{out:?}");
+            let widest = out.stdout.lines().map(|l| l.chars().count()).max();
+            let limit: usize = columns.parse().unwrap();
+            assert!(
+                widest.is_some_and(|w| w <= limit),
+                "{args:?} at {columns}: {widest:?}"
+            );
+        }
+    }
+}
+
+#[test]
 fn help_and_version() {
     let out = run(&["--help"]);
     assert_eq!(out.code, Some(0));
