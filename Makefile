@@ -81,7 +81,7 @@ demo: build
 	@$(VENV)/bin/tether run --nproc-per-node 4 examples/rank_report.py
 	@echo
 	@echo "== 6. tether run: the same with rank 2 failing"
-	@echo "   notice: the root cause is rank 2, although the other ranks ended later"
+	@echo "   notice: the root cause is rank 2, the first to fail; tether stopped the other ranks"
 	@$(VENV)/bin/tether run --nproc-per-node 4 --grace-period 5 examples/rank_report.py --fail; \
 	  code=$$?; echo "tether run exited with $$code: rank 2's exit code, as torchrun would"; \
 	  test $$code -eq 1

@@ -92,6 +92,50 @@ def test_second_ctrl_c_kills_at_once():
     assert wait_gone(pids, 1.0) == []
 
 
+def tether_lines(err: str) -> List[str]:
+    return [line for line in err.splitlines() if line.startswith("tether: ")]
+
+
+def test_ctrl_c_in_join_says_how_children_stop_and_sigterms_those_deaf_to_sigint():
+    proc = start_script("deaf_to_ctrl_c.py", "2", "default")
+    pids = read_pids(proc)
+    time.sleep(0.3)  # into join()
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    took = time.monotonic() - sent
+    assert "exit codes: [-15, -15]" in out, err
+    assert 2.9 <= took < 10, (took, err)
+    assert tether_lines(err) == [
+        "tether: Ctrl-C: forwarding SIGINT to 2 process(es); those still running 3 s later "
+        "get SIGTERM, and SIGKILL 30 s after the Ctrl-C; press Ctrl-C again to kill them at "
+        "once",
+        "tether: 2 process(es) still running 3 s after SIGINT: SIGTERM; SIGKILL in 27 s",
+    ]
+    assert err.rstrip().endswith("KeyboardInterrupt"), err
+    assert wait_gone(pids, 1.0) == []
+
+
+def test_ctrl_c_in_join_kills_at_the_end_of_the_grace_period_what_ignores_sigterm():
+    proc = start_script("deaf_to_ctrl_c.py", "3", "2")
+    pids = read_pids(proc)
+    time.sleep(0.3)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    took = time.monotonic() - sent
+    assert "exit codes: [-15, -15, -9]" in out, err
+    assert 1.9 <= took < 8, (took, err)
+    assert tether_lines(err) == [
+        "tether: Ctrl-C: forwarding SIGINT to 3 process(es); those still running 1 s later "
+        "get SIGTERM, and SIGKILL 2 s after the Ctrl-C; press Ctrl-C again to kill them at "
+        "once",
+        "tether: 3 process(es) still running 1 s after SIGINT: SIGTERM; SIGKILL in 1 s",
+        "tether: 1 process(es) still running at the end of the grace period (2 s): SIGKILL",
+    ]
+    assert wait_gone(pids, 1.0) == []
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_functions_of_a_guarded_main_script(method):
     out = subprocess.run(

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -124,6 +125,63 @@ def test_ps_shows_the_tree_from_the_names(running):
     for pid in ctx.pids():
         assert f"{pid}  ├─ tether rank" in below or f"{pid}  └─ tether rank" in below
     assert "tether zygote of pid" in below
+
+
+RANK_THAT_WAITS = textwrap.dedent(
+    """
+    import os, sys, time
+    ready = os.path.join(sys.argv[1], "ready." + os.environ["RANK"])
+    with open(ready + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(ready + ".tmp", ready)
+    release = os.path.join(sys.argv[1], "release")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    """
+)
+
+
+def test_ps_shows_a_tether_run_job_whole_and_never_itself(tmp_path):
+    script = tmp_path / "waits.py"
+    script.write_text(RANK_THAT_WAITS)
+    launcher = [str(Path(sys.executable).with_name("tether")), "run", "-n", "2"]
+    job = subprocess.Popen(
+        [*launcher, "--rdzv-id", "psjob", str(script), str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        ready = [tmp_path / f"ready.{r}" for r in range(2)]
+        while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ranks = [int(r.read_text()) for r in ready]
+        ps = subprocess.Popen(
+            [str(Path(sys.executable).with_name("tether")), "ps"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        out, _ = ps.communicate(timeout=60)
+        assert ps.returncode == 0
+        lines = out.splitlines()
+        assert not any(line.split()[0] == str(ps.pid) for line in lines[1:]), out
+        at = {int(line.split()[0]): n for n, line in enumerate(lines[1:], 1)}
+        keeper = job.pid
+        supervisor = int(open(f"/proc/{ranks[0]}/stat").read().rsplit(")", 1)[1].split()[1])
+        assert comm(supervisor) == "tether-supervis"
+        assert cmdline(supervisor) == f"tether supervisor of run psjob (keeper {keeper}, 2 rank(s))"
+        assert "tether run keeper: " in lines[at[keeper]] and "--rdzv-id psjob" in out
+        assert f"└─ tether supervisor of run psjob (keeper {keeper}" in lines[at[supervisor]]
+        for rank, pid in enumerate(ranks):
+            line = lines[at[pid]]
+            assert f"rank {rank} (local {rank}): " in line and str(script) in line, out
+        # The tree: keeper, then its supervisor, then the ranks under it.
+        assert at[keeper] < at[supervisor] < min(at[p] for p in ranks)
+    finally:
+        (tmp_path / "release").write_text("")
+        _, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
 
 
 LOGGED = textwrap.dedent(

@@ -1,6 +1,6 @@
 """Type stubs for ``tether._native``, the compiled glue over tether-core."""
 
-from typing import List, Literal, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Literal, Optional, Sequence, Tuple, Union
 
 from typing_extensions import Self, final
 
@@ -110,7 +110,13 @@ class Group:
         until: _WaitFor = "all",
         timeout: Optional[float] = None,
     ) -> bool: ...
-    def terminate(self, grace: float, signal: int = ...) -> None: ...
+    def terminate(
+        self,
+        grace: float,
+        signal: int = ...,
+        then: Optional[Tuple[int, float]] = None,
+        on_signal: Optional[Callable[[int, int], object]] = None,
+    ) -> None: ...
 
 @final
 class Zygote:

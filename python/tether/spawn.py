@@ -45,6 +45,9 @@ __all__ = [
 #: How long ``join`` waits after SIGTERM before SIGKILL, when no grace period is given.
 DEFAULT_GRACE = 30.0
 
+#: How long the children have after a forwarded Ctrl-C (SIGINT) before they get SIGTERM.
+INT_TO_TERM = 3.0
+
 
 def _signal_name(signum: int) -> str:
     try:
@@ -195,8 +198,12 @@ class ProcessContext:
             return True
         try:
             settled = self._group.wait(None, "all_or_failure", self._bounded(wait))
+        except KeyboardInterrupt:
+            # Ctrl-C: the children, in process groups of their own, did not get it.
+            self._stop_interrupted(grace)
+            raise
         except BaseException:
-            # Ctrl-C (or any interruption) while waiting: nothing may be left running.
+            # Any other interruption while waiting: nothing may be left running.
             self._stop(grace)
             raise
         failed = self._group.first_failure()
@@ -245,6 +252,39 @@ class ProcessContext:
         meanwhile kills at once."""
         self._group.terminate(DEFAULT_GRACE if grace is None else grace)
 
+    def _stop_interrupted(self, grace: Optional[float]) -> None:
+        """Ctrl-C in ``join``: forwards SIGINT to every live child and says how they will be
+        stopped; those still running a few seconds later get SIGTERM, and SIGKILL comes at
+        the end of the grace period (30 s when None). A second Ctrl-C kills at once."""
+        grace = DEFAULT_GRACE if grace is None else grace
+        live = sum(1 for p in self.processes if p.is_alive())
+        if live == 0:
+            return
+        after = min(INT_TO_TERM, grace / 2)
+        _say(
+            f"tether: Ctrl-C: forwarding SIGINT to {live} process(es); those still running "
+            f"{after:g} s later get SIGTERM, and SIGKILL {grace:g} s after the Ctrl-C; press "
+            "Ctrl-C again to kill them at once"
+        )
+
+        def sent(signum: int, count: int) -> None:
+            if signum == signal.SIGKILL:
+                _say(
+                    f"tether: {count} process(es) still running at the end of the grace "
+                    f"period ({grace:g} s): SIGKILL"
+                )
+            else:
+                _say(
+                    f"tether: {count} process(es) still running {after:g} s after SIGINT: "
+                    f"{_signal_name(signum)}; SIGKILL in {grace - after:g} s"
+                )
+
+        try:
+            self._group.terminate(grace, signal.SIGINT, (signal.SIGTERM, after), sent)
+        except KeyboardInterrupt:
+            _say("tether: Ctrl-C again: every process was killed")
+            raise
+
     def _warn_unavailable(self) -> None:
         for index, process in enumerate(self.processes):
             status = process.status
@@ -289,6 +329,14 @@ class ProcessContext:
         elif not self._group.wait(None, "all", self._bounded(None)):
             # Past the job's timeout: nobody is left to raise to.
             print(f"tether: {self._time_out(None)}", file=sys.stderr)
+
+
+def _say(text: str) -> None:
+    """A line of tether's own on stderr."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass  # no stderr (closed, or a pipe nobody reads): the stopping goes on
 
 
 def _add_note(error: BaseException, note: str) -> None:

@@ -1,6 +1,6 @@
 """A parent in join() that will get Ctrl-C: prints its children's pids, then joins. With
-"stubborn", the children ignore SIGTERM, so only a second Ctrl-C (SIGKILL) stops them in
-time; with "before-join", the Ctrl-C comes before join()."""
+"stubborn", the children ignore SIGINT and SIGTERM, so only a second Ctrl-C (SIGKILL)
+stops them in time; with "before-join", the Ctrl-C comes before join()."""
 
 import json
 import multiprocessing
@@ -14,6 +14,7 @@ import tether
 
 def sleeper(i, queue, stubborn):
     if stubborn:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     queue.put(os.getpid())
     while True:

@@ -1,11 +1,20 @@
 //! Rank output: one pump thread per pipe reads what a rank wrote (its stdout, its stderr, or
-//! both through one pipe), writes the raw bytes to its log file, and sends complete lines,
-//! each with the rank's prefix, to the launcher's own stdout or stderr.
+//! both through one pipe), writes the raw bytes to its log file, and sends its lines, each
+//! with the rank's prefix, to the launcher's own stdout or stderr.
 //!
 //! All console writes, the launcher's own messages included, go through one lock, and the
 //! lines of a chunk are written together under it: a line is never split or interleaved
 //! with another rank's, however long it is (up to [`MAX_LINE`]; a longer line without a
 //! newline is cut there). A last line without a newline is printed, with one, at EOF.
+//!
+//! A line still being written (a progress bar redrawn with `\r`, a prompt) is shown without
+//! waiting for its newline: at once when the rank writes a `\r`, otherwise once the rank has
+//! been silent for [`PARTIAL_WAIT`]. The console remembers whose partial line its cursor
+//! sits after. The same pump goes on writing on that terminal line, with its prefix written
+//! again after every `\r` so that it stays at the start of the line; anyone else first ends
+//! the line with a newline, and the interrupted rank then starts a new terminal line with
+//! its prefix and the part of its line after its last `\r`. A partial line is never cut
+//! inside a UTF-8 character.
 //!
 //! The prefix is left out of a line that already starts with the rank's own prefix: the
 //! rendered prefix itself, or `[rank N]`/`[rankN]` with the rank's global number (torch
@@ -15,8 +24,9 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 use rustix::io::Errno;
 
@@ -27,14 +37,40 @@ pub const TAIL_LINES: usize = 20;
 /// Bytes of each kept line.
 const TAIL_LINE_BYTES: usize = 4096;
 
-static CONSOLE: Mutex<()> = Mutex::new(());
+static CONSOLE: Mutex<Console> = Mutex::new(Console { open: [None, None] });
 static SILENCED: AtomicBool = AtomicBool::new(false);
+static ONE_FILE: OnceLock<bool> = OnceLock::new();
+static NEXT_PUMP: AtomicU64 = AtomicU64::new(1);
+
+/// How long a rank's line without a newline waits before it is shown (a line written in
+/// several pieces, as `print(a, b)` does unbuffered, usually arrives whole within it).
+pub const PARTIAL_WAIT: Duration = Duration::from_millis(40);
+/// A partial line is shown only while what a terminal would show of it (the part after its
+/// last `\r`) is at most this long: a longer one is not a bar or a prompt but a long line
+/// on its way, which is printed whole.
+const PARTIAL_MAX: usize = 4096;
+
+/// What the console's terminal lines end with: for each of the launcher's streams (one slot
+/// for both when they are one file), the pump whose partial line the cursor sits after.
+struct Console {
+    open: [Option<u64>; 2],
+}
+
+impl Console {
+    fn slot(stream: Stream) -> usize {
+        if *ONE_FILE.get_or_init(console_is_one_file) {
+            0
+        } else {
+            stream as usize
+        }
+    }
+}
 
 /// One of the launcher's own output streams.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stream {
-    Stdout,
-    Stderr,
+    Stdout = 0,
+    Stderr = 1,
 }
 
 impl Stream {
@@ -60,10 +96,24 @@ pub fn console_is_one_file() -> bool {
     matches!((id(Stream::Stdout), id(Stream::Stderr)), (Some(a), Some(b)) if a == b)
 }
 
-/// Writes `bytes` to the launcher's `stream` under the console lock (errors such as a closed
-/// pipe are ignored: the ranks' output keeps being drained).
+fn lock_console() -> MutexGuard<'static, Console> {
+    CONSOLE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Writes `bytes` to the launcher's `stream` under the console lock, on a line of its own
+/// (a rank's partial line there is ended first). Errors such as a closed pipe are ignored:
+/// the ranks' output keeps being drained.
 pub fn write_console(stream: Stream, bytes: &[u8]) {
-    let _guard = CONSOLE.lock().unwrap_or_else(|e| e.into_inner());
+    let mut console = lock_console();
+    let slot = Console::slot(stream);
+    if console.open[slot].take().is_some() {
+        write_all(stream, b"\n");
+    }
+    write_all(stream, bytes);
+}
+
+/// Writes `bytes` to `stream`; the console lock is held.
+fn write_all(stream: Stream, bytes: &[u8]) {
     if SILENCED.load(Ordering::Relaxed) {
         return;
     }
@@ -90,7 +140,7 @@ pub fn write_console(stream: Stream, bytes: &[u8]) {
 /// nothing more (what the ranks print as they are killed, and the report of their deaths,
 /// would only mislead).
 pub fn silence() {
-    let _guard = CONSOLE.lock().unwrap_or_else(|e| e.into_inner());
+    let _guard = lock_console();
     SILENCED.store(true, Ordering::Relaxed);
 }
 
@@ -111,7 +161,9 @@ pub struct Tail {
 }
 
 impl Tail {
+    /// Keeps `line` as a terminal shows it: the part after its last `\r`.
     fn push(&mut self, line: &[u8]) {
+        let line = &line[segment_start(line, line.len())..];
         let line = line.strip_suffix(b"\n").unwrap_or(line);
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         let mut text =
@@ -236,9 +288,17 @@ impl Pump {
 
     fn run(mut self, pipe: OwnedFd) {
         let mut buf = vec![0u8; 1 << 16];
-        let mut pending: Vec<u8> = Vec::new();
-        let mut out: Vec<u8> = Vec::new();
+        let mut line = Line::new(self.prefix.clone());
         loop {
+            if let Some(due) = line.due().filter(|_| self.console.is_some()) {
+                let left = due.saturating_duration_since(Instant::now());
+                if !readable_within(&pipe, left) {
+                    if let Some(stream) = self.console {
+                        line.show_partial(stream);
+                    }
+                    continue;
+                }
+            }
             let n = match rustix::io::read(pipe.as_fd(), &mut buf) {
                 Ok(0) => break,
                 Ok(n) => n,
@@ -255,64 +315,271 @@ impl Pump {
                 }
             }
             if self.wants_lines() {
-                self.lines_of(chunk, &mut pending, &mut out);
+                self.feed(&mut line, chunk);
             }
         }
-        if self.wants_lines() && !pending.is_empty() {
-            pending.push(b'\n');
-            out.clear();
-            self.emit(&pending, &mut out);
-            self.flush(&out);
+        if self.wants_lines() && !line.bytes.is_empty() {
+            self.feed(&mut line, b"\n");
         }
     }
 
-    /// Emits the complete lines of `chunk` (after what is `pending` from earlier chunks).
-    fn lines_of(&self, chunk: &[u8], pending: &mut Vec<u8>, out: &mut Vec<u8>) {
-        out.clear();
-        let mut start = 0;
-        while let Some(pos) = chunk[start..].iter().position(|&b| b == b'\n') {
-            let end = start + pos + 1;
-            if pending.is_empty() {
-                self.emit(&chunk[start..end], out);
-            } else {
-                pending.extend_from_slice(&chunk[start..end]);
-                self.emit(pending, out);
-                pending.clear();
+    /// Takes in what a rank wrote: complete lines go to the tail, the filtered copy and the
+    /// console; the console also gets what is new of an unfinished line that has a `\r`.
+    fn feed(&self, line: &mut Line, chunk: &[u8]) {
+        let mut out = Vec::new();
+        let mut console = self.console.map(|stream| (stream, lock_console()));
+        let mut open = console
+            .as_mut()
+            .and_then(|(stream, c)| c.open[Console::slot(*stream)].take());
+        let mut rest = chunk;
+        while let Some(pos) = rest.iter().position(|&b| b == b'\n') {
+            let (head, tail) = rest.split_at(pos + 1);
+            rest = tail;
+            if line.bytes.is_empty() && open.is_none() {
+                // The common case: a whole line in the chunk, with nothing shown of it yet.
+                self.keep(head);
+                if console.is_some() {
+                    Line::render_fresh(self.prefix.as_ref(), head, &mut out);
+                }
+                continue;
             }
-            start = end;
+            line.bytes.extend_from_slice(head);
+            if console.is_some() {
+                open = line.render(open, line.bytes.len(), &mut out);
+            }
+            self.keep(&line.bytes);
+            line.clear();
         }
-        pending.extend_from_slice(&chunk[start..]);
-        if pending.len() >= MAX_LINE {
-            pending.push(b'\n');
-            self.emit(pending, out);
-            pending.clear();
+        line.bytes.extend_from_slice(rest);
+        if line.bytes.len() >= MAX_LINE {
+            line.bytes.push(b'\n');
+            if console.is_some() {
+                open = line.render(open, line.bytes.len(), &mut out);
+            }
+            self.keep(&line.bytes);
+            line.clear();
         }
-        self.flush(out);
+        if let Some((stream, mut console)) = console.take() {
+            if line.bytes[line.shown..].contains(&b'\r') {
+                if let Some(upto) = line.showable() {
+                    open = line.render(open, upto, &mut out);
+                }
+            }
+            line.note_unshown();
+            console.open[Console::slot(stream)] = open;
+            write_all(stream, &out);
+        }
     }
 
-    fn flush(&self, out: &[u8]) {
-        if let (Some(stream), false) = (self.console, out.is_empty()) {
-            write_console(stream, out);
-        }
-    }
-
-    /// Adds one complete line (with its newline) to the console batch, the filtered copy
-    /// and the tail.
-    fn emit(&self, line: &[u8], out: &mut Vec<u8>) {
-        let prefix = match &self.prefix {
-            Some(p) if !p.is_own(line) => p.text.as_slice(),
-            _ => &[],
-        };
-        if self.console.is_some() {
-            out.extend_from_slice(prefix);
-            out.extend_from_slice(line);
-        }
+    /// A complete line, for the tail and the filtered copy.
+    fn keep(&self, line: &[u8]) {
         if let Some(filter) = self.filter.as_ref().filter(|f| f.matches(line)) {
+            let prefix = match &self.prefix {
+                Some(p) if !p.is_own(line) => p.text.as_slice(),
+                _ => &[],
+            };
             let mut file = filter.file.lock().unwrap_or_else(|e| e.into_inner());
             let _ = file.write_all(&[prefix, line].concat());
         }
         if let Some(tail) = &self.tail {
             tail.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+        }
+    }
+}
+
+/// Whether `pipe` has something to read (or its end) within `left`.
+fn readable_within(pipe: &OwnedFd, left: Duration) -> bool {
+    let timeout = rustix::event::Timespec {
+        tv_sec: left.as_secs() as _,
+        tv_nsec: left.subsec_nanos() as _,
+    };
+    let mut fds = [rustix::event::PollFd::new(
+        pipe,
+        rustix::event::PollFlags::IN,
+    )];
+    match rustix::event::poll(&mut fds, Some(&timeout)) {
+        Ok(n) => n > 0,
+        Err(_) => true,
+    }
+}
+
+/// Where the part of `line[..upto]` that a terminal shows begins: after its last `\r` that
+/// is followed by something other than a newline.
+fn segment_start(line: &[u8], upto: usize) -> usize {
+    let mut text = &line[..upto];
+    text = text.strip_suffix(b"\n").unwrap_or(text);
+    while let Some(t) = text.strip_suffix(b"\r") {
+        text = t;
+    }
+    text.iter().rposition(|&b| b == b'\r').map_or(0, |p| p + 1)
+}
+
+/// The length of the longest start of `bytes` that does not end inside a UTF-8 character
+/// (bytes that cannot begin one are let through as they are).
+fn utf8_end(bytes: &[u8]) -> usize {
+    let n = bytes.len();
+    for back in 1..=n.min(3) {
+        let b = bytes[n - back];
+        if b & 0xC0 == 0x80 {
+            continue;
+        }
+        let needs = match b {
+            0xF0..=0xF7 => 4,
+            0xE0..=0xEF => 3,
+            0xC0..=0xDF => 2,
+            _ => 1,
+        };
+        return if needs > back { n - back } else { n };
+    }
+    n
+}
+
+/// The line a pump is in the middle of, and what of it is on the console.
+struct Line {
+    /// Which pump this is, in the console's record of whose partial line ends it.
+    id: u64,
+    prefix: Option<Prefix>,
+    /// What the rank wrote since its last newline.
+    bytes: Vec<u8>,
+    /// How much of `bytes` has been written to the console.
+    shown: usize,
+    /// The last byte shown was a `\r`: the prefix is written before what comes next.
+    after_cr: bool,
+    /// Only the prefix is on the terminal line yet (a `\r` there would change nothing).
+    blank: bool,
+    /// When the oldest byte not yet shown arrived.
+    since: Option<Instant>,
+}
+
+impl Line {
+    fn new(prefix: Option<Prefix>) -> Line {
+        Line {
+            id: NEXT_PUMP.fetch_add(1, Ordering::Relaxed),
+            prefix,
+            bytes: Vec::new(),
+            shown: 0,
+            after_cr: false,
+            blank: false,
+            since: None,
+        }
+    }
+
+    fn clear(&mut self) {
+        self.bytes.clear();
+        self.shown = 0;
+        self.after_cr = false;
+        self.blank = false;
+        self.since = None;
+    }
+
+    /// When what is not yet shown of the line is due on the console.
+    fn due(&self) -> Option<Instant> {
+        self.since.map(|t| t + PARTIAL_WAIT)
+    }
+
+    /// Starts the wait of bytes not yet shown, if it has not started.
+    fn note_unshown(&mut self) {
+        if self.bytes.len() > self.shown {
+            self.since.get_or_insert_with(Instant::now);
+        } else {
+            self.since = None;
+        }
+    }
+
+    /// How much of the line may be shown now, when that is more than what has been.
+    fn showable(&self) -> Option<usize> {
+        let upto = utf8_end(&self.bytes);
+        let visible = upto - segment_start(&self.bytes, upto);
+        (upto > self.shown && visible <= PARTIAL_MAX).then_some(upto)
+    }
+
+    /// Shows what the line has that is not on the console yet (the wait is over).
+    fn show_partial(&mut self, stream: Stream) {
+        let mut console = lock_console();
+        let slot = Console::slot(stream);
+        self.since = None;
+        let Some(upto) = self.showable() else {
+            return;
+        };
+        let mut out = Vec::new();
+        let open = console.open[slot];
+        console.open[slot] = self.render(open, upto, &mut out);
+        write_all(stream, &out);
+    }
+
+    /// The prefix, unless the text at `line` starts with the rank's own.
+    fn push_prefix(prefix: Option<&Prefix>, line: &[u8], out: &mut Vec<u8>) {
+        if let Some(p) = prefix.filter(|p| !p.is_own(line)) {
+            out.extend_from_slice(&p.text);
+        }
+    }
+
+    /// A whole line none of which was shown: the prefix, and the prefix again after every
+    /// `\r` (but one right after it).
+    fn render_fresh(prefix: Option<&Prefix>, line: &[u8], out: &mut Vec<u8>) {
+        if !line.contains(&b'\r') {
+            Line::push_prefix(prefix, line, out);
+            out.extend_from_slice(line);
+            return;
+        }
+        let mut fresh = Line {
+            id: 0,
+            prefix: prefix.cloned(),
+            bytes: Vec::new(),
+            shown: 0,
+            after_cr: false,
+            blank: false,
+            since: None,
+        };
+        fresh.bytes.extend_from_slice(line);
+        fresh.render(None, line.len(), out);
+    }
+
+    /// Adds `bytes[shown..upto]` to `out`, given whose partial line the console's terminal
+    /// line ends with (`open`): this one's goes on, anyone else's is ended first and this
+    /// line starts again on a terminal line of its own, from what a terminal would show.
+    /// Returns whose partial line the console ends with then.
+    fn render(&mut self, open: Option<u64>, upto: usize, out: &mut Vec<u8>) -> Option<u64> {
+        let prefix = self.prefix.as_ref();
+        let mut at = self.shown;
+        let ends = |bytes: &[u8]| bytes.iter().all(|&b| b == b'\r' || b == b'\n');
+        if open != Some(self.id) && self.shown > 0 && ends(&self.bytes[self.shown..upto]) {
+            // All of the line was shown; only its end is new, and a newline ended it already.
+            self.shown = upto;
+            return open;
+        }
+        if open != Some(self.id) || self.shown == 0 {
+            if open.is_some() && open != Some(self.id) {
+                out.push(b'\n');
+            }
+            at = if self.shown == 0 {
+                0
+            } else {
+                segment_start(&self.bytes, upto)
+            };
+            Line::push_prefix(prefix, &self.bytes[at..upto], out);
+            self.after_cr = false;
+            self.blank = true;
+        }
+        for i in at..upto {
+            let b = self.bytes[i];
+            if self.after_cr && b != b'\n' && b != b'\r' {
+                Line::push_prefix(prefix, &self.bytes[i..upto], out);
+                self.blank = true;
+            }
+            self.after_cr = false;
+            match b {
+                b'\r' if self.blank => continue,
+                b'\r' => self.after_cr = true,
+                b'\n' => {}
+                _ => self.blank = false,
+            }
+            out.push(b);
+        }
+        self.shown = upto;
+        match self.bytes[..upto].last() {
+            Some(b'\n') => None,
+            _ => Some(self.id),
         }
     }
 }
@@ -375,5 +642,96 @@ mod tests {
         assert!(p.is_own(b"h1:trainer1/3> already"));
         assert!(p.is_own(b"[rank3]: from torch"));
         assert!(!p.is_own(b"h1:trainer1/2> another"));
+    }
+
+    fn line(template: Option<&str>) -> Line {
+        Line::new(template.map(|t| prefix(t, 0)))
+    }
+
+    /// Appends `bytes` to the line and renders all of it, given whose partial line the
+    /// console ends with.
+    fn show(line: &mut Line, bytes: &[u8], open: Option<u64>) -> String {
+        line.bytes.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        line.render(open, line.bytes.len(), &mut out);
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn a_redrawn_line_keeps_the_prefix_at_the_start_of_the_terminal_line() {
+        let mut bar = line(Some("[rank 0]: "));
+        assert_eq!(show(&mut bar, b"\rstep 0", None), "[rank 0]: step 0");
+        let me = Some(bar.id);
+        assert_eq!(show(&mut bar, b"\rstep 1", me), "\r[rank 0]: step 1");
+        assert_eq!(show(&mut bar, b"\r", me), "\r");
+        assert_eq!(show(&mut bar, b"step 2", me), "[rank 0]: step 2");
+        assert_eq!(show(&mut bar, b"\r\n", me), "\r\n");
+    }
+
+    #[test]
+    fn an_interrupted_line_starts_again_on_its_own_terminal_line() {
+        let mut prompt = line(Some("[rank 0]: "));
+        assert_eq!(
+            show(&mut prompt, b"loading... ", None),
+            "[rank 0]: loading... "
+        );
+        let other = Some(prompt.id + 1000);
+        assert_eq!(
+            show(&mut prompt, b"done\n", other),
+            "\n[rank 0]: loading... done\n"
+        );
+        let mut bar = line(Some("[rank 0]: "));
+        assert_eq!(show(&mut bar, b"\rstep 0", None), "[rank 0]: step 0");
+        assert_eq!(
+            show(&mut bar, b"\rstep 1\rstep 2", other),
+            "\n[rank 0]: step 2"
+        );
+        // A launcher message ended the line: no newline is owed.
+        assert_eq!(show(&mut bar, b"\rstep 3", None), "[rank 0]: step 3");
+        // Only the newline is new: the line is on the console whole already.
+        let mut out = Vec::new();
+        bar.bytes.extend_from_slice(b"\n");
+        assert_eq!(bar.render(other, bar.bytes.len(), &mut out), other);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn without_a_prefix_a_redrawn_line_is_written_as_it_came() {
+        let mut bar = line(None);
+        assert_eq!(show(&mut bar, b"\rstep 0", None), "step 0");
+        let me = Some(bar.id);
+        assert_eq!(show(&mut bar, b"\rstep 1\n", me), "\rstep 1\n");
+    }
+
+    #[test]
+    fn a_whole_line_with_carriage_returns_gets_the_prefix_after_each() {
+        let p = prefix(crate::config::DEFAULT_PREFIX, 2);
+        let mut out = Vec::new();
+        Line::render_fresh(Some(&p), b"a\rb\r\n", &mut out);
+        assert_eq!(out, b"[rank 2]: a\r[rank 2]: b\r\n");
+        out.clear();
+        Line::render_fresh(Some(&p), b"[rank2]: own\n", &mut out);
+        assert_eq!(out, b"[rank2]: own\n");
+    }
+
+    #[test]
+    fn utf8_characters_are_never_cut() {
+        let cafe = "café".as_bytes();
+        assert_eq!(utf8_end(cafe), cafe.len());
+        assert_eq!(utf8_end(&cafe[..cafe.len() - 1]), 3);
+        let crab = "a🦀".as_bytes();
+        for cut in 2..crab.len() {
+            assert_eq!(utf8_end(&crab[..cut]), 1, "{cut}");
+        }
+        assert_eq!(utf8_end(b"\xff\xfe"), 2);
+        assert_eq!(utf8_end(b""), 0);
+    }
+
+    #[test]
+    fn the_tail_keeps_what_a_terminal_shows_of_a_redrawn_line() {
+        let mut tail = Tail::default();
+        tail.push(b"\rstep 0\rstep 1\r\n");
+        tail.push(b"plain\r\n");
+        assert_eq!(tail.lines(), ["step 1", "plain"]);
     }
 }

@@ -14,7 +14,7 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags};
-use tether_core::{signal_name, Group, LaunchSpec, WaitFor};
+use tether_core::{signal_name, Escalation, Group, LaunchSpec, WaitFor};
 
 use crate::clock;
 use crate::config::{Config, Streams};
@@ -28,6 +28,9 @@ use crate::signals::SignalFd;
 /// How long the supervisor waits for output pipes to drain, and for leftovers to die, once
 /// every rank has exited.
 const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+
+/// How long the ranks have after a forwarded SIGINT before they get SIGTERM.
+const INT_TO_TERM: Duration = Duration::from_secs(3);
 
 /// Held while an attempt creates its files and starts its ranks. A supervisor whose keeper
 /// died takes it for good ([`stop_launching`]) before it kills what runs, so that no rank
@@ -140,7 +143,20 @@ pub fn supervisor_main(cfg: Config, tmp: PathBuf, keeper: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
+/// The supervisor's name in `/proc/PID/comm` (the kernel keeps its first 15 bytes,
+/// `tether-supervis`, as it keeps `systemd-journal` of `systemd-journald`).
+pub const SUPERVISOR_COMM: &str = "tether-supervisor";
+
 fn supervisor(cfg: Config, tmp: PathBuf, keeper: i32) -> i32 {
+    // Before any thread starts: the title may move the environment strings. Without it, the
+    // supervisor would show the keeper's command line and name, as a copy of it.
+    let title = format!(
+        "tether supervisor of run {} (keeper {keeper}, {} rank(s))",
+        cfg.run_id, cfg.nproc
+    );
+    if let Err(err) = tether_core::title::set(&title, SUPERVISOR_COMM) {
+        log::info!(target: "tether::run", "cannot set the supervisor's title: {err}");
+    }
     // SAFETY: setpgid on this process (a signal to the keeper's group must not reach it),
     // and SIGTTOU ignored: out of the terminal's foreground group, it still writes to the
     // terminal when `stty tostop` is set, instead of being stopped.
@@ -547,12 +563,7 @@ impl Launcher {
                     hangs::print_stacks_in_background(&ranks, sig);
                     continue;
                 }
-                output::message(&format!(
-                    "tether: got {}; forwarding it to {} rank(s), SIGKILL after {:?}",
-                    signal_name(sig),
-                    live.len(),
-                    self.cfg.grace,
-                ));
+                output::message(&self.stopping_words(sig, live.len()));
                 return Ok((Some(self.stop(group, sig)), Some(Stop::Signal(sig))));
             }
             if !ready.is_empty() {
@@ -581,23 +592,70 @@ impl Launcher {
         }
     }
 
-    /// Stops every rank with tether-core's termination (`sig`, the grace period, SIGKILL);
-    /// meanwhile orphans are reaped, and a SIGINT kills at once. Returns when it began.
+    /// The escalation that follows `sig` when the launcher forwards it: a SIGINT (Ctrl-C) is
+    /// followed by SIGTERM after [`INT_TO_TERM`] (or half the grace period, if shorter).
+    fn escalation(&self, sig: i32) -> Option<Escalation> {
+        (sig == libc::SIGINT).then(|| Escalation {
+            signal: libc::SIGTERM,
+            after: INT_TO_TERM.min(self.cfg.grace / 2),
+        })
+    }
+
+    /// What the launcher says when it got `sig` and forwards it to `live` ranks.
+    fn stopping_words(&self, sig: i32, live: usize) -> String {
+        let grace = self.cfg.grace;
+        let steps = match self.escalation(sig) {
+            Some(then) => format!(
+                "those still running {:?} later get {}, and SIGKILL {grace:?} after the {}",
+                then.after,
+                signal_name(then.signal),
+                signal_name(sig)
+            ),
+            None => format!("SIGKILL after {grace:?}"),
+        };
+        format!(
+            "tether: got {}; forwarding it to {live} rank(s); {steps}; press Ctrl-C again to \
+             kill them at once",
+            signal_name(sig)
+        )
+    }
+
+    /// Stops every rank with tether-core's termination (`sig`, SIGTERM after a SIGINT, the
+    /// grace period, SIGKILL), saying so at each step; meanwhile orphans are reaped, and a
+    /// SIGINT kills at once. Returns when it began.
     fn stop(&self, group: &Group, sig: i32) -> Duration {
         let began = clock::monotonic();
+        let kill_now = std::cell::Cell::new(false);
         let mut interrupted = || {
-            let mut kill_now = false;
             while let Some(got) = self.signals.next() {
                 if got == libc::SIGCHLD {
                     reaper::reap_orphans(&Self::live_pids(group));
                 } else if got == libc::SIGINT {
                     output::message("tether: SIGINT while stopping: killing every rank now");
-                    kill_now = true;
+                    kill_now.set(true);
                 }
             }
-            kill_now
+            kill_now.get()
         };
-        group.terminate_with(sig, self.cfg.grace, &mut interrupted);
+        let grace = self.cfg.grace;
+        let then = self.escalation(sig);
+        let mut sent = |signal: i32, count: usize| {
+            if signal == libc::SIGKILL {
+                output::message(&format!(
+                    "tether: {count} rank(s) still running at the end of the grace period \
+                     ({grace:?}): SIGKILL"
+                ));
+            } else if let Some(then) = then {
+                output::message(&format!(
+                    "tether: {count} rank(s) still running {:?} after {}: {}; SIGKILL in {:?}",
+                    then.after,
+                    signal_name(sig),
+                    signal_name(signal),
+                    grace.saturating_sub(then.after),
+                ));
+            }
+        };
+        group.terminate_escalating(sig, then, grace, &mut interrupted, &mut sent);
         began
     }
 

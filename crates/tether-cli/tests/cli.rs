@@ -673,6 +673,85 @@ fn a_second_sigint_kills_at_once() {
     assert!(pids.iter().all(|&p| !alive(p)));
 }
 
+/// Rank 0 ignores SIGINT; rank 1 is stuck in a C wait that retries on EINTR (a mutex, as in
+/// a C++ TCPStore connect: Python's SIGINT handler only sets a flag that nothing reads
+/// there); rank 2 ignores SIGINT and SIGTERM.
+const DEAF_TO_CTRL_C: &str = r#"
+import ctypes, os, signal, time
+rank = int(os.environ["RANK"])
+if rank in (0, 2):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+if rank == 2:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+ready = os.path.join(os.environ["DIR"], f"ready.{rank}")
+with open(ready + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(ready + ".tmp", ready)
+if rank == 1:
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+while True:
+    time.sleep(0.05)
+"#;
+
+#[test]
+fn ctrl_c_says_how_ranks_stop_and_escalates_to_sigterm_then_sigkill() {
+    let dir = Scratch::new("ctrl-c");
+    let script = dir.path().join("deaf.py");
+    std::fs::write(&script, DEAF_TO_CTRL_C).unwrap();
+    let command = format!("exec python3 {}", script.display());
+    let (launcher, _dir, pids) =
+        start_ready(&["run", "-n", "3", "--grace-period", "4"], 3, &command);
+    let sent = std::time::Instant::now();
+    signal(launcher.pid(), libc::SIGINT);
+    let mut ended = [None; 3];
+    while sent.elapsed() < Duration::from_secs(10) && ended.iter().any(Option::is_none) {
+        for (rank, &pid) in pids.iter().enumerate() {
+            if ended[rank].is_none() && !alive(pid) {
+                ended[rank] = Some(sent.elapsed());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = launcher.finish(Duration::from_secs(10));
+    assert_eq!(out.code, Some(130), "{out:?}");
+    let ended: Vec<Duration> = ended
+        .iter()
+        .map(|e| e.expect("a rank outlived tether"))
+        .collect();
+    // SIGTERM at half the grace period (2 s): ranks 0 and 1 end then, rank 2 at SIGKILL.
+    for (rank, at) in ended.iter().enumerate().take(2) {
+        assert!(
+            *at >= Duration::from_millis(1800) && *at < Duration::from_millis(3500),
+            "rank {rank} ended {at:?} after the SIGINT\n{}",
+            out.stderr
+        );
+    }
+    assert!(
+        ended[2] >= Duration::from_millis(3800) && ended[2] < Duration::from_secs(7),
+        "rank 2 ended {:?} after the SIGINT",
+        ended[2]
+    );
+    let said: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("tether: "))
+        .collect();
+    assert_eq!(
+        said,
+        [
+            "tether: got SIGINT; forwarding it to 3 rank(s); those still running 2s later get \
+             SIGTERM, and SIGKILL 4s after the SIGINT; press Ctrl-C again to kill them at once",
+            "tether: 3 rank(s) still running 2s after SIGINT: SIGTERM; SIGKILL in 2s",
+            "tether: 1 rank(s) still running at the end of the grace period (4s): SIGKILL",
+        ],
+        "{}",
+        out.stderr
+    );
+}
+
 #[test]
 fn what_a_rank_leaves_behind_is_killed() {
     // A grandchild in its own session (out of reach of the rank's process group).
@@ -710,6 +789,22 @@ fn bad_usage_is_exit_2_with_usage() {
     }
     let out = run(&["run", "--nnodes", "2", "--max-restarts", "1", "true"]);
     assert!(out.stderr.contains("--max-restarts"), "{}", out.stderr);
+}
+
+#[test]
+fn help_wraps_to_the_terminals_width() {
+    for columns in ["80", "120"] {
+        for args in [&["run", "--help"][..], &["--help"]] {
+            let out = run_env(args, &[("COLUMNS", columns)]);
+            assert_eq!(out.code, Some(0), "{out:?}");
+            let widest = out.stdout.lines().map(|l| l.chars().count()).max();
+            let limit: usize = columns.parse().unwrap();
+            assert!(
+                widest.is_some_and(|w| w <= limit),
+                "{args:?} at {columns}: {widest:?}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -125,6 +125,14 @@ pub enum WaitFor {
 /// Between slices of a wait, asked whether to give up waiting (a caller's interruption).
 pub type Interrupted<'a> = &'a mut dyn FnMut() -> bool;
 
+/// A signal that [`Group::terminate_escalating`] sends to the members still running `after`
+/// the first one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Escalation {
+    pub signal: i32,
+    pub after: Duration,
+}
+
 /// How often [`Group::terminate`] asks its caller whether it was interrupted.
 const INTERRUPT_CHECK: Duration = Duration::from_millis(50);
 
@@ -277,19 +285,66 @@ impl Group {
     /// to `grace` for them to exit, then SIGKILL; returns once every member has been reaped.
     /// When `interrupted` says so during a wait, SIGKILL goes out at once.
     pub fn terminate_with(&self, signal: i32, grace: Duration, interrupted: Interrupted<'_>) {
+        self.terminate_escalating(signal, None, grace, interrupted, &mut |_, _| {});
+    }
+
+    /// [`Group::terminate_with`] with one more step: members still running `then.after`
+    /// the first signal get `then.signal` (SIGINT, then SIGTERM, as a terminal's user
+    /// expects of a Ctrl-C); SIGKILL still comes at the end of `grace`, counted from the
+    /// first signal. `sent(signal, count)` is told of each signal sent after the first,
+    /// with the number of members it went to (SIGKILL only when the grace period ran out,
+    /// not when `interrupted` cut it short).
+    pub fn terminate_escalating(
+        &self,
+        signal: i32,
+        then: Option<Escalation>,
+        grace: Duration,
+        interrupted: Interrupted<'_>,
+        sent: &mut dyn FnMut(i32, usize),
+    ) {
+        let mut timed_out = false;
         let graceful = self
             .wait_interruptibly(None, WaitFor::NoneWriting, Some(grace), interrupted)
             .is_some()
             && self.signal_all(signal) > 0
-            && self
-                .wait_interruptibly(None, WaitFor::AllExited, Some(grace), interrupted)
-                .is_some_and(|done| done);
-        if !graceful && self.signal_all(libc::SIGKILL) > 0 {
-            log::warn!(target: "tether::supervisor", "escalated to SIGKILL after {grace:?}");
+            && match self.exits_within(then, grace, interrupted, sent) {
+                Some(ended) => {
+                    timed_out = !ended;
+                    ended
+                }
+                None => false,
+            };
+        if !graceful {
+            let killed = self.signal_all(libc::SIGKILL);
+            if killed > 0 && timed_out {
+                log::warn!(target: "tether::supervisor", "escalated to SIGKILL after {grace:?}");
+                sent(libc::SIGKILL, killed);
+            }
         }
         while !self.wait(None, WaitFor::AllExited, Some(Duration::from_secs(1))) {
             self.signal_all(libc::SIGKILL);
         }
+    }
+
+    /// Waits up to `grace` for every member to exit, sending `then` on the way; `None` when
+    /// `interrupted` cut the wait.
+    fn exits_within(
+        &self,
+        then: Option<Escalation>,
+        grace: Duration,
+        interrupted: Interrupted<'_>,
+        sent: &mut dyn FnMut(i32, usize),
+    ) -> Option<bool> {
+        let began = Instant::now();
+        if let Some(step) = then.filter(|step| step.after < grace) {
+            let all = Some(step.after);
+            match self.wait_interruptibly(None, WaitFor::AllExited, all, interrupted) {
+                Some(false) => sent(step.signal, self.signal_all(step.signal)),
+                ended => return ended,
+            }
+        }
+        let left = Some(grace.saturating_sub(began.elapsed()));
+        self.wait_interruptibly(None, WaitFor::AllExited, left, interrupted)
     }
 
     /// Every member's stacks, asked at once (see [`crate::stacks::ask`]), in member order.

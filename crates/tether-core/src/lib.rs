@@ -31,7 +31,7 @@ pub mod title;
 pub mod workers;
 pub mod zygote;
 
-pub use group::{Exit, Group, Member, WaitFor};
+pub use group::{Escalation, Exit, Group, Member, WaitFor};
 pub use launch::LaunchSpec;
 pub use status::{signal_name, ExitStatus};
 pub use supervisor::{Adoption, Reserve};

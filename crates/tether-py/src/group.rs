@@ -9,7 +9,7 @@ use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tether_core::attrs::ThreadAttributes;
-use tether_core::{Adoption, LaunchSpec, WaitFor};
+use tether_core::{Adoption, Escalation, LaunchSpec, WaitFor};
 
 use crate::{core_error, os_error, timeout_of};
 
@@ -277,16 +277,44 @@ impl Group {
 
     /// Stops every running member: `signal` (SIGTERM) to its process group after any report
     /// in progress is written, `grace` seconds, then SIGKILL; returns once all are reaped.
-    /// Ctrl-C meanwhile sends SIGKILL at once, then raises KeyboardInterrupt.
-    #[pyo3(signature = (grace, signal=libc::SIGTERM))]
-    fn terminate(&self, py: Python<'_>, grace: f64, signal: i32) -> PyResult<()> {
+    /// With `then` (a signal and a number of seconds), the members still running that long
+    /// after `signal` get that signal too. `on_signal(signal, count)` is called for each
+    /// signal sent after the first (SIGKILL included), with the number of members it went
+    /// to. Ctrl-C meanwhile sends SIGKILL at once, then raises KeyboardInterrupt.
+    #[pyo3(signature = (grace, signal=libc::SIGTERM, then=None, on_signal=None))]
+    fn terminate(
+        &self,
+        py: Python<'_>,
+        grace: f64,
+        signal: i32,
+        then: Option<(i32, f64)>,
+        on_signal: Option<PyObject>,
+    ) -> PyResult<()> {
         let grace = timeout_of(Some(grace))?.unwrap_or(Duration::MAX);
+        let then = match then {
+            Some((signal, after)) => Some(Escalation {
+                signal,
+                after: timeout_of(Some(after))?.unwrap_or(Duration::MAX),
+            }),
+            None => None,
+        };
         let mut error = None;
+        let mut told = None;
         py.allow_threads(|| {
             let mut check = || interrupted(&mut error);
-            self.inner.terminate_with(signal, grace, &mut check)
+            let mut sent = |signal: i32, count: usize| {
+                if let Some(callback) = &on_signal {
+                    Python::with_gil(|py| {
+                        if let Err(err) = callback.call1(py, (signal, count)) {
+                            told.get_or_insert(err);
+                        }
+                    });
+                }
+            };
+            self.inner
+                .terminate_escalating(signal, then, grace, &mut check, &mut sent)
         });
-        error.map_or(Ok(()), Err)
+        error.or(told).map_or(Ok(()), Err)
     }
 }
 

@@ -56,6 +56,8 @@ pub struct Launcher {
     started: Instant,
     out: Option<std::thread::JoinHandle<Vec<u8>>>,
     err: Option<std::thread::JoinHandle<Vec<u8>>>,
+    /// What the launcher has written to its stdout so far.
+    seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
 }
 
 pub fn command(args: &[&str]) -> Command {
@@ -76,10 +78,14 @@ impl Launcher {
         let mut child = cmd.spawn().unwrap();
         let mut stdout = child.stdout.take().unwrap();
         let mut stderr = child.stderr.take().unwrap();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let so_far = seen.clone();
         let out = std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            let _ = stdout.read_to_end(&mut buf);
-            buf
+            let mut chunk = [0u8; 1 << 16];
+            while let Ok(n @ 1..) = stdout.read(&mut chunk) {
+                so_far.lock().unwrap().extend_from_slice(&chunk[..n]);
+            }
+            std::mem::take(&mut *so_far.lock().unwrap())
         });
         let err = std::thread::spawn(move || {
             let mut buf = Vec::new();
@@ -92,7 +98,13 @@ impl Launcher {
             started: Instant::now(),
             out: Some(out),
             err: Some(err),
+            seen,
         }
+    }
+
+    /// What the launcher has written to its stdout so far.
+    pub fn stdout_so_far(&self) -> String {
+        String::from_utf8_lossy(&self.seen.lock().unwrap()).into_owned()
     }
 
     fn signal_killed(&self, status: &std::process::ExitStatus) -> bool {
