@@ -363,3 +363,21 @@ def rss_kib(_: Any = None) -> Tuple[int, int]:
             if line.startswith("VmRSS:"):
                 return os.getpid(), int(line.split()[1])
     raise AssertionError("no VmRSS in /proc/self/status")
+
+
+class InitsItself(Counted):
+    """A ``Counted`` whose own method is the ``worker_init_fn`` (and another its
+    ``collate_fn``): item i is ``(worker id its init saw, worker id torch says, pid,
+    unpicklings)``."""
+
+    def init(self, worker_id: int) -> None:
+        self.inited = worker_id
+
+    def collate(self, batch: List[Any]) -> List[Any]:
+        return batch
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        import torch.utils.data
+
+        info = torch.utils.data.get_worker_info()
+        return getattr(self, "inited", None), info.id, os.getpid(), COUNTS["unpickled"]

@@ -269,3 +269,24 @@ def test_an_executor_task_never_waits_on_workers_a_garbage_iterator_holds(pool):
         assert pool.submit(helpers.square, 3).result(timeout=10) == 9
     finally:
         gc.enable()
+
+
+def test_what_the_dataset_and_its_own_methods_share_stays_shared_in_every_loader(pool):
+    # torch pickles a worker's arguments together: worker_init_fn.__self__ is the dataset
+    # the worker iterates. A bound method is a new object at every attribute access, yet
+    # the dataset crosses once.
+    dataset = helpers.InitsItself(8)
+    before = helpers.COUNTS["pickled"]
+    for keep in (True, True, True, False):
+        loader = DataLoader(
+            dataset,
+            batch_size=2,
+            num_workers=2,
+            worker_init_fn=dataset.init,
+            collate_fn=dataset.collate,
+            multiprocessing_context=pool.context(keep_datasets=keep),
+        )
+        items = [item for batch in loader for item in batch]
+        assert len(items) == 8
+        assert all(inited == worker for inited, worker, _, _ in items), items
+    assert helpers.COUNTS["pickled"] - before == 2  # the first loader, and keep_datasets=False

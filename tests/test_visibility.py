@@ -118,7 +118,9 @@ def test_ps_shows_the_tree_from_the_names(running):
         [sys.executable, "-m", "tether", "ps"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    # Other tether processes of this user, if any, show as trees of their own, each after
+    # a blank line.
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
     assert lines[0].split() == ["PID", "WHAT"]
     me = next(n for n, line in enumerate(lines) if line.split()[0] == str(os.getpid()))
     below = "\n".join(lines[me + 1 :])
@@ -164,7 +166,7 @@ def test_ps_shows_a_tether_run_job_whole_and_never_itself(tmp_path):
         )
         out, _ = ps.communicate(timeout=60)
         assert ps.returncode == 0
-        lines = out.splitlines()
+        lines = [line for line in out.splitlines() if line.strip()]
         assert not any(line.split()[0] == str(ps.pid) for line in lines[1:]), out
         at = {int(line.split()[0]): n for n, line in enumerate(lines[1:], 1)}
         keeper = job.pid
@@ -299,3 +301,25 @@ def test_the_pool_logs_a_death_and_its_replacement(tmp_path):
     lines = "\n".join(line for line in done.stderr.splitlines() if line.startswith("tether["))
     assert "INFO tether: pool 1: worker 0 (pid" in lines and "died with signal SIGKILL" in lines
     assert "INFO tether: pool 1: worker 0 replaced" in lines, lines
+
+
+def test_ps_keeps_a_multi_line_command_on_one_line(tmp_path):
+    ready = tmp_path / "ready"
+    program = f"import pathlib, time\npathlib.Path({str(ready)!r}).touch()\ntime.sleep(30)"
+    tether_cmd = str(Path(sys.executable).with_name("tether"))
+    job = subprocess.Popen(
+        [tether_cmd, "run", "-n", "1", "--no-python", sys.executable, "-c", program],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        out = subprocess.run([tether_cmd, "ps"], capture_output=True, text=True, timeout=60)
+        lines = out.stdout.splitlines()
+        assert all(line.split()[0] == "PID" or line.split()[0].isdigit() for line in lines), out
+        assert any("import pathlib, time\\npathlib.Path(" in line for line in lines), out.stdout
+    finally:
+        job.kill()
+        job.wait(timeout=30)

@@ -45,6 +45,16 @@ __all__ = ["Kept", "Shipment"]
 
 #: The arguments of torch's worker loop that carry objects a worker keeps.
 KEPT_ARGUMENTS = ("dataset_holder", "dataset", "collate_fn", "init_fn")
+
+
+def _carries(name: str, value: Any) -> bool:
+    """Whether an argument of torch's worker loop carries an object to keep
+    (``dataset_holder`` is a list of one, which the worker loop empties)."""
+    if name == "dataset_holder":
+        return isinstance(value, list) and len(value) == 1
+    return value is not None
+
+
 #: A pickle stream up to this size travels inside the lease's message.
 INLINE = 1 << 20
 #: Buffers at least this large travel out of band.
@@ -71,15 +81,20 @@ def _forget(keys: Sequence[int]) -> None:
         _kept.pop(key, None)
 
 
-def _held(key: int) -> Any:
-    """An object this worker received in an earlier lease."""
+def _held(key: int, method: Optional[str] = None) -> Any:
+    """An object this worker received in an earlier lease (or its bound ``method``)."""
     try:
-        return _kept[key]
+        obj = _kept[key]
     except KeyError:
         raise LookupError(
             f"tether.Pool worker (pid {os.getpid()}) was sent a reference to object {key}, "
             "which it does not hold"
         ) from None
+    return obj if method is None else getattr(obj, method)
+
+
+def _part(bundle: Tuple[Any, ...], index: int) -> Any:
+    return bundle[index]
 
 
 def _map(fd: int, size: int, writable: bool) -> mmap.mmap:
@@ -92,15 +107,15 @@ def _map(fd: int, size: int, writable: bool) -> mmap.mmap:
 
 
 def _received(
-    key: int,
-    keep: bool,
+    keys: Sequence[Tuple[Optional[int], Optional[str]]],
     stream: Any,
     size: int,
     buffers: Any,
     layout: Sequence[Tuple[int, int]],
     fds: Sequence[Any],
-) -> Any:
-    """Unpickles a shipment (see ``Shipment``) and, with ``keep``, keeps the object."""
+) -> Tuple[Any, ...]:
+    """Unpickles a shipment (see ``Shipment``): the loader's objects, one pickle, so that
+    what they share stays shared; keeps each that has a key (a bound method: its object)."""
     owned = [ref.detach() for ref in fds]
     data: Any = stream
     mapped = None
@@ -113,14 +128,15 @@ def _received(
         views = [whole[offset : offset + length] for offset, length in layout]
         del whole
     try:
-        obj = _channel.loads(data, owned, views)
+        bundle: Tuple[Any, ...] = _channel.loads(data, owned, views)
     finally:
         if mapped is not None:
             data.release()
             mapped.close()
-    if keep:
-        _kept[key] = obj
-    return obj
+    for (key, method), obj in zip(keys, bundle):
+        if key is not None:
+            _kept[key] = obj if method is None else obj.__self__
+    return bundle
 
 
 # -- the parent's side ------------------------------------------------------------------------
@@ -150,14 +166,19 @@ def _sealed_memfd(name: str, size: int, parts: Sequence[Tuple[int, memoryview]])
 
 
 class Shipment:
-    """One pickle of an object for every worker of one loader: the stream (bytes, or a
-    sealed memfd when large), the out-of-band buffers (one sealed memfd, page-aligned), and
-    the fds the object's reductions named (duplicates owned here). It pickles, inside a
-    lease's message, as the call that rebuilds the object in the worker."""
+    """One pickle of a loader's objects (dataset, ``collate_fn``, ``worker_init_fn``,
+    together, so that what they share stays shared, as in torch's one pickle of a worker's
+    arguments) for every worker of the loader: the stream (bytes, or a sealed memfd when
+    large), the out-of-band buffers (one sealed memfd, page-aligned), and the fds the
+    objects' reductions named (duplicates owned here). ``keys`` says under which key the
+    worker keeps each (none: it keeps nothing; a method name: it keeps the method's
+    object). It pickles, inside a lease's message, as the call that rebuilds the objects in
+    the worker; ``part(i)`` as the i-th of them."""
 
-    def __init__(self, obj: Any, key: int, keep: bool) -> None:
-        self.key = key
-        self.keep = keep
+    def __init__(
+        self, bundle: Tuple[Any, ...], keys: Sequence[Tuple[Optional[int], Optional[str]]]
+    ) -> None:
+        self.keys = list(keys)
         collector = _channel._FdCollector(dup=True)
         self._closer = weakref.finalize(self, _channel._close_all, collector.fds)
         views: List[memoryview] = []
@@ -172,9 +193,9 @@ class Shipment:
             views.append(view)
             return False
 
-        what = f"a {type(obj).__name__}"
+        what = f"a {type(bundle[0]).__name__}"
         stream = io.BytesIO()
-        _channel.dump(obj, collector, stream, out_of_band)
+        _channel.dump(bundle, collector, stream, out_of_band)
         self.fds = collector.fds
         self.size = stream.getbuffer().nbytes
         self.stream: Any = None
@@ -207,11 +228,13 @@ class Shipment:
     def close(self) -> None:
         self._closer()
 
+    def part(self, index: int) -> "_Part":
+        return _Part(self, index)
+
     def __reduce__(self) -> Tuple[Callable[..., Any], Tuple[Any, ...]]:
         carried = [fd for fd in self.fds if fd not in (self.stream_fd, self.buffers_fd)]
         return _received, (
-            self.key,
-            self.keep,
+            self.keys,
             self.stream if self.stream_fd is None else DupFd(self.stream_fd),
             self.size,
             None if self.buffers_fd is None else DupFd(self.buffers_fd),
@@ -221,15 +244,31 @@ class Shipment:
 
 
 class _Held:
-    """A reference to an object the worker holds: pickles as the lookup."""
+    """A reference to an object the worker holds (or to its bound method): pickles as the
+    lookup."""
 
-    __slots__ = ("key",)
+    __slots__ = ("key", "method")
 
-    def __init__(self, key: int) -> None:
+    def __init__(self, key: int, method: Optional[str]) -> None:
         self.key = key
+        self.method = method
 
-    def __reduce__(self) -> Tuple[Callable[[int], Any], Tuple[int]]:
-        return _held, (self.key,)
+    def __reduce__(self) -> Tuple[Callable[..., Any], Tuple[int, Optional[str]]]:
+        return _held, (self.key, self.method)
+
+
+class _Part:
+    """One object of a shipment: the lease's message holds the shipment once (the pickler
+    keeps it in its memo), and each part takes its object from it."""
+
+    __slots__ = ("shipment", "index")
+
+    def __init__(self, shipment: Shipment, index: int) -> None:
+        self.shipment = shipment
+        self.index = index
+
+    def __reduce__(self) -> Tuple[Callable[..., Any], Tuple[Shipment, int]]:
+        return _part, (self.shipment, self.index)
 
 
 class Forgetting:
@@ -327,21 +366,38 @@ class _Entry:
         self.holders: Dict[int, Tuple[int, int]] = {}
 
 
-class _Iteration:
-    """What one DataLoader iterator's leases share: each object's version, seen once, and
-    its shipment, made once."""
+class _Element:
+    """One of a loader's kept objects as this loader found it: the object, its entry (None
+    when it cannot be watched, or nothing is kept), the entry's version, and for a bound
+    method the method's name (the entry is then its object's)."""
 
-    __slots__ = ("versions", "shipments", "__weakref__")
+    __slots__ = ("obj", "entry", "version", "method")
+
+    def __init__(self, obj: Any, entry: Optional[_Entry], method: Optional[str]) -> None:
+        self.obj = obj
+        self.entry = entry
+        self.version = -1 if entry is None else entry.version
+        self.method = method
+
+    def held_by(self, slot: int, pid: int) -> bool:
+        return self.entry is not None and self.entry.holders.get(slot) == (pid, self.version)
+
+
+class _Iteration:
+    """What one DataLoader iterator's leases share: its kept objects, seen once, and their
+    shipment, made once."""
+
+    __slots__ = ("elements", "shipment", "__weakref__")
 
     def __init__(self) -> None:
-        self.versions: Dict[int, Tuple[Any, Optional[_Entry], int]] = {}
-        self.shipments: Dict[int, Shipment] = {}
+        self.elements: Optional[List[_Element]] = None
+        self.shipment: Optional[Shipment] = None
 
     def close(self) -> None:
-        for shipment in self.shipments.values():
-            shipment.close()
-        self.shipments.clear()
-        self.versions.clear()
+        if self.shipment is not None:
+            self.shipment.close()
+        self.shipment = None
+        self.elements = None
 
 
 class Kept:
@@ -361,8 +417,11 @@ class Kept:
         self, call: Dict[str, Any], slot: int, pid: int, keep: bool
     ) -> Tuple[Dict[str, Any], Forgetting, Callable[[], None]]:
         """torch's worker-loop ``call`` (its arguments by name) as worker ``pid`` in ``slot``
-        gets it: each kept object replaced by a reference to the worker's copy or by a
-        shipment; the keys it drops; and what to record once the lease is sent."""
+        gets it: the kept objects replaced by references to the worker's copies when it
+        holds them all, else by the parts of the loader's shipment; the keys it drops; and
+        what to record once the lease is sent."""
+        names = [name for name in KEPT_ARGUMENTS if _carries(name, call.get(name))]
+        objs = [call[name][0] if name == "dataset_holder" else call[name] for name in names]
         with self._lock:
             self._collect_dropped()
             done_event = call.get("done_event")
@@ -371,62 +430,53 @@ class Kept:
                 iteration = _Iteration()
                 if done_event is not None:
                     self._iterations[done_event] = iteration
-            sent: List[Tuple[_Entry, int]] = []
+            if iteration.elements is None:
+                iteration.elements = [self._element(obj, keep) for obj in objs]
+            elements = iteration.elements
+            sent: List[_Element] = []
+            if keep and all(e.held_by(slot, pid) for e in elements):
+                refs: List[Any] = [_Held(e.entry.key, e.method) for e in elements if e.entry]
+            else:
+                if iteration.shipment is None:
+                    keys = [(None if e.entry is None else e.entry.key, e.method) for e in elements]
+                    iteration.shipment = Shipment(tuple(objs), keys)
+                refs = [iteration.shipment.part(i) for i in range(len(objs))]
+                sent = [e for e in elements if e.entry is not None]
             out = dict(call)
-            for name in KEPT_ARGUMENTS:
-                value = call.get(name)
-                if value is None:
-                    continue
-                if name == "dataset_holder":
-                    if isinstance(value, list) and len(value) == 1:
-                        out[name] = [self._stand_in(value[0], iteration, slot, pid, keep, sent)]
-                else:
-                    out[name] = self._stand_in(value, iteration, slot, pid, keep, sent)
+            for name, ref in zip(names, refs):
+                out[name] = [ref] if name == "dataset_holder" else ref
             forget = Forgetting(self._forget.get(slot, ()))
             last = call.get("worker_id") == call.get("num_workers", 0) - 1
 
         def commit() -> None:
             with self._lock:
-                for entry, version in sent:
-                    entry.holders[slot] = (pid, version)
+                for element in sent:
+                    if element.entry is not None:
+                        element.entry.holders[slot] = (pid, element.version)
                 keys = set(forget.keys)
                 left = [key for key in self._forget.pop(slot, ()) if key not in keys]
                 if left:
                     self._forget[slot] = left
                 if last and done_event is not None:
-                    # The loader's last worker has what it needs: the shipments go.
+                    # The loader's last worker has what it needs: the shipment goes.
                     done = self._iterations.pop(done_event, None)
                     if done is not None:
                         done.close()
 
         return out, forget, commit
 
-    def _stand_in(
-        self,
-        obj: Any,
-        iteration: _Iteration,
-        slot: int,
-        pid: int,
-        keep: bool,
-        sent: List[Tuple[_Entry, int]],
-    ) -> Any:
-        """What travels in place of ``obj``: a reference, or its shipment."""
-        seen = iteration.versions.get(id(obj))
-        if seen is None:
-            entry = self._entry(obj) if keep else None
-            seen = (obj, entry, -1 if entry is None else entry.version)
-            iteration.versions[id(obj)] = seen
-        _, entry, version = seen
-        if entry is not None and entry.holders.get(slot) == (pid, version):
-            return _Held(entry.key)
-        shipment = iteration.shipments.get(id(obj))
-        if shipment is None:
-            key = next(self._keys) if entry is None else entry.key
-            shipment = Shipment(obj, key, entry is not None)
-            iteration.shipments[id(obj)] = shipment
-        if entry is not None:
-            sent.append((entry, version))
-        return shipment
+    def _element(self, obj: Any, keep: bool) -> _Element:
+        """``obj`` as this loader finds it. A bound method is watched through its object
+        (a new bound method is made at every attribute access: ``collate_fn=ds.collate``)."""
+        if not keep:
+            return _Element(obj, None, None)
+        if isinstance(obj, types.MethodType):
+            name = getattr(obj, "__name__", None)
+            target = obj.__self__
+            if isinstance(name, str) and getattr(target, name, None) == obj:
+                return _Element(obj, self._entry(target), name)
+            return _Element(obj, None, None)
+        return _Element(obj, self._entry(obj), None)
 
     def _entry(self, obj: Any) -> Optional[_Entry]:
         """``obj``'s entry, made now or with a new version when it changed; None for an

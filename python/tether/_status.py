@@ -114,8 +114,12 @@ def _processes(uid: int) -> Dict[int, Tuple[int, str, str]]:
         comm = stat[stat.index("(") + 1 : stat.rindex(")")]
         ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
         args = raw.replace(b"\0", b" ").decode(errors="replace").strip()
-        table[int(entry)] = (ppid, comm, args)
+        table[int(entry)] = (ppid, comm, args.translate(_VISIBLE))
     return table
+
+
+#: Control characters as they show in one line (a `python -c` program has newlines).
+_VISIBLE = {c: f"\\x{c:02x}" for c in range(32)} | {ord("\n"): "\\n", ord("\t"): "\\t"}
 
 
 #: The name a ``tether run`` supervisor has in /proc/PID/comm (its first 15 bytes of
