@@ -39,7 +39,7 @@ import weakref
 from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-from . import _channel
+from . import _channel, _shm
 
 __all__ = ["Kept", "Shipment"]
 
@@ -145,15 +145,8 @@ def _received(
 def _sealed_memfd(name: str, size: int, parts: Sequence[Tuple[int, memoryview]]) -> int:
     """A sealed memfd of ``size`` bytes holding each ``(offset, bytes)`` of ``parts``. The
     pages are allocated first, so that running out of memory is an error, not a SIGBUS."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd = _shm.memfd("tether.Pool", name, size, sealing=True)
     try:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            raise MemoryError(
-                f"tether.Pool cannot allocate {size} bytes ({size / 2**20:.1f} MiB) of shared "
-                f"memory (a memfd) for {name}: {exc.strerror}"
-            ) from None
         for offset, part in parts:
             done = 0
             while done < part.nbytes:

@@ -21,23 +21,32 @@ from typing import Any, Callable, Tuple
 
 from . import _channel
 
-__all__ = ["install", "memfd_storage"]
+__all__ = ["install", "memfd", "memfd_storage"]
 
 _installed = False
 
 
+def memfd(who: str, what: str, size: int, sealing: bool = False) -> int:
+    """A new memfd of ``size`` bytes whose pages are allocated now, so that running out of
+    memory is a ``MemoryError`` that names ``who`` asked, for ``what`` and how much, not a
+    SIGBUS when a page is first touched."""
+    flags = os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealing else 0)
+    fd = os.memfd_create(what[:200], flags)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.close(fd)
+        raise MemoryError(
+            f"{who} cannot allocate {size} bytes ({size / 2**20:.1f} MiB) of shared memory "
+            f"(a memfd) for {what}: {exc.strerror}"
+        ) from None
+    return fd
+
+
 def memfd_storage(cls: Any, size: int) -> Any:
     """A new ``cls`` (torch's ``UntypedStorage``) of ``size`` bytes in a memfd."""
-    fd = os.memfd_create("tether-tensor", os.MFD_CLOEXEC)
+    fd = memfd(f"tether.Pool worker (pid {os.getpid()})", "a tensor", size)
     try:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            raise MemoryError(
-                f"tether.Pool worker (pid {os.getpid()}) cannot allocate {size} bytes "
-                f"({size / 2**20:.1f} MiB) of shared memory (a memfd) for a tensor: "
-                f"{exc.strerror}"
-            ) from None
         storage = cls._new_shared_fd_cpu(fd, size)  # maps its own duplicate of the fd
     finally:
         os.close(fd)
