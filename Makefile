@@ -14,8 +14,10 @@ export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 all: build
 
 # The versions the tests and linters were last run with (torch and numpy are test
-# dependencies only: tether itself never imports them).
-TEST_DEPS := torch==2.15.0 numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 loky==3.7.0 py-spy==0.4.3
+# dependencies only: tether itself never imports them; cloudpickle is optional, asked for
+# only when a notebook's or a REPL's objects travel, and IPython runs notebook-like cells).
+TEST_DEPS := torch==2.15.0 numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 loky==3.7.0 py-spy==0.4.3 \
+             cloudpickle==3.1.3 ipython==9.18.1
 TOOLS     := maturin==1.16.0 ruff==0.17.6 mypy==2.4.1
 
 $(DEPS): pyproject.toml Makefile

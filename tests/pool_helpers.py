@@ -365,6 +365,19 @@ def rss_kib(_: Any = None) -> Tuple[int, int]:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
+def in_its_module() -> bool:
+    """Whether the function that runs is the one this module defines (it travelled by
+    reference)."""
+    return sys.modules[__name__].in_its_module is in_its_module
+
+
+def spawn_in_its_module(rank: int) -> None:
+    """A spawn target that fails unless it travelled by reference."""
+    if sys.modules[__name__].spawn_in_its_module is not spawn_in_its_module:
+        raise AssertionError("spawn_in_its_module travelled by value")
+
+
+
 def first_one_ends(path: str, how: str) -> None:
     """An initializer: the first worker to run it ends (``how``: "exit 3" or "SIGKILL"), the
     others go on."""
