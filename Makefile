@@ -70,8 +70,8 @@ demo: build
 	@echo "   notice: the loss falls and both ranks end with identical weights"
 	@$(PY) examples/train_gloo.py
 	@echo
-	@echo "== 3. the zygote: processes started from a script that imports torch"
-	@echo "   notice: a warm start costs a fork (milliseconds), not an interpreter and torch"
+	@echo "== 3. the zygote: 2 processes started by torch, then by tether, from a script that imports torch"
+	@echo "   notice: a warm start costs a fork (milliseconds per process), not an interpreter and torch"
 	@$(PY) examples/zygote.py
 	@echo
 	@echo "== 4. tether.Pool: one pool serving two DataLoaders at a time, epoch after epoch"
