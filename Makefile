@@ -14,8 +14,10 @@ export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 all: build
 
 # The versions the tests and linters were last run with (torch and numpy are test
-# dependencies only: tether itself never imports them).
-TEST_DEPS := torch==2.15.0 numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 loky==3.7.0 py-spy==0.4.3
+# dependencies only: tether itself never imports them; cloudpickle is optional, asked for
+# only when a notebook's or a REPL's objects travel, and IPython runs notebook-like cells).
+TEST_DEPS := torch==2.15.0 numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 loky==3.7.0 py-spy==0.4.3 \
+             cloudpickle==3.1.3 ipython==9.18.1
 TOOLS     := maturin==1.16.0 ruff==0.17.6 mypy==2.4.1
 
 $(DEPS): pyproject.toml Makefile
@@ -68,8 +70,8 @@ demo: build
 	@echo "   notice: the loss falls and both ranks end with identical weights"
 	@$(PY) examples/train_gloo.py
 	@echo
-	@echo "== 3. the zygote: processes started from a script that imports torch"
-	@echo "   notice: a warm start costs a fork (milliseconds), not an interpreter and torch"
+	@echo "== 3. the zygote: 2 processes started by torch, then by tether, from a script that imports torch"
+	@echo "   notice: a warm start costs a fork (milliseconds per process), not an interpreter and torch"
 	@$(PY) examples/zygote.py
 	@echo
 	@echo "== 4. tether.Pool: one pool serving two DataLoaders at a time, epoch after epoch"

@@ -381,3 +381,27 @@ class InitsItself(Counted):
 
         info = torch.utils.data.get_worker_info()
         return getattr(self, "inited", None), info.id, os.getpid(), COUNTS["unpickled"]
+
+
+def in_its_module() -> bool:
+    """Whether the function that runs is the one this module defines (it travelled by
+    reference)."""
+    return sys.modules[__name__].in_its_module is in_its_module
+
+
+def spawn_in_its_module(rank: int) -> None:
+    """A spawn target that fails unless it travelled by reference."""
+    if sys.modules[__name__].spawn_in_its_module is not spawn_in_its_module:
+        raise AssertionError("spawn_in_its_module travelled by value")
+
+
+def first_one_ends(path: str, how: str) -> None:
+    """An initializer: the first worker to run it ends (``how``: "exit 3" or "SIGKILL"), the
+    others go on."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    if how == "SIGKILL":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(3)

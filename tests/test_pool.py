@@ -41,6 +41,27 @@ def test_arguments_are_checked():
         tether.Pool(1, initializer=3)
 
 
+@pytest.mark.parametrize(
+    "how, method, said",
+    [
+        ("exit 3", "spawn", "exited with code 3"),
+        ("SIGKILL", "forkserver", r"killed by signal SIGKILL \(Killed\)"),
+    ],
+)
+def test_a_pool_whose_worker_dies_while_starting_raises_that_workers_error(
+    tmp_path, how, method, said
+):
+    # Two workers, one of which dies: Pool() never returns with a dead worker.
+    expected = rf"a tether.Pool worker \(pid \d+\) {said} before it was ready"
+    with pytest.raises(tether.BrokenPool, match=expected):
+        tether.Pool(
+            2,
+            start_method=method,
+            initializer=helpers.first_one_ends,
+            initargs=(str(tmp_path / "first"), how),
+        )
+
+
 def test_context_is_a_real_multiprocessing_context(pool):
     ctx = pool.context()
     assert isinstance(ctx, multiprocessing.context.BaseContext)

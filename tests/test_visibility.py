@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -239,6 +240,27 @@ def test_tether_log_shows_one_line_per_event(tmp_path):
 def test_nothing_is_logged_by_default(tmp_path):
     assert run_logged(tmp_path, None) == []
     assert run_logged(tmp_path, "off") == []
+
+
+def test_the_zygotes_log_line_names_a_few_preloaded_modules_and_their_count():
+    # A process that imported many modules: the zygote preloads every one of them.
+    code = (
+        "import asyncio, decimal, email.mime.text, http.server, json, xml.etree.ElementTree\n"
+        "import sys, tether\n"
+        "tether.spawn(abs, nprocs=1)\n"
+    )
+    env = dict(os.environ, TETHER_LOG="info")
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if "started the zygote (pid" in line]
+    words = re.search(r"preloading (\d+) modules \((.*)\)$", line)
+    assert words is not None, line
+    count, names = int(words[1]), words[2].split(", ")
+    assert count > 50 and len(line) < 200, line
+    assert len(names) == 7 and names[-1] == f"+{count - 6} more", line
+    assert "asyncio" in names or "json" in names, line
 
 
 def test_the_launcher_logs_its_events(tmp_path):

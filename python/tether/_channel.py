@@ -14,21 +14,30 @@ in the receiver from ``detach()``. Nothing goes through ``resource_sharer`` and 
 copied more than with torch's own queues.
 
 Queues and events travel to other processes only this way: as arguments of a process the
-pool starts, or inside a message of another tether channel."""
+pool starts, or inside a message of another tether channel.
+
+Functions and classes of a ``__main__`` that has no file (a notebook, the REPL, ``python -c``,
+stdin) cannot be found by name in another process: those travel by value, pickled by
+cloudpickle (an optional dependency, imported only when such an object travels), and so do
+the instances of such classes. Everything else still travels by reference."""
 
 from __future__ import annotations
 
 import copyreg
+import importlib
 import io
 import multiprocessing.context
 import os
 import pickle
 import queue
+import sys
 import threading
 import time
+from collections import ChainMap
 from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd, ForkingPickler
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from types import FunctionType, ModuleType
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 from . import _native
 
@@ -45,6 +54,19 @@ class Watched(Protocol):
     def failure(self) -> Optional[BaseException]:
         """The error to raise for how the process ended, or None (it ended well, or its
         failure was reported already)."""
+        ...
+
+
+class SpawningPopen(Protocol):
+    """What multiprocessing's reductions ask of the "spawning popen" while an object is
+    pickled (an ``_FdCollector``, or the stand-in of a process start in ``_launch``)."""
+
+    def duplicate_for_child(self, fd: int) -> int:
+        """Passes ``fd`` with the pickle; returns what names it there."""
+        ...
+
+    def DupFd(self, fd: int) -> Any:  # noqa: N802 (multiprocessing's name)
+        """An object that pickles as the fd passed (its ``detach()`` returns it there)."""
         ...
 
 
@@ -151,7 +173,32 @@ class _Pickler(pickle.Pickler):
     _sizes = (-1, -1)
 
 
-def _pickler_class() -> type:
+class _MainByValuePickler(_Pickler):
+    """``_Pickler`` for a process whose ``__main__`` has no file: a function or class of
+    ``__main__`` travels by value (see ``_by_value``)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Called for every object but atoms and strings: as little work as possible.
+        if isinstance(obj, _BY_VALUE_KINDS) and getattr(obj, "__module__", None) == "__main__":
+            return _by_value(obj)
+        return NotImplemented
+
+
+_BY_VALUE_KINDS = (FunctionType, type)
+
+
+def main_without_file() -> bool:
+    """Whether this process's ``__main__`` has no file another process could import it from
+    (a notebook or IPython, the REPL, ``python -c``, stdin: no ``__file__``, or a name such
+    as ``<stdin>``), and is no module run with ``-m``."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return False
+    path = getattr(main, "__file__", None)
+    return not isinstance(path, str) or path.startswith("<")
+
+
+def _pickler_class() -> "type[_Pickler]":
     # The reducers registered with ForkingPickler.register (torch's tensors and storages);
     # private to multiprocessing and not in its type stubs.
     extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
@@ -161,7 +208,56 @@ def _pickler_class() -> type:
         table.update(extra)
         _Pickler.dispatch_table = table
         _Pickler._sizes = sizes
-    return _Pickler
+    # Only then does every object pickled pass through a Python call (reducer_override).
+    return _MainByValuePickler if main_without_file() else _Pickler
+
+
+def _cloudpickle(obj: Any) -> ModuleType:
+    """cloudpickle, or a PicklingError that says why ``obj`` needs it and how to get it."""
+    try:
+        return importlib.import_module("cloudpickle")
+    except ImportError:
+        kind = "class" if isinstance(obj, type) else "function"
+        raise pickle.PicklingError(
+            f"the {kind} {obj.__qualname__} cannot travel to another process: it is defined "
+            "in a __main__ without a file (a notebook, the REPL, python -c or stdin), whose "
+            "functions and classes tether sends by value with cloudpickle, which is not "
+            "installed: pip install cloudpickle"
+        ) from None
+
+
+def _by_value(obj: Union[FunctionType, type]) -> Tuple[Callable[[bytes], Any], Tuple[bytes]]:
+    """The reduction of a function or class of a ``__main__`` without a file: cloudpickle's
+    pickle of it (code, closure, the globals it uses, a class's body) with the reductions of
+    ``ForkingPickler`` (so a tensor it refers to moves to shared memory, an fd travels with
+    the message), unpickled where the message is. cloudpickle gives a class an id that
+    follows it: the same class pickled in several messages, or sent back, is one class."""
+    pickler = _by_value_pickler(_cloudpickle(obj))
+    buf = io.BytesIO()
+    pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return _from_main, (buf.getvalue(),)
+
+
+#: ``(ForkingPickler's table, the pickler class made with it)``.
+_by_value_class: Optional[Tuple[Any, type]] = None
+
+
+def _by_value_pickler(cloudpickle: ModuleType) -> type:
+    """cloudpickle's Pickler, with ``ForkingPickler``'s reductions under its own."""
+    global _by_value_class
+    table = _pickler_class().dispatch_table
+    if _by_value_class is None or _by_value_class[0] is not table:
+        base = cloudpickle.Pickler
+        made = type(
+            "_ByValuePickler", (base,), {"dispatch_table": ChainMap(base.dispatch_table, table)}
+        )
+        _by_value_class = (table, made)
+    return _by_value_class[1]
+
+
+def _from_main(data: bytes) -> Any:
+    """A function or class of the sender's ``__main__``, rebuilt from cloudpickle's bytes."""
+    return pickle.loads(data)
 
 
 def register(cls: type, reducer: Callable[[Any], Any]) -> None:
@@ -172,13 +268,13 @@ def register(cls: type, reducer: Callable[[Any], Any]) -> None:
 
 def dump(
     obj: Any,
-    collector: _FdCollector,
+    collector: SpawningPopen,
     file: Any,
     buffer_callback: Optional[Callable[[pickle.PickleBuffer], Any]] = None,
 ) -> None:
     """Pickles ``obj`` into ``file`` as ``ForkingPickler`` would (protocol 5, so that
     ``buffer_callback`` may take large buffers out of band); the fds it names go to
-    ``collector.fds``."""
+    ``collector`` (``collector.fds`` for an ``_FdCollector``)."""
     previous = getattr(_popen_tls, "spawning_popen", None)
     _popen_tls.spawning_popen = collector
     try:
@@ -187,7 +283,7 @@ def dump(
         _popen_tls.spawning_popen = previous
 
 
-def dumps(obj: Any, collector: _FdCollector) -> bytes:
+def dumps(obj: Any, collector: SpawningPopen) -> bytes:
     """``dump`` into bytes."""
     buf = io.BytesIO()
     dump(obj, collector, buf)

@@ -17,11 +17,9 @@ import signal
 import subprocess
 import sys
 import threading
-from multiprocessing.context import set_spawning_popen
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import _child, _native
+from . import _channel, _child, _native
 
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_START_METHOD = "forkserver"
@@ -47,10 +45,9 @@ class _DupFd:
 
 
 class _SpawningPopen:
-    """Stands in for the "spawning popen" while the arguments are pickled, so that
-    multiprocessing primitives and shared tensors can name the fds the child must inherit."""
-
-    DupFd = _DupFd
+    """Stands in for the "spawning popen" while the arguments are pickled (by tether's one
+    pickler, ``_channel.dumps``), so that multiprocessing primitives and shared tensors can
+    name the fds the child must inherit."""
 
     def __init__(self) -> None:
         self.fds: List[int] = []
@@ -59,20 +56,14 @@ class _SpawningPopen:
         self.fds.append(fd)
         return fd
 
-
-def _dumps(obj: Any, popen: _SpawningPopen) -> bytes:
-    # Any object with duplicate_for_child() and DupFd serves as the "spawning popen" (that is
-    # all multiprocessing's reductions call); the type stubs name only its own classes.
-    set_spawning_popen(popen)  # type: ignore[arg-type]
-    try:
-        return bytes(ForkingPickler.dumps(obj))
-    finally:
-        set_spawning_popen(None)
+    def DupFd(self, fd: int) -> _DupFd:  # noqa: N802 (multiprocessing's name)
+        return _DupFd(fd)
 
 
 def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
     """What a spawn child needs to look like this process: paths, argv, working directory,
-    authkey, and how to rebuild ``__main__`` (by module name or by path)."""
+    authkey, and how to rebuild ``__main__`` (by module name or by path; a ``__main__``
+    without a file is not rebuilt: what the child needs of it travels by value)."""
     process = multiprocessing.process.current_process()
     data: Dict[str, Any] = {
         "log_to_stderr": False,
@@ -87,7 +78,7 @@ def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
     main_path = getattr(main, "__file__", None)
     if spec_name is not None:
         data["init_main_from_name"] = spec_name
-    elif main_path is not None:
+    elif main_path is not None and not _channel.main_without_file():
         original = _original_dir()
         if not os.path.isabs(main_path) and original is not None:
             main_path = os.path.join(original, main_path)
@@ -145,8 +136,9 @@ def start(
         # A spawn child is given the stacks channel by the supervisor (TETHER_STACKS_FD).
         fd, inode = _native.stacks_fd()
         data["tether_stacks_channel"] = (popen.duplicate_for_child(fd), inode)
-    prep = _dumps(data, popen)
-    work = _dumps((fn, tuple(args)), popen)
+    prep = _channel.dumps(data, popen)
+    # A function (or arguments) of a __main__ without a file travels by value.
+    work = _channel.dumps((fn, tuple(args)), popen)
     passed = list(dict.fromkeys([*popen.fds, *keep_fds]))
     if method == "spawn":
         return _start_spawn(prep, work, ranks, passed, title[0])

@@ -14,7 +14,7 @@ import traceback
 from types import TracebackType
 from typing import Optional, Tuple
 
-from . import _native
+from . import _channel, _native
 
 
 def _user_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:
@@ -26,11 +26,19 @@ def _user_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:
 
 def _pickled(exc: BaseException) -> bytes:
     """The pickled exception, or nothing when it does not pickle (whatever its ``__reduce__``
-    raises: ``SystemExit`` and ``KeyboardInterrupt`` included)."""
+    raises: ``SystemExit`` and ``KeyboardInterrupt`` included). An exception class of a
+    ``__main__`` without a file travels by value (no fd travels with a report: tether's
+    pickler is asked only then)."""
     try:
         return pickle.dumps(exc)
     except BaseException:  # noqa: BLE001 - the text must get through whatever happens here
-        return b""
+        pass
+    if _channel.main_without_file():
+        try:
+            return _channel.dumps(exc, _channel._FdCollector())
+        except BaseException:  # noqa: BLE001
+            pass
+    return b""
 
 
 def encode(exc: BaseException) -> bytes:

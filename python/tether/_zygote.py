@@ -135,6 +135,13 @@ def preload_summary(preload: Sequence[str], shown: int = 6) -> str:
     return (text + (f", +{hidden} more" if hidden else "")) or "nothing"
 
 
+def preload_words(preload: Sequence[str]) -> str:
+    """How many modules the preload has, and a few of them: ``412 modules (torch, numpy,
+    ..., +406 more)``."""
+    count = len(preload)
+    return f"{count} module{'' if count == 1 else 's'} ({preload_summary(preload)})"
+
+
 def _name_zygote(preload: Sequence[str]) -> None:
     title = f"tether zygote of pid {os.getppid()} (preload: {preload_summary(preload)})"
     try:
@@ -295,7 +302,9 @@ class Zygote:
         self._process = _native.Zygote(argv, [], pickle.dumps(config))
         self._ready = False
         logger.info(
-            "started the zygote (pid %d), preloading %s", self._process.pid, list(self.preload)
+            "started the zygote (pid %d), preloading %s",
+            self._process.pid,
+            preload_words(self.preload),
         )
         return self._process
 
@@ -305,7 +314,7 @@ class Zygote:
         try:
             info = pickle.loads(process.wait_ready())
         except ZygoteError as exc:
-            raise ZygoteError(f"{exc} while importing {list(self.preload)}") from None
+            raise ZygoteError(f"{exc} while importing {preload_words(self.preload)}") from None
         for module, error in info["failures"]:
             warnings.warn(
                 f"tether zygote: cannot preload module {module!r} ({error}); "

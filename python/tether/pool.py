@@ -407,13 +407,16 @@ class _Core:
             raise
 
     def _wait_ready(self) -> None:
-        """Waits until every worker is ready, or the pool broke (a worker died first)."""
+        """Waits until every worker is ready; raises ``BrokenPool`` with the error of a
+        worker that died first (its initializer failed, its start did)."""
         with self.changed:
             while self.broken is None and self.state != "closed":
                 workers = self.workers.workers()
                 if len(workers) == self.size and all(w[2] for w in workers):
                     return
                 self.changed.wait()
+            if self.broken is not None:
+                raise BrokenPool(self.broken)
 
     # -- workers ---------------------------------------------------------------------------
 
