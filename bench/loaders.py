@@ -215,17 +215,47 @@ def first_batch(**kwargs) -> float:
     return elapsed
 
 
+#: CPU seconds per batch of each ``throughput`` run since the last ``print_cpu``, by
+#: contender: its workers', the parent's (from /proc, every thread).
+CPU: Dict[str, List[Dict[str, float]]] = {}
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def throughput(batches: int, **kwargs) -> float:
     loader = DataLoader(Images(32 * (batches + 4)), batch_size=32, num_workers=2, **kwargs)
     it = iter(loader)
     for _ in range(4):
         next(it)
+    pids = [os.getpid(), *(w.pid for w in it._workers)]
+    before = [cpu_seconds(p) for p in pids]
     start = time.perf_counter()
     for _ in range(batches):
         next(it)
     elapsed = time.perf_counter() - start
+    used = [cpu_seconds(p) - b for p, b in zip(pids, before)]
+    name = "torch fork" if kwargs["multiprocessing_context"] == "fork" else "tether.Pool"
+    CPU.setdefault(name, []).append(
+        {"parent": used[0] / batches, "workers": sum(used[1:]) / batches}
+    )
     del it
     return batches / elapsed
+
+
+def print_cpu(title: str) -> None:
+    """Where a steady-state batch's CPU time goes: medians of the runs since the last call."""
+    print(f"\n{title}: CPU ms per batch")
+    print(f"  {'':12} {'workers':>8} {'parent':>8}")
+    for name, runs in CPU.items():
+        workers = statistics.median(r["workers"] for r in runs) * 1000
+        parent = statistics.median(r["parent"] for r in runs) * 1000
+        print(f"  {name:12} {workers:8.1f} {parent:8.1f}")
+    CPU.clear()
 
 
 def interleaved(contenders: Dict[str, Callable[[], float]], reps: int) -> Dict[str, float]:
@@ -303,13 +333,16 @@ def main() -> None:
         "torch fork": lambda: throughput(args.batches, multiprocessing_context="fork"),
         "tether.Pool": lambda: throughput(args.batches, multiprocessing_context=ctx),
     }
+    CPU.clear()
     rates = interleaved(steady, max(args.reps, 5))
     print_versus(
         "Steady state: batches of 32 x 3x224x224 float32, 2 workers", "batches/s", rates, False
     )
+    print_cpu("Steady state")
     with busy_cores():
         busy = interleaved(steady, max(args.reps, 5))
     print_versus("Steady state, a busy-looping process on every core", "batches/s", busy, False)
+    print_cpu("Steady state, every core busy")
     pool.shutdown()
 
 
