@@ -4,6 +4,7 @@ run`` reports a failing torch program through the error file of ``@record``."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -243,3 +244,34 @@ def test_tether_run_with_stderr_closed_reports_a_failure_on_stdout(tmp_path: Pat
     )
     assert proc.returncode == 3
     assert "exit code 3" in proc.stdout, proc.stdout
+
+
+def test_no_process_an_attempt_left_is_alive_or_unreaped_when_the_next_attempt_starts(
+    tmp_path: Path,
+) -> None:
+    restarts = 4
+    mark = f"attempts-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.run(
+        tether(
+            "run",
+            "-n",
+            "2",
+            "--max-restarts",
+            str(restarts),
+            str(Path(__file__).parent / "scripts" / "leaves_daemons.py"),
+            str(tmp_path),
+            mark,
+        ),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("restarting all 2 ranks") == restarts, proc.stderr
+    for attempt in range(restarts + 1):
+        for rank in range(2):
+            pids = json.loads((tmp_path / f"pids.{attempt}.{rank}").read_text())
+            assert len(pids) == 4, pids
+            seen = json.loads((tmp_path / f"seen.{attempt}.{rank}").read_text())
+            assert seen == [], f"attempt {attempt}, rank {rank} met {seen}"

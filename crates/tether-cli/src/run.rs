@@ -25,8 +25,8 @@ use crate::reaper;
 use crate::report::{oom_kills, ErrorFile, Failure, RankEnd};
 use crate::signals::SignalFd;
 
-/// How long the supervisor waits for output pipes to drain, and for leftovers to die, once
-/// every rank has exited.
+/// How long the supervisor waits for output pipes to drain once every rank has exited, and
+/// after which it says which leftovers are slow to die (it waits for them all the same).
 const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
 /// Held while an attempt creates its files and starts its ranks. A supervisor whose keeper
@@ -637,11 +637,17 @@ impl Launcher {
         Ok((ready, signals))
     }
 
-    /// After every rank has exited: kill and reap what they left behind, and let the output
-    /// pumps finish.
+    /// After every rank has exited: kill and reap what they left behind, every one of them
+    /// (the next attempt starts only then), and let the output pumps finish.
     fn cleanup(&self, group: &Group, done: &mpsc::Receiver<()>, pumps: usize) {
         let live = Self::live_pids(group);
-        reaper::kill_orphans(&live, DRAIN_LIMIT);
+        reaper::kill_orphans(&live, DRAIN_LIMIT, |left| {
+            output::message(&format!(
+                "tether: {} process(es) that the ranks left are not dead yet after SIGKILL \
+                 (pids {left:?}); waiting for them, nothing else starts before they are gone",
+                left.len()
+            ))
+        });
         let deadline = Instant::now() + DRAIN_LIMIT;
         for _ in 0..pumps {
             let left = deadline.saturating_duration_since(Instant::now());
