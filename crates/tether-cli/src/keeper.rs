@@ -63,7 +63,11 @@ fn keep(cfg: Config, handled: &[i32]) -> i32 {
     let signals = match SignalFd::new(handled) {
         Ok(fd) => fd,
         Err(err) => {
-            message(&format!("tether: cannot create a signalfd: {err}"));
+            message(&format!(
+                "tether: cannot create a signalfd: {}{}",
+                tether_core::strerror(&err),
+                tether_core::limit_hint(&err)
+            ));
             return 1;
         }
     };
@@ -81,9 +85,11 @@ fn keep(cfg: Config, handled: &[i32]) -> i32 {
     // code; it never returns here (see `supervisor_main`).
     let pid = unsafe { libc::fork() };
     if pid < 0 {
+        let err = io::Error::last_os_error();
         message(&format!(
-            "tether: cannot start the supervisor: {}",
-            io::Error::last_os_error()
+            "tether: cannot start the supervisor: {}{}",
+            tether_core::strerror(&err),
+            tether_core::limit_hint(&err)
         ));
         return 1;
     }

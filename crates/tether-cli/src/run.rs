@@ -14,7 +14,7 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags};
-use tether_core::{signal_name, Group, LaunchSpec, WaitFor};
+use tether_core::{limit_hint, signal_name, strerror, Group, LaunchSpec, WaitFor};
 
 use crate::clock;
 use crate::config::{Config, Streams};
@@ -41,9 +41,9 @@ pub fn stop_launching() -> MutexGuard<'static, ()> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error("cannot start {program:?}: {source}")]
+    #[error("cannot start {program:?}: {}{}", strerror(source), limit_hint(source))]
     Start { program: String, source: io::Error },
-    #[error("{what}: {source}")]
+    #[error("{what}: {}{}", strerror(source), limit_hint(source))]
     Io { what: String, source: io::Error },
     #[error(transparent)]
     Core(#[from] tether_core::Error),
@@ -160,14 +160,20 @@ fn supervisor(cfg: Config, tmp: PathBuf, keeper: i32) -> i32 {
     let signals = match SignalFd::new(&handled) {
         Ok(fd) => fd,
         Err(err) => {
-            output::message(&format!("tether: cannot create a signalfd: {err}"));
+            output::message(&format!(
+                "tether: cannot create a signalfd: {}{}",
+                tether_core::strerror(&err),
+                tether_core::limit_hint(&err)
+            ));
             return 1;
         }
     };
     if let Err(err) = crate::keeper::watch(keeper, tmp.clone()) {
         output::message(&format!(
-            "tether: warning: cannot watch the launcher ({err}); if it is killed with SIGKILL, \
-             what the ranks started may outlive it"
+            "tether: warning: cannot watch the launcher ({}{}); if it is killed with SIGKILL, \
+             what the ranks started may outlive it",
+            strerror(&err),
+            limit_hint(&err)
         ));
     }
     for note in &cfg.notes {
