@@ -1245,7 +1245,7 @@ impl Zygote {
             match self.request.send(data, fds, Some(CHECK_EVERY)) {
                 Ok(true) => return Ok(()),
                 Ok(false) => self.check(&mut silent, Some(ANSWER_TIMEOUT))?,
-                Err(err) if err.raw_os_error() == Some(libc::EPIPE) => {
+                Err(err) if matches!(err.raw_os_error(), Some(libc::EPIPE | libc::ECONNRESET)) => {
                     return Err(self.fail("went away"))
                 }
                 Err(err) => {
@@ -1266,6 +1266,10 @@ impl Zygote {
                 }
                 Ok(Recv::Timeout) => self.check(&mut silent, patience)?,
                 Ok(Recv::Closed) => return Err(self.fail("went away")),
+                // A zygote that died with a message of ours unread resets the channel.
+                Err(err) if err.raw_os_error() == Some(libc::ECONNRESET) => {
+                    return Err(self.fail("went away"))
+                }
                 Err(err) => return Err(Error::resource("cannot read the zygote's reply", err)),
             }
         }
