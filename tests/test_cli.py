@@ -275,3 +275,34 @@ def test_no_process_an_attempt_left_is_alive_or_unreaped_when_the_next_attempt_s
             assert len(pids) == 4, pids
             seen = json.loads((tmp_path / f"seen.{attempt}.{rank}").read_text())
             assert seen == [], f"attempt {attempt}, rank {rank} met {seen}"
+
+
+@pytest.mark.parametrize("tmpdir", ["missing", "a file", "unwritable"])
+def test_tether_run_falls_back_as_tempfile_does_when_tmpdir_is_unusable(
+    tmpdir: str, tmp_path: Path
+) -> None:
+    where = {
+        "missing": tmp_path / "gone" / "tmp",
+        "a file": tmp_path / "file",
+        # Not even root creates a file in /proc.
+        "unwritable": Path("/proc"),
+    }[tmpdir]
+    (tmp_path / "file").write_text("")
+    script = write_script(
+        tmp_path,
+        "rank.py",
+        """
+        import os, sys, tempfile
+        print(os.environ["RANK"], tempfile.gettempdir() != os.environ["TMPDIR"])
+        """,
+    )
+    proc = subprocess.run(
+        tether("run", "-n", "2", str(script)),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, TMPDIR=str(where)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[rank 0]: 0 True", "[rank 1]: 1 True"]

@@ -77,7 +77,13 @@ fn keep(cfg: Config, handled: &[i32]) -> i32 {
              leave behind may outlive tether"
         ));
     }
-    let tmp = TempDir::name("tether-run-");
+    let tmp = match TempDir::name("tether-run-") {
+        Ok(tmp) => tmp,
+        Err(err) => {
+            message(&format!("tether: {err}"));
+            return 1;
+        }
+    };
     let keeper = std::process::id() as i32;
     // The children the host process had already are its own: never killed nor reaped.
     let hosts: HashSet<i32> = reaper::children().into_iter().collect();
