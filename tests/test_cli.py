@@ -306,3 +306,45 @@ def test_tether_run_falls_back_as_tempfile_does_when_tmpdir_is_unusable(
     )
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.splitlines()) == ["[rank 0]: 0 True", "[rank 1]: 1 True"]
+
+
+def test_tether_stacks_of_another_users_launcher_says_so_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    script = write_script(
+        tmp_path,
+        "rank.py",
+        """
+        import os, sys, time
+        open(os.path.join(sys.argv[1], "ready"), "w").close()
+        time.sleep(60)
+        """,
+    )
+    launcher = subprocess.Popen(
+        tether("run", "-n", "1", str(script), str(tmp_path)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists():
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.02)
+        uid = 61000 + os.getpid() % 4000
+        scripts = Path(__file__).parent / "scripts"
+        asked = subprocess.run(
+            [sys.executable, str(scripts / "as_user.py"), str(uid), "1000"]
+            + tether("stacks", str(launcher.pid)),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        launcher.terminate()
+        launcher.communicate(timeout=30)
+    assert asked.returncode == 1, asked
+    assert asked.stderr == (
+        f"tether stacks: pid {launcher.pid} belongs to another user: ask as that user "
+        "(or as root)\n"
+    ), asked.stderr
