@@ -358,3 +358,28 @@ def test_a_zygote_killed_while_it_imports_its_preload_is_replaced_once_then_a_zy
         assert f"zygote (pid {killed[1]}) died with signal SIGKILL" in message, message
         assert "while importing" in message and name in message, message
     assert stray_children() == set()
+
+
+NOISY = """
+import os, sys, warnings
+print("noisy: print at import")
+sys.stderr.write("noisy: stderr at import\\n")
+warnings.warn("noisy: a warning at import")
+os.write(1, b"noisy: fd 1 at import\\n")
+os.write(2, b"noisy: fd 2 at import\\n")
+"""
+
+
+def test_a_preloaded_package_that_prints_or_warns_at_import_stays_off_the_users_streams(
+    own_zygote, capfd, tmp_path, monkeypatch
+):
+    name = f"tether_test_noisy_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text(NOISY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    preload = own_zygote(("json", name))
+    capfd.readouterr()
+    tether.start_processes(print_hello, nprocs=2, preload=preload)
+    assert _zygote.get(preload).pids()  # the zygote preloaded it and runs
+    out, err = capfd.readouterr()
+    assert "noisy" not in out + err, (out, err)
+    assert out.count("hello from the zygote child") == 2, out
