@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -241,3 +242,16 @@ def test_the_pool_logs_a_death_and_its_replacement(tmp_path):
     lines = "\n".join(line for line in done.stderr.splitlines() if line.startswith("tether["))
     assert "INFO tether: pool 1: worker 0 (pid" in lines and "died with signal SIGKILL" in lines
     assert "INFO tether: pool 1: worker 0 replaced" in lines, lines
+
+
+@pytest.mark.parametrize("how", ["console script", "python -m tether"])
+def test_ps_never_lists_itself(how):
+    command = {
+        "console script": [str(Path(sys.executable).with_name("tether")), "ps"],
+        "python -m tether": [sys.executable, "-m", "tether", "ps"],
+    }[how]
+    done = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    out, _ = done.communicate(timeout=60)
+    assert done.returncode == 0
+    listed = [line.split()[0] for line in out.splitlines()[1:] if line.strip()]
+    assert str(done.pid) not in listed, out

@@ -131,6 +131,7 @@ def tree(uid: Optional[int] = None) -> List[str]:
     default), each under the process that started it."""
     table = _processes(os.getuid() if uid is None else uid)
     ours = {pid for pid, (_, comm, args) in table.items() if _is_tethers(comm, args)}
+    ours.discard(os.getpid())  # `tether ps` itself
     if not ours:
         return ["no process started by tether runs for this user"]
     children: Dict[int, List[int]] = {}
