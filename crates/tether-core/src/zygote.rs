@@ -868,10 +868,16 @@ impl Server<'_> {
                 Err(err) => {
                     self.pending = None;
                     let what = match self.held_at_limit.take() {
+                        Some(1) => format!(
+                            "cannot fork rank {rank}, nor on a second try; tether's idle \
+                             processes held 1 process of the limit (this zygote, which had no \
+                             blank left and keeps none ready until the next start)"
+                        ),
                         Some(held) => format!(
-                            "cannot fork rank {rank}, even once it had given back the {} \
-                             blank(s) it kept ready and tried again (tether's idle processes \
-                             held {held} of the limit: this zygote and its blanks)",
+                            "cannot fork rank {rank}, nor on a second try once it had given \
+                             back the {} blank(s) it kept ready; tether's idle processes held \
+                             {held} processes of the limit (this zygote and those blanks; it \
+                             keeps none ready until the next start)",
                             held - 1
                         ),
                         None => format!("cannot fork rank {rank}"),
