@@ -174,12 +174,14 @@ fn childless() -> bool {
 /// left, in any session, lives on, and no pid of theirs is still taken. With no rank left
 /// (`ranks` empty) the end is the kernel's word that this process has no child at all. It
 /// takes no deadline, since what comes next (another attempt) must not meet a leftover;
-/// `slow` is told once which pids are still there after `patience`. Returns how many were
+/// `slow` is told once which pids are still there after `patience`, and from then on the
+/// wait ends early when `stop` says so (the user gave up on the run). Returns how many were
 /// killed.
 pub fn kill_orphans(
     ranks: &HashSet<i32>,
     patience: Duration,
     mut slow: impl FnMut(&[i32]),
+    mut stop: impl FnMut() -> bool,
 ) -> usize {
     let tell_at = Instant::now() + patience;
     let mut told = false;
@@ -201,6 +203,9 @@ pub fn kill_orphans(
         if !told && Instant::now() >= tell_at && !orphans.is_empty() {
             told = true;
             slow(&orphans);
+        }
+        if told && stop() {
+            return killed.len();
         }
         for &pid in &orphans {
             kill_child(pid);

@@ -308,6 +308,8 @@ pub struct Launcher {
     watchdog: Watchdog,
     /// The signals that ask for the ranks' stacks.
     stack_signals: Vec<i32>,
+    /// A stop signal read while waiting for an attempt's leftovers to die.
+    stop_pending: std::cell::Cell<Option<i32>>,
 }
 
 impl Launcher {
@@ -319,6 +321,7 @@ impl Launcher {
             hostname: hostname(),
             watchdog: Watchdog::new(&cfg),
             stack_signals: hangs::stack_signals(&cfg),
+            stop_pending: std::cell::Cell::new(None),
             cfg,
             signals,
             tmp,
@@ -373,6 +376,9 @@ impl Launcher {
     /// A stop signal that arrived while no rank ran (between attempts); SIGCHLDs on the way
     /// reap orphans.
     fn pending_stop_signal(&self) -> Option<i32> {
+        if let Some(sig) = self.stop_pending.take() {
+            return Some(sig);
+        }
         while let Some(sig) = self.signals.next() {
             if sig == libc::SIGCHLD {
                 reaper::reap_orphans(&HashSet::new());
@@ -701,13 +707,23 @@ impl Launcher {
     /// (the next attempt starts only then), and let the output pumps finish.
     fn cleanup(&self, group: &Group, done: &mpsc::Receiver<()>, pumps: usize) {
         let live = Self::live_pids(group);
-        reaper::kill_orphans(&live, DRAIN_LIMIT, |left| {
+        let slow = |left: &[i32]| {
             output::message(&format!(
                 "tether: {} process(es) that the ranks left are not dead yet after SIGKILL \
                  (pids {left:?}); waiting for them, nothing else starts before they are gone",
                 left.len()
             ))
-        });
+        };
+        // A stop signal ends the wait (and the run): no attempt starts after it.
+        let stopped = || {
+            while let Some(sig) = self.signals.next() {
+                if sig != libc::SIGCHLD && !self.stack_signals.contains(&sig) {
+                    self.stop_pending.set(Some(sig));
+                }
+            }
+            self.stop_pending.get().is_some()
+        };
+        reaper::kill_orphans(&live, DRAIN_LIMIT, slow, stopped);
         let deadline = Instant::now() + DRAIN_LIMIT;
         for _ in 0..pumps {
             let left = deadline.saturating_duration_since(Instant::now());
