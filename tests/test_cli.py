@@ -4,6 +4,7 @@ run`` reports a failing torch program through the error file of ``@record``."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -243,3 +244,107 @@ def test_tether_run_with_stderr_closed_reports_a_failure_on_stdout(tmp_path: Pat
     )
     assert proc.returncode == 3
     assert "exit code 3" in proc.stdout, proc.stdout
+
+
+def test_no_process_an_attempt_left_is_alive_or_unreaped_when_the_next_attempt_starts(
+    tmp_path: Path,
+) -> None:
+    restarts = 4
+    mark = f"attempts-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.run(
+        tether(
+            "run",
+            "-n",
+            "2",
+            "--max-restarts",
+            str(restarts),
+            str(Path(__file__).parent / "scripts" / "leaves_daemons.py"),
+            str(tmp_path),
+            mark,
+        ),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("restarting all 2 ranks") == restarts, proc.stderr
+    for attempt in range(restarts + 1):
+        for rank in range(2):
+            pids = json.loads((tmp_path / f"pids.{attempt}.{rank}").read_text())
+            assert len(pids) == 4, pids
+            seen = json.loads((tmp_path / f"seen.{attempt}.{rank}").read_text())
+            assert seen == [], f"attempt {attempt}, rank {rank} met {seen}"
+
+
+@pytest.mark.parametrize("tmpdir", ["missing", "a file", "unwritable"])
+def test_tether_run_falls_back_as_tempfile_does_when_tmpdir_is_unusable(
+    tmpdir: str, tmp_path: Path
+) -> None:
+    where = {
+        "missing": tmp_path / "gone" / "tmp",
+        "a file": tmp_path / "file",
+        # Not even root creates a file in /proc.
+        "unwritable": Path("/proc"),
+    }[tmpdir]
+    (tmp_path / "file").write_text("")
+    script = write_script(
+        tmp_path,
+        "rank.py",
+        """
+        import os, sys, tempfile
+        print(os.environ["RANK"], tempfile.gettempdir() != os.environ["TMPDIR"])
+        """,
+    )
+    proc = subprocess.run(
+        tether("run", "-n", "2", str(script)),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, TMPDIR=str(where)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[rank 0]: 0 True", "[rank 1]: 1 True"]
+
+
+def test_tether_stacks_of_another_users_launcher_says_so_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    script = write_script(
+        tmp_path,
+        "rank.py",
+        """
+        import os, sys, time
+        open(os.path.join(sys.argv[1], "ready"), "w").close()
+        time.sleep(60)
+        """,
+    )
+    launcher = subprocess.Popen(
+        tether("run", "-n", "1", str(script), str(tmp_path)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists():
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.02)
+        uid = 61000 + os.getpid() % 4000
+        scripts = Path(__file__).parent / "scripts"
+        asked = subprocess.run(
+            [sys.executable, str(scripts / "as_user.py"), str(uid), "1000"]
+            + tether("stacks", str(launcher.pid)),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        launcher.terminate()
+        launcher.communicate(timeout=30)
+    assert asked.returncode == 1, asked
+    assert asked.stderr == (
+        f"tether stacks: pid {launcher.pid} belongs to another user: ask as that user "
+        "(or as root)\n"
+    ), asked.stderr

@@ -337,3 +337,20 @@ def test_native_errors_keep_their_errno():
     with pytest.raises(FileNotFoundError) as info:
         group.launch([([b"/nonexistent/tether-program"], [], [], None)])
     assert info.value.errno == 2 and "/nonexistent/tether-program" in str(info.value)
+
+
+# A working directory that was deleted ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_deleted_working_directory_is_an_error_that_says_so(method):
+    result = run_script(SCRIPTS / "deleted_cwd.py", method)
+    if method == "fork":
+        # A fork child shares the deleted directory, as os.fork's does.
+        assert result == {"start": None, "pool": None}, result
+        return
+    for what in ("start", "pool"):
+        kind, message = result[what]
+        assert kind == "FileNotFoundError", result
+        assert "[Errno 2] the working directory of this process no longer exists" in message
+        assert "change to a directory that exists" in message, message

@@ -219,6 +219,31 @@ def fake_py_spy(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize("named", ["a missing file", "a directory", "/bin/sh"])
+def test_a_tether_py_spy_that_is_not_py_spy_is_named_for_what_it_is(
+    named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = {"a missing file": tmp_path / "gone", "a directory": tmp_path, "/bin/sh": "/bin/sh"}
+    expected = {
+        "a missing file": f"{tmp_path / 'gone'} does not exist)",
+        "a directory": f"{tmp_path} is a directory, not py-spy)",
+        "/bin/sh": "/bin/sh failed (exit status: ",
+    }
+    ctx = tether.start_processes(stuck.rank, nprocs=1, join=False)
+    try:
+        pid = ctx.pids()[0]
+        when_stuck(lambda: ctx.stacks(timeout=5), [0])
+        monkeypatch.setenv("TETHER_PY_SPY", str(path[named]))
+        text = ctx.stacks(native=True)[0]
+        native = text.split("\n\nNative stack (py-spy dump --native):\n")[1]
+        assert native.startswith(f"(no native stack of pid {pid}: "), native
+        assert expected[named] in native and "ptrace" not in native, native
+        if named == "/bin/sh":
+            assert ") without giving one: is it py-spy?)" in native, native
+    finally:
+        kill_all(ctx)
+
+
 def test_native_frames_come_from_py_spy_and_its_absence_is_no_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

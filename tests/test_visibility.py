@@ -345,3 +345,65 @@ def test_ps_keeps_a_multi_line_command_on_one_line(tmp_path):
     finally:
         job.kill()
         job.wait(timeout=30)
+
+
+@pytest.mark.parametrize("how", ["console script", "python -m tether"])
+def test_ps_never_lists_itself(how):
+    command = {
+        "console script": [str(Path(sys.executable).with_name("tether")), "ps"],
+        "python -m tether": [sys.executable, "-m", "tether", "ps"],
+    }[how]
+    done = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    out, _ = done.communicate(timeout=60)
+    assert done.returncode == 0
+    listed = [line.split()[0] for line in out.splitlines()[1:] if line.strip()]
+    assert str(done.pid) not in listed, out
+
+
+STARTS = textwrap.dedent(
+    """
+    import sys, tether
+
+    def quick(i):
+        import tether  # a child that imports tether leaves the warning to its parent
+
+    if __name__ == "__main__":
+        tether.start_processes(quick, nprocs=2, start_method=sys.argv[1])
+    """
+)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
+@pytest.mark.parametrize("value", ["loud", "Warning"])
+def test_an_invalid_tether_log_is_one_warning_and_nothing_logged(tmp_path, method, value):
+    script = tmp_path / "starts.py"
+    script.write_text(STARTS)
+    done = subprocess.run(
+        [sys.executable, str(script), method],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TETHER_LOG=value),
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    warning = (
+        f"RuntimeWarning: TETHER_LOG={value!r} is not a log level (off, error, warn, info, "
+        "debug, trace): nothing is logged"
+    )
+    assert done.stderr.count(warning) == (1 if value == "loud" else 0), done.stderr
+    if value == "loud":
+        assert "tether[" not in done.stderr, done.stderr
+
+
+def test_tether_run_warns_once_of_an_invalid_tether_log(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text("print('ran')\n")
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("tether")), "run", "-n", "2", str(script)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TETHER_LOG="loud"),
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("TETHER_LOG='loud' is not a log level") == 1, done.stderr

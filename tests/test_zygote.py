@@ -302,3 +302,84 @@ def test_the_zygote_does_not_import_the_users_modules():
         "/tests/" not in (getattr(sys.modules.get(m), "__file__", "") or "")
         for m in _zygote.get().preload
     )
+
+
+@pytest.mark.parametrize("kills", [1, 2])
+def test_a_zygote_killed_while_it_imports_its_preload_is_replaced_once_then_a_zygote_error(
+    own_zygote, kills, tmp_path, monkeypatch
+):
+    # A module that announces each zygote importing it, and holds the import while the
+    # test kills that zygote.
+    name = f"tether_test_slow_{os.getpid()}_{kills}"
+    (tmp_path / f"{name}.py").write_text(
+        "import os, time\n"
+        "with open(os.environ['SLOW_PIDS'], 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
+        "deadline = time.monotonic() + 30\n"
+        "while os.path.exists(os.environ['SLOW_HOLD']) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+    )
+    pids_file, hold = tmp_path / "pids", tmp_path / "hold"
+    hold.touch()
+    monkeypatch.setenv("SLOW_PIDS", str(pids_file))
+    monkeypatch.setenv("SLOW_HOLD", str(hold))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    preload = own_zygote(("json", name))
+    killed = []
+
+    def kill_each_zygote_as_it_imports():
+        deadline = time.monotonic() + 60
+        while len(killed) < kills and time.monotonic() < deadline:
+            lines = pids_file.read_text().split() if pids_file.exists() else []
+            if len(lines) > len(killed):
+                killed.append(int(lines[len(killed)]))
+                os.kill(killed[-1], signal.SIGKILL)
+            time.sleep(0.005)
+        hold.unlink()
+
+    killer = threading.Thread(target=kill_each_zygote_as_it_imports)
+    killer.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if kills == 1:
+                tether.start_processes(success, nprocs=2, preload=preload)
+            else:
+                with pytest.raises(tether.ZygoteError) as raised:
+                    tether.start_processes(success, nprocs=2, preload=preload)
+    finally:
+        killer.join()
+    assert len(killed) == kills
+    assert f"zygote (pid {killed[0]}) died with signal SIGKILL; starting a new one" in "\n".join(
+        str(w.message) for w in caught
+    )
+    if kills == 2:
+        message = str(raised.value)
+        assert f"zygote (pid {killed[1]}) died with signal SIGKILL" in message, message
+        assert "while importing" in message and name in message, message
+    assert stray_children() == set()
+
+
+NOISY = """
+import os, sys, warnings
+print("noisy: print at import")
+sys.stderr.write("noisy: stderr at import\\n")
+warnings.warn("noisy: a warning at import")
+os.write(1, b"noisy: fd 1 at import\\n")
+os.write(2, b"noisy: fd 2 at import\\n")
+"""
+
+
+def test_a_preloaded_package_that_prints_or_warns_at_import_stays_off_the_users_streams(
+    own_zygote, capfd, tmp_path, monkeypatch
+):
+    name = f"tether_test_noisy_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text(NOISY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    preload = own_zygote(("json", name))
+    capfd.readouterr()
+    tether.start_processes(print_hello, nprocs=2, preload=preload)
+    assert _zygote.get(preload).pids()  # the zygote preloaded it and runs
+    out, err = capfd.readouterr()
+    assert "noisy" not in out + err, (out, err)
+    assert out.count("hello from the zygote child") == 2, out

@@ -10,6 +10,7 @@ so that multiprocessing primitives and shared tensors name the fds the children 
 
 from __future__ import annotations
 
+import errno
 import multiprocessing.process
 import multiprocessing.spawn
 import os
@@ -70,7 +71,7 @@ def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
         "authkey": bytes(process.authkey),
         "sys_path": list(sys.path),
         "sys_argv": list(sys.argv),
-        "dir": os.getcwd(),
+        "dir": _working_directory(),
         "orig_dir": _original_dir(),
     }
     main = sys.modules.get("__main__")
@@ -89,6 +90,21 @@ def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
     if tracker_fd is not None:
         data["tether_tracker_fd"] = popen.duplicate_for_child(tracker_fd)
     return data
+
+
+def _working_directory() -> str:
+    """This process's working directory, where a new child starts; one that no longer
+    exists is an error that says so (``os.getcwd`` alone says "No such file or
+    directory")."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            "the working directory of this process no longer exists (deleted, or its mount "
+            "is gone): a 'spawn' or 'forkserver' child starts in it; change to a directory "
+            "that exists ('fork' children share the deleted one)",
+        ) from None
 
 
 def _original_dir() -> Optional[str]:

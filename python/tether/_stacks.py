@@ -84,6 +84,16 @@ def stacks_main(argv: List[str]) -> int:
     if not _is_launcher(pid):
         print(f"tether stacks: pid {pid} is not a running `tether run`", file=sys.stderr)
         return 1
-    os.kill(pid, _native.STACKS_SIGNAL)
+    try:
+        os.kill(pid, _native.STACKS_SIGNAL)
+    except PermissionError:
+        print(
+            f"tether stacks: pid {pid} belongs to another user: ask as that user (or as root)",
+            file=sys.stderr,
+        )
+        return 1
+    except ProcessLookupError:
+        print(f"tether stacks: pid {pid} is not a running `tether run`", file=sys.stderr)
+        return 1
     print(f"tether stacks: asked `tether run` (pid {pid}); the stacks appear on its stderr")
     return 0

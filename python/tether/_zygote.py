@@ -11,6 +11,7 @@ environment, fresh random state and running the payload."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import importlib
 import os
@@ -20,7 +21,17 @@ import sys
 import sysconfig
 import threading
 import warnings
-from typing import Dict, FrozenSet, Iterable, List, NoReturn, Optional, Sequence, Tuple
+from typing import (
+    Dict,
+    FrozenSet,
+    Iterable,
+    Iterator,
+    List,
+    NoReturn,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 from . import _child, _launch, _native
 from ._log import logger
@@ -54,6 +65,51 @@ def _preload(modules: Sequence[str]) -> Tuple[List[Tuple[str, str]], List[str]]:
             if _threads() > before:
                 threaded.append(name)
     return failures, threaded
+
+
+@contextlib.contextmanager
+def _output_dropped() -> Iterator[None]:
+    """Sends what is written on stdout and stderr meanwhile (a package that prints or warns
+    at import) to /dev/null: the zygote never writes on the user's streams, and the parent,
+    which imported the same packages, has shown it already."""
+
+    def flush() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                pass
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).fflush(None)  # what C code buffered in stdio
+        except (OSError, AttributeError):
+            pass
+
+    flush()
+    saved: Dict[int, Optional[int]] = {}
+    for fd in (1, 2):
+        try:
+            saved[fd] = os.dup(fd)
+        except OSError:
+            saved[fd] = None  # closed: it stays closed afterwards
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
+    try:
+        yield
+    finally:
+        flush()
+        for fd, copy in saved.items():
+            if copy is None:
+                os.close(fd)
+            else:
+                os.dup2(copy, fd)
+                os.close(copy)
 
 
 def _start_again_without(config: Dict[str, object], fds: Sequence[int]) -> NoReturn:
@@ -101,7 +157,8 @@ def main() -> None:
         preload = [m for m in config["preload"] if m not in left_out]
         sys.path[:] = config["sys_path"]
         _name_zygote(preload)
-        failures, threaded = _preload(preload)
+        with _output_dropped():
+            failures, threaded = _preload(preload)
         if threaded and len(left_out) < 3 * len(config["preload"]):
             # Start again without them: a thread cannot be stopped from outside, and a
             # zygote must fork from a single thread.

@@ -63,7 +63,11 @@ fn keep(cfg: Config, handled: &[i32]) -> i32 {
     let signals = match SignalFd::new(handled) {
         Ok(fd) => fd,
         Err(err) => {
-            message(&format!("tether: cannot create a signalfd: {err}"));
+            message(&format!(
+                "tether: cannot create a signalfd: {}{}",
+                tether_core::strerror(&err),
+                tether_core::limit_hint(&err)
+            ));
             return 1;
         }
     };
@@ -73,7 +77,13 @@ fn keep(cfg: Config, handled: &[i32]) -> i32 {
              leave behind may outlive tether"
         ));
     }
-    let tmp = TempDir::name("tether-run-");
+    let tmp = match TempDir::name("tether-run-") {
+        Ok(tmp) => tmp,
+        Err(err) => {
+            message(&format!("tether: {err}"));
+            return 1;
+        }
+    };
     let keeper = std::process::id() as i32;
     // The children the host process had already are its own: never killed nor reaped.
     let hosts: HashSet<i32> = reaper::children().into_iter().collect();
@@ -81,9 +91,11 @@ fn keep(cfg: Config, handled: &[i32]) -> i32 {
     // code; it never returns here (see `supervisor_main`).
     let pid = unsafe { libc::fork() };
     if pid < 0 {
+        let err = io::Error::last_os_error();
         message(&format!(
-            "tether: cannot start the supervisor: {}",
-            io::Error::last_os_error()
+            "tether: cannot start the supervisor: {}{}",
+            tether_core::strerror(&err),
+            tether_core::limit_hint(&err)
         ));
         return 1;
     }

@@ -151,17 +151,60 @@ fn reap(pid: i32) -> bool {
     unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) == pid }
 }
 
+/// Whether this process has no child left at all, zombies included, in the kernel's own
+/// words (`ECHILD`): unlike `/proc`'s lists, which the kernel does not promise to be exact
+/// while children come and go, this answer is exact.
+fn childless() -> bool {
+    // SAFETY: siginfo_t is plain data; zeroed is valid for waitid to fill.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waitid with WNOHANG | WNOWAIT only looks, reaping nothing.
+    let rc = unsafe {
+        libc::waitid(
+            libc::P_ALL,
+            0,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT | libc::__WALL,
+        )
+    };
+    rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD)
+}
+
 /// Kills and reaps every child that is not a rank, again and again as their own orphans
-/// are re-parented here, for up to `limit`. Returns how many were killed.
-pub fn kill_orphans(ranks: &HashSet<i32>, limit: Duration) -> usize {
-    let deadline = Instant::now() + limit;
+/// are re-parented here, until none is left, dead or alive: then nothing that the ranks
+/// left, in any session, lives on, and no pid of theirs is still taken. With no rank left
+/// (`ranks` empty) the end is the kernel's word that this process has no child at all. It
+/// takes no deadline, since what comes next (another attempt) must not meet a leftover;
+/// `slow` is told once which pids are still there after `patience`, and from then on the
+/// wait ends early when `stop` says so (the user gave up on the run). Returns how many were
+/// killed.
+pub fn kill_orphans(
+    ranks: &HashSet<i32>,
+    patience: Duration,
+    mut slow: impl FnMut(&[i32]),
+    mut stop: impl FnMut() -> bool,
+) -> usize {
+    let tell_at = Instant::now() + patience;
+    let mut told = false;
     let mut killed = HashSet::new();
     loop {
-        let orphans: Vec<i32> = children()
+        let mut orphans: Vec<i32> = children()
             .into_iter()
             .filter(|p| !ranks.contains(p))
             .collect();
-        if orphans.is_empty() || Instant::now() >= deadline {
+        if orphans.is_empty() && ranks.is_empty() {
+            if childless() {
+                return killed.len();
+            }
+            // A child /proc/self/task/*/children missed: every process names its parent.
+            orphans = children_by_scan();
+        } else if orphans.is_empty() {
+            return killed.len();
+        }
+        if !told && Instant::now() >= tell_at && !orphans.is_empty() {
+            told = true;
+            slow(&orphans);
+        }
+        if told && stop() {
             return killed.len();
         }
         for &pid in &orphans {

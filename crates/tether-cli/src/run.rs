@@ -14,7 +14,7 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags};
-use tether_core::{signal_name, Escalation, Group, LaunchSpec, WaitFor};
+use tether_core::{limit_hint, signal_name, strerror, Escalation, Group, LaunchSpec, WaitFor};
 
 use crate::clock;
 use crate::config::{Config, Streams};
@@ -25,8 +25,8 @@ use crate::reaper;
 use crate::report::{oom_kills, ErrorFile, Failure, RankEnd};
 use crate::signals::SignalFd;
 
-/// How long the supervisor waits for output pipes to drain, and for leftovers to die, once
-/// every rank has exited.
+/// How long the supervisor waits for output pipes to drain once every rank has exited, and
+/// after which it says which leftovers are slow to die (it waits for them all the same).
 const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
 /// How long the ranks have after a forwarded SIGINT before they get SIGTERM.
@@ -44,9 +44,9 @@ pub fn stop_launching() -> MutexGuard<'static, ()> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error("cannot start {program:?}: {source}")]
+    #[error("cannot start {program:?}: {}{}", strerror(source), limit_hint(source))]
     Start { program: String, source: io::Error },
-    #[error("{what}: {source}")]
+    #[error("{what}: {}{}", strerror(source), limit_hint(source))]
     Io { what: String, source: io::Error },
     #[error(transparent)]
     Core(#[from] tether_core::Error),
@@ -71,10 +71,64 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> RunError {
     move |source| RunError::Io { what, source }
 }
 
+/// The temporary directory, chosen once as Python's `tempfile` chooses it (torchrun's
+/// choice): the first of `$TMPDIR`, `$TEMP`, `$TMP`, `/tmp`, `/var/tmp`, `/usr/tmp` and the
+/// working directory in which a file can be created, so that a `TMPDIR` that is missing, a
+/// file or unwritable falls back instead of stopping the run.
+pub fn temp_dir() -> io::Result<PathBuf> {
+    static CHOSEN: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    CHOSEN
+        .get_or_init(choose_temp_dir)
+        .clone()
+        .map_err(|tried| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("no usable temporary directory found in {tried}"),
+            )
+        })
+}
+
+fn choose_temp_dir() -> Result<PathBuf, String> {
+    let mut candidates: Vec<PathBuf> = ["TMPDIR", "TEMP", "TMP"]
+        .into_iter()
+        .filter_map(std::env::var_os)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .collect();
+    candidates.extend(["/tmp", "/var/tmp", "/usr/tmp"].map(PathBuf::from));
+    candidates.extend(std::env::current_dir().ok());
+    for dir in &candidates {
+        if can_create_in(dir) {
+            return Ok(dir.clone());
+        }
+    }
+    Err(format!("{candidates:?}"))
+}
+
+/// Whether a file can be created (and written) in `dir`; the file is removed again.
+fn can_create_in(dir: &Path) -> bool {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let probe = dir.join(format!(".tether-probe-{}", crate::config::random_id()));
+    let made = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&probe);
+    match made {
+        Ok(mut file) => {
+            let written = file.write_all(b"tether").is_ok();
+            let _ = std::fs::remove_file(&probe);
+            written
+        }
+        Err(_) => false,
+    }
+}
+
 /// A new directory (mode 0700) under the temporary directory, `prefix` then six random
 /// characters.
 fn make_temp_dir(prefix: &str) -> io::Result<PathBuf> {
-    let template = std::env::temp_dir().join(format!("{prefix}XXXXXX"));
+    let template = temp_dir()?.join(format!("{prefix}XXXXXX"));
     let template = CString::new(template.as_os_str().as_bytes())
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let mut bytes = template.into_bytes_with_nul();
@@ -97,12 +151,12 @@ pub struct TempDir {
 }
 
 impl TempDir {
-    /// A new name under the temporary directory; nothing is created yet.
-    pub fn name(prefix: &str) -> TempDir {
+    /// A new name under the temporary directory ([`temp_dir`]); nothing is created yet.
+    pub fn name(prefix: &str) -> io::Result<TempDir> {
         let name = format!("{prefix}{}", crate::config::random_id());
-        TempDir {
-            path: std::env::temp_dir().join(name),
-        }
+        Ok(TempDir {
+            path: temp_dir()?.join(name),
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -176,14 +230,20 @@ fn supervisor(cfg: Config, tmp: PathBuf, keeper: i32) -> i32 {
     let signals = match SignalFd::new(&handled) {
         Ok(fd) => fd,
         Err(err) => {
-            output::message(&format!("tether: cannot create a signalfd: {err}"));
+            output::message(&format!(
+                "tether: cannot create a signalfd: {}{}",
+                tether_core::strerror(&err),
+                tether_core::limit_hint(&err)
+            ));
             return 1;
         }
     };
     if let Err(err) = crate::keeper::watch(keeper, tmp.clone()) {
         output::message(&format!(
-            "tether: warning: cannot watch the launcher ({err}); if it is killed with SIGKILL, \
-             what the ranks started may outlive it"
+            "tether: warning: cannot watch the launcher ({}{}); if it is killed with SIGKILL, \
+             what the ranks started may outlive it",
+            strerror(&err),
+            limit_hint(&err)
         ));
     }
     for note in &cfg.notes {
@@ -264,6 +324,8 @@ pub struct Launcher {
     watchdog: Watchdog,
     /// The signals that ask for the ranks' stacks.
     stack_signals: Vec<i32>,
+    /// A stop signal read while waiting for an attempt's leftovers to die.
+    stop_pending: std::cell::Cell<Option<i32>>,
 }
 
 impl Launcher {
@@ -275,6 +337,7 @@ impl Launcher {
             hostname: hostname(),
             watchdog: Watchdog::new(&cfg),
             stack_signals: hangs::stack_signals(&cfg),
+            stop_pending: std::cell::Cell::new(None),
             cfg,
             signals,
             tmp,
@@ -329,6 +392,9 @@ impl Launcher {
     /// A stop signal that arrived while no rank ran (between attempts); SIGCHLDs on the way
     /// reap orphans.
     fn pending_stop_signal(&self) -> Option<i32> {
+        if let Some(sig) = self.stop_pending.take() {
+            return Some(sig);
+        }
         while let Some(sig) = self.signals.next() {
             if sig == libc::SIGCHLD {
                 reaper::reap_orphans(&HashSet::new());
@@ -695,11 +761,27 @@ impl Launcher {
         Ok((ready, signals))
     }
 
-    /// After every rank has exited: kill and reap what they left behind, and let the output
-    /// pumps finish.
+    /// After every rank has exited: kill and reap what they left behind, every one of them
+    /// (the next attempt starts only then), and let the output pumps finish.
     fn cleanup(&self, group: &Group, done: &mpsc::Receiver<()>, pumps: usize) {
         let live = Self::live_pids(group);
-        reaper::kill_orphans(&live, DRAIN_LIMIT);
+        let slow = |left: &[i32]| {
+            output::message(&format!(
+                "tether: {} process(es) that the ranks left are not dead yet after SIGKILL \
+                 (pids {left:?}); waiting for them, nothing else starts before they are gone",
+                left.len()
+            ))
+        };
+        // A stop signal ends the wait (and the run): no attempt starts after it.
+        let stopped = || {
+            while let Some(sig) = self.signals.next() {
+                if sig != libc::SIGCHLD && !self.stack_signals.contains(&sig) {
+                    self.stop_pending.set(Some(sig));
+                }
+            }
+            self.stop_pending.get().is_some()
+        };
+        reaper::kill_orphans(&live, DRAIN_LIMIT, slow, stopped);
         let deadline = Instant::now() + DRAIN_LIMIT;
         for _ in 0..pumps {
             let left = deadline.saturating_duration_since(Instant::now());

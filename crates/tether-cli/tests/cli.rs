@@ -821,3 +821,17 @@ fn help_and_version() {
         format!("tether {}", env!("CARGO_PKG_VERSION"))
     );
 }
+
+#[test]
+fn an_invalid_tether_log_is_a_warning_and_a_level_is_none() {
+    let args = ["run", "-n", "1", "--no-python", "true"];
+    let out = run_env(&args, &[("TETHER_LOG", "loud")]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(
+        out.stderr,
+        "tether: warning: TETHER_LOG=\"loud\" is not a log level (off, error, warn, info, \
+         debug, trace): nothing is logged\n"
+    );
+    let out = run_env(&args, &[("TETHER_LOG", "Warning")]);
+    assert_eq!((out.code, out.stderr.as_str()), (Some(0), ""), "{out:?}");
+}

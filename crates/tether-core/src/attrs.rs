@@ -94,6 +94,23 @@ pub struct Attributes {
     pub env: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
+/// The error for a working directory that cannot be read: one that no longer exists says
+/// so, since a child is to start in it.
+pub fn working_directory_error(err: io::Error) -> io::Error {
+    match err.kind() {
+        io::ErrorKind::NotFound => io::Error::new(
+            err.kind(),
+            "the working directory of this process no longer exists (deleted, or its mount \
+             is gone): a 'spawn' or 'forkserver' child starts in it; change to a directory \
+             that exists ('fork' children share the deleted one)",
+        ),
+        _ => io::Error::new(
+            err.kind(),
+            format!("cannot read the working directory of this process: {err}"),
+        ),
+    }
+}
+
 impl Attributes {
     /// The calling process's (and calling thread's), now.
     pub fn of_caller() -> io::Result<Attributes> {
@@ -101,7 +118,10 @@ impl Attributes {
             umask: umask()?,
             rlimits: rlimits()?,
             thread: ThreadAttributes::of_calling_thread()?,
-            cwd: std::env::current_dir()?.into_os_string().into_vec(),
+            cwd: std::env::current_dir()
+                .map_err(working_directory_error)?
+                .into_os_string()
+                .into_vec(),
             env: std::env::vars_os()
                 .map(|(k, v)| (k.into_vec(), v.into_vec()))
                 .collect(),

@@ -10,6 +10,7 @@
 //!   terminate).
 //! - [`zygote`]: the fork server's protocol, both sides: the warm process that forks
 //!   children on request, and its client in the parent.
+//! - [`limits`]: how many more processes the user's and the cgroup's limits leave.
 //! - [`report`]: a child's failure report as it arrives.
 //! - [`stacks`]: every Python child's stacks on demand, through one channel per process.
 //! - [`status`]: exit statuses and signal names.
@@ -22,6 +23,7 @@ pub mod attrs;
 pub mod channel;
 pub mod group;
 pub mod launch;
+pub mod limits;
 pub mod logging;
 pub mod report;
 pub mod stacks;

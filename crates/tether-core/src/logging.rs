@@ -39,8 +39,31 @@ impl Log for Stderr {
 pub fn level_from_env() -> LevelFilter {
     std::env::var(ENV)
         .ok()
-        .and_then(|v| v.trim().parse().ok())
+        .and_then(|v| parse_level(&v))
         .unwrap_or(LevelFilter::Off)
+}
+
+/// A level name, any case: `off`, `error`, `warn` (or `warning`), `info`, `debug`, `trace`.
+fn parse_level(value: &str) -> Option<LevelFilter> {
+    let value = value.trim();
+    if value.eq_ignore_ascii_case("warning") {
+        return Some(LevelFilter::Warn);
+    }
+    value.parse().ok()
+}
+
+/// The warning for a `TETHER_LOG` that is set but names no level; `None` when it is unset,
+/// empty or a level.
+pub fn invalid_env_warning() -> Option<String> {
+    let value = std::env::var_os(ENV)?;
+    let text = value.to_string_lossy();
+    if text.trim().is_empty() || parse_level(&text).is_some() {
+        return None;
+    }
+    Some(format!(
+        "TETHER_LOG={text:?} is not a log level (off, error, warn, info, debug, trace): \
+         nothing is logged"
+    ))
 }
 
 /// Installs the stderr logger at the level `TETHER_LOG` asks for (once per process; later
@@ -63,5 +86,7 @@ mod tests {
         );
         assert_eq!("INFO".parse::<LevelFilter>().ok(), Some(LevelFilter::Info));
         assert!("loud".parse::<LevelFilter>().is_err());
+        assert_eq!(parse_level(" Warning "), Some(LevelFilter::Warn));
+        assert_eq!(parse_level("loud"), None);
     }
 }

@@ -597,6 +597,10 @@ struct Server<'a> {
     pending: Option<Pending>,
     /// Its memory still to collapse into huge pages, slice by slice while it is idle.
     collapser: Option<Collapser>,
+    /// Set when a fork of the current request met the process limit: how many processes
+    /// this zygote held idle then (itself and its blanks, which it dropped before trying
+    /// once more).
+    held_at_limit: Option<usize>,
 }
 
 enum Step {
@@ -718,6 +722,7 @@ pub fn serve(
         blanks: VecDeque::new(),
         pending: None,
         collapser: Some(Collapser::new()),
+        held_at_limit: None,
     };
     server.reply(&Reply::Ready(ready.to_vec()))?;
     loop {
@@ -797,6 +802,7 @@ impl Server<'_> {
         fds: &mut Vec<OwnedFd>,
     ) -> io::Result<Step> {
         self.pending = None;
+        self.held_at_limit = None;
         let expected = 1 + shared as usize + batch as usize;
         let common = match Common::decode(&common_raw) {
             Ok(common) if fds.len() == expected => common,
@@ -861,7 +867,22 @@ impl Server<'_> {
                 }
                 Err(err) => {
                     self.pending = None;
-                    self.fail(&err, &format!("cannot fork rank {rank}"), made)?;
+                    let what = match self.held_at_limit.take() {
+                        Some(1) => format!(
+                            "cannot fork rank {rank}, nor on a second try; tether's idle \
+                             processes held 1 process of the limit (this zygote, which had no \
+                             blank left and keeps none ready until the next start)"
+                        ),
+                        Some(held) => format!(
+                            "cannot fork rank {rank}, nor on a second try once it had given \
+                             back the {} blank(s) it kept ready; tether's idle processes held \
+                             {held} processes of the limit (this zygote and those blanks; it \
+                             keeps none ready until the next start)",
+                            held - 1
+                        ),
+                        None => format!("cannot fork rank {rank}"),
+                    };
+                    self.fail(&err, &what, made)?;
                     return Ok(Step::Continue);
                 }
             }
@@ -890,7 +911,15 @@ impl Server<'_> {
                 blank: true,
             }));
         }
-        let pid = (self.fork)()?;
+        let pid = match (self.fork)() {
+            Err(err) if err.raw_os_error() == Some(libc::EAGAIN) => {
+                // The process limit: give back what is held idle, then once more.
+                self.held_at_limit = Some(1 + self.blanks.len());
+                self.drop_blanks()?;
+                (self.fork)()?
+            }
+            made => made?,
+        };
         if pid != 0 {
             return Ok(Ok(Made {
                 rank,
@@ -932,9 +961,35 @@ impl Server<'_> {
         Ok(None)
     }
 
-    /// Forks blanks up to the target, stopping when a request is waiting. Running out of
-    /// processes or fds here only stops the replenishing: the target drops to what exists.
+    /// Kills every blank kept ready (the parent's supervisor reaps them) and keeps none
+    /// until the next request; returns once they are gone (reaped), or after a second.
+    fn drop_blanks(&mut self) -> io::Result<()> {
+        self.target = 0;
+        let dropped: Vec<i32> = self.blanks.drain(..).map(|(pid, _)| pid).collect();
+        for &pid in &dropped {
+            signal_tree(pid, libc::SIGKILL);
+            self.notify(Notice::Retired(pid))?;
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(1);
+        while std::time::Instant::now() < deadline
+            && dropped
+                .iter()
+                .any(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    /// Forks blanks up to the target, stopping when a request is waiting, and never more
+    /// than half of what the process limits leave (see [`crate::limits`]), so that blanks
+    /// kept idle never take the processes and threads the user's program needs. Running out
+    /// of processes or fds here only stops the replenishing: the target drops to what
+    /// exists.
     fn replenish(&mut self) -> io::Result<Option<Step>> {
+        if let Some(room) = crate::limits::process_room() {
+            self.target = self.target.min(self.blanks.len() + room / 2);
+        }
         while self.blanks.len() < self.target && !readable(&self.request, Duration::ZERO)? {
             let made = Endpoint::pair().and_then(|pair| Ok(((self.fork)()?, pair)));
             let Ok((pid, (ours, theirs))) = made else {
@@ -1196,7 +1251,7 @@ impl Zygote {
             match self.request.send(data, fds, Some(CHECK_EVERY)) {
                 Ok(true) => return Ok(()),
                 Ok(false) => self.check(&mut silent, Some(ANSWER_TIMEOUT))?,
-                Err(err) if err.raw_os_error() == Some(libc::EPIPE) => {
+                Err(err) if matches!(err.raw_os_error(), Some(libc::EPIPE | libc::ECONNRESET)) => {
                     return Err(self.fail("went away"))
                 }
                 Err(err) => {
@@ -1217,6 +1272,10 @@ impl Zygote {
                 }
                 Ok(Recv::Timeout) => self.check(&mut silent, patience)?,
                 Ok(Recv::Closed) => return Err(self.fail("went away")),
+                // A zygote that died with a message of ours unread resets the channel.
+                Err(err) if err.raw_os_error() == Some(libc::ECONNRESET) => {
+                    return Err(self.fail("went away"))
+                }
                 Err(err) => return Err(Error::resource("cannot read the zygote's reply", err)),
             }
         }

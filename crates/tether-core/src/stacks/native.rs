@@ -19,7 +19,15 @@ struct Run {
     child: Option<(Child, Option<OwnedFd>)>,
     pipe: Option<OwnedFd>,
     output: Vec<u8>,
-    error: Option<String>,
+    error: Option<Failure>,
+}
+
+/// Why a run gave no native stack.
+enum Failure {
+    /// The program could not be started at all (the text says why).
+    Start(String),
+    /// It ran and failed with this status.
+    Exit(String),
 }
 
 impl Run {
@@ -36,7 +44,7 @@ impl Run {
                 run.child = Some((child, pidfd));
                 run.pipe = Some(pipe);
             }
-            Err(err) => run.error = Some(format!("cannot run {}: {err}", py_spy.display())),
+            Err(err) => run.error = Some(Failure::Start(cannot_run(py_spy, &err))),
         }
         run
     }
@@ -74,7 +82,7 @@ impl Run {
             // Its status may have been taken by a launcher's reaper: the output tells.
             let status = child.wait().ok();
             if let Some(status) = status.filter(|s| !s.success() && !timed_out) {
-                self.error = Some(format!("py-spy failed ({status})"));
+                self.error = Some(Failure::Exit(status.to_string()));
             }
         }
         let output = String::from_utf8_lossy(&self.output).trim_end().to_string();
@@ -86,13 +94,45 @@ impl Run {
                 self.pid,
                 with_output(&output)
             ),
-            (false, Some(error)) => format!(
-                "(no native stack of pid {}: {error}; {name} needs ptrace rights over it){}",
+            (false, Some(Failure::Start(why))) => {
+                format!("(no native stack of pid {}: {why})", self.pid)
+            }
+            // py-spy's own words for a process it may not trace.
+            (false, Some(Failure::Exit(status)))
+                if ["ermission", "not permitted", "ptrace"]
+                    .iter()
+                    .any(|w| output.contains(w)) =>
+            {
+                format!(
+                    "(no native stack of pid {}: py-spy failed ({status}); {name} needs ptrace \
+                     rights over it){}",
+                    self.pid,
+                    with_output(&output)
+                )
+            }
+            (false, Some(Failure::Exit(status))) => format!(
+                "(no native stack of pid {}: {name} failed ({status}) without giving one: is \
+                 it py-spy?){}",
                 self.pid,
                 with_output(&output)
             ),
             (false, None) => output,
         }
+    }
+}
+
+/// Why `py_spy` could not be started, in words.
+fn cannot_run(py_spy: &Path, err: &std::io::Error) -> String {
+    let name = py_spy.display();
+    if py_spy.is_dir() {
+        return format!("{name} is a directory, not py-spy");
+    }
+    match err.kind() {
+        std::io::ErrorKind::NotFound => format!("{name} does not exist"),
+        std::io::ErrorKind::PermissionDenied => {
+            format!("{name} cannot be run (permission denied: not executable by this user?)")
+        }
+        _ => format!("cannot run {name}: {}", crate::strerror(err)),
     }
 }
 

@@ -1,0 +1,77 @@
+"""Limits are tether's problem first: under a lowered RLIMIT_NPROC, a start that the limit
+cannot hold fails with an error that names the limit and what tether's idle processes held,
+leaves nothing of tether holding the limit, and the blanks the zygote keeps ready never take
+more than half of what the limit leaves. Run as an unprivileged user (the limit does not
+bind root: the tests, run as root, make that user)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+SCRIPTS = Path(__file__).parent / "scripts"
+LIMIT = 30
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_start_past_rlimit_nproc_names_it_and_leaves_nothing_holding_it(
+    method: str, tmp_path: Path
+) -> None:
+    uid = 61000 + os.getpid() % 4000
+    os.chown(tmp_path, uid, uid)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "under_nproc.py"), str(uid), str(LIMIT), method],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    error = out["error"]
+    assert error is not None and error.startswith("BlockingIOError"), out
+    assert "RLIMIT_NPROC = 30" in error and "`ulimit -u`" in error, error
+    if method == "forkserver":
+        assert "tether's idle processes held" in error, error
+    # The interpreter (and its threads) and the zygote: no blank holds a process.
+    assert out["tasks_after"] <= 5, out
+    assert (out["subprocess"], out["pool"]) == (0, 49), out
+    # The zygote would keep 20 blanks after a start of 20: half of what the limit leaves.
+    assert out["blanks"] <= out["room_for_blanks"] // 2, out
+    if method == "forkserver":
+        assert out["blanks"] >= 1, out
+
+
+@pytest.mark.parametrize("limit", ["nproc", "nofile"])
+def test_tether_run_past_the_process_or_fd_limit_names_ulimit(limit: str, tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text("print('ran')\n")
+    run = [str(Path(sys.executable).with_name("tether")), "run", "-n", "4", str(script)]
+    if limit == "nproc":
+        uid = 61000 + os.getpid() % 4000
+        os.chown(tmp_path, uid, uid)
+        command = [sys.executable, str(SCRIPTS / "as_user.py"), str(uid), "8", *run]
+        named = "(RLIMIT_NPROC = 8, `ulimit -u`)"
+    else:
+        command = ["sh", "-c", 'ulimit -n 12 && exec "$@"', "sh", *run]
+        named = "(RLIMIT_NOFILE = 12, `ulimit -n`)"
+    proc = subprocess.run(
+        command,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+    )
+    assert proc.returncode != 0, proc
+    assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
