@@ -16,8 +16,10 @@ bytes instead of the objects. ``Kept`` is the parent's record of it, one per poo
   its next lease.
 
 When an object must cross (its first loader, a new version, or a context made with
-``keep_datasets=False``, which keeps nothing), it is pickled once per loader, not once per
-worker: a ``Shipment`` is one pickle stream (inline when small, else in a sealed memfd)
+``keep_datasets=False``, which keeps nothing), the loader's three objects are pickled
+together (what they share stays shared, as in torch's one pickle of a worker's arguments),
+once per loader, not once per worker: a ``Shipment`` is one pickle stream (inline when
+small, else in a sealed memfd)
 whose large buffers (numpy arrays, anything offering protocol 5's out-of-band buffers) lie
 page-aligned in a second sealed memfd. Every worker of the loader maps both and unpickles
 at the same time as the others; the buffers are not copied into any worker (a worker
@@ -518,9 +520,3 @@ class Kept:
                 held = entry.holders.get(slot)
                 if held is not None:
                     entry.holders[slot] = (held[0], -1)
-
-    def held(self) -> int:
-        """How many objects the workers hold, as far as the parent knows."""
-        with self._lock:
-            self._collect_dropped()
-            return sum(1 for e in self._entries.values() if e.holders)
