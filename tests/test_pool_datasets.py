@@ -220,9 +220,14 @@ def test_shared_memory_that_runs_out_is_an_error_naming_the_worker_and_the_size(
         worker_init_fn=pdata.refuse_shared_memory,
         multiprocessing_context=pool.context(),
     )
+    it = iter(loader)
     with pytest.raises(MemoryError) as info:
-        next(iter(loader))
+        next(it)
     text = str(info.value)
+    # The error's traceback holds this frame, which holds the error: without the collector
+    # the iterator would keep its workers leased until the pool shuts down (and kills them).
+    del info, it
+    assert all(lease is None for _, _, _, lease, _ in pool._core.workers.workers())
     assert "in DataLoader worker process 0" in text
     pids = "|".join(map(str, pool.pids()))
     assert re.search(
