@@ -545,6 +545,8 @@ def test_starting_a_replacement_never_holds_up_the_other_workers(tmp_path):
 def test_workers_retire_after_max_tasks_per_child():
     with pytest.raises(ValueError, match="max_tasks_per_child"):
         tether.Pool(1, max_tasks_per_child=0)
+    with pytest.raises(ValueError, match="incompatible with the 'fork' start method"):
+        tether.Pool(1, start_method="fork", max_tasks_per_child=2)
     with tether.Pool(1, max_tasks_per_child=2) as pool:
         pids = [pool.submit(helpers.pid_of).result(timeout=30) for _ in range(5)]
         assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4]

@@ -999,6 +999,13 @@ class Pool(concurrent.futures.Executor):
             or max_tasks_per_child < 1
         ):
             raise ValueError("max_tasks_per_child must be >= 1")
+        if max_tasks_per_child is not None and method == "fork":
+            # Each replacement would fork this process, which has threads by then (the hub's).
+            raise ValueError(
+                "max_tasks_per_child is incompatible with the 'fork' start method: every "
+                "replacement would fork this process, which has threads; use 'forkserver' "
+                "(the default) or 'spawn'"
+            )
         self._core = _Core(
             processes, method, list(preload or ()), initializer, initargs, max_tasks_per_child
         )
