@@ -9,6 +9,7 @@ use std::time::Duration;
 use clap::error::ErrorKind;
 
 use crate::args::{usage_error, AcceptedArgs, NodeArgs, OutputArgs, ProgramArgs, RunArgs};
+use crate::rendezvous::{Backend, Place, Rendezvous};
 use crate::slurm::SlurmJob;
 
 /// The default console prefix.
@@ -133,10 +134,14 @@ impl Output {
 #[derive(Debug, Clone)]
 pub struct Config {
     pub nproc: usize,
-    pub nnodes: usize,
-    pub node_rank: usize,
-    pub master_addr: String,
-    pub master_port: u16,
+    /// This node's place in the job: fixed for the static and one-node forms, else given by
+    /// each round of the rendezvous.
+    pub place: Place,
+    /// The dynamic rendezvous (torch's handler, in a helper process), for torchrun's c10d
+    /// and etcd forms on several nodes or an elastic node count.
+    pub rendezvous: Option<Rendezvous>,
+    /// The interpreter that runs the rendezvous helper (the one that runs scripts).
+    pub rendezvous_python: OsString,
     pub max_restarts: u32,
     pub grace: Duration,
     pub output: Output,
@@ -166,11 +171,11 @@ pub struct Config {
 
 impl Config {
     pub fn world_size(&self) -> usize {
-        self.nproc * self.nnodes
+        self.place.world_size
     }
 
     pub fn global_rank(&self, local_rank: usize) -> usize {
-        self.node_rank * self.nproc + local_rank
+        self.place.rank_base + local_rank
     }
 }
 
@@ -209,20 +214,45 @@ fn conflict(message: impl std::fmt::Display) -> clap::Error {
 /// Resolves the parsed options (with SLURM's environment and the host's) into a [`Config`].
 pub fn resolve(args: RunArgs, ctx: &Context) -> Result<Config, clap::Error> {
     let mut notes = accepted(&args.accepted, &args.rdzv.conf)?;
-    let c10d = backend_is_c10d(args.rdzv.backend.as_deref(), args.nodes.standalone)?;
+    let backend = Backend::parse(args.rdzv.backend.as_deref(), args.nodes.standalone)?;
+    let c10d = backend != Backend::Static;
     let slurm = ctx.slurm.clone().unwrap_or_default();
     let nproc = nproc(args.nodes.nproc_per_node.as_deref(), ctx)?;
-    let (nnodes, node_rank) = nodes(&args.nodes, &slurm, c10d)?;
-    let (master_addr, master_port) = master(&args, nnodes, &slurm, c10d)?;
+    let (min_nodes, max_nodes) = node_counts(&args.nodes, &slurm)?;
     let run_id = run_id(args.rdzv.id.as_deref(), args.nodes.standalone, &slurm)?;
     let stop = &args.stopping;
-    if stop.max_restarts > 0 && nnodes > 1 {
+    let dynamic = c10d && !args.nodes.standalone && (max_nodes > 1 || min_nodes != max_nodes);
+    if !c10d && min_nodes != max_nodes {
         return Err(conflict(format!(
-            "--max-restarts {} needs a single node: tether's fixed multi-node runs cannot \
-             restart in step (use --max-restarts 0 with --nnodes {nnodes})",
-            stop.max_restarts
+            "--nnodes {min_nodes}:{max_nodes} asks for an elastic range of nodes, which needs a \
+             dynamic rendezvous: add --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
         )));
     }
+    let (place, rendezvous) = if dynamic {
+        let rdzv = Rendezvous::resolve(&args, backend, (min_nodes, max_nodes), nproc, &run_id)?;
+        if let Some(rank) = args.nodes.node_rank {
+            notes.push(format!(
+                "tether: --node-rank {rank} is ignored with --rdzv-backend {}: the rendezvous \
+                 gives every node its rank, as torchrun does",
+                backend.name()
+            ));
+        }
+        (Place::unknown(nproc), Some(rdzv))
+    } else {
+        let nnodes = max_nodes;
+        let node_rank = node_rank(&args.nodes, &slurm, nnodes)?;
+        let (master_addr, master_port) = master(&args, nnodes, &slurm, c10d)?;
+        if stop.max_restarts > 0 && nnodes > 1 {
+            return Err(conflict(format!(
+                "--max-restarts {} with --rdzv-backend static needs a single node: nodes with \
+                 fixed ranks cannot restart in step (use --rdzv-backend c10d with \
+                 --rdzv-endpoint HOST:PORT, which restarts every node's ranks together)",
+                stop.max_restarts
+            )));
+        }
+        let place = Place::fixed(node_rank, nnodes, nproc, master_addr, master_port);
+        (place, None)
+    };
     let (grace, grace_option) = match (stop.grace_period, stop.shutdown_timeout) {
         (Some(seconds), _) => (seconds, "--grace-period"),
         (None, Some(seconds)) => (seconds, "--shutdown-timeout"),
@@ -243,10 +273,9 @@ pub fn resolve(args: RunArgs, ctx: &Context) -> Result<Config, clap::Error> {
     }
     Ok(Config {
         nproc,
-        nnodes,
-        node_rank,
-        master_addr,
-        master_port,
+        place,
+        rendezvous,
+        rendezvous_python: ctx.python.clone(),
         max_restarts: stop.max_restarts,
         grace: Duration::from_secs_f64(grace),
         output: output(&args.output, ctx)?,
@@ -303,22 +332,6 @@ fn accepted(args: &AcceptedArgs, rdzv_conf: &Option<String>) -> Result<Vec<Strin
         ));
     }
     Ok(notes)
-}
-
-/// Whether the rendezvous backend is c10d (else static); other backends are refused.
-fn backend_is_c10d(backend: Option<&str>, standalone: bool) -> Result<bool, clap::Error> {
-    if standalone {
-        return Ok(true);
-    }
-    match backend.map(str::trim) {
-        None | Some("static") => Ok(false),
-        Some("c10d") => Ok(true),
-        Some(other) => Err(invalid(format!(
-            "--rdzv-backend {other} is not supported: tether assigns ranks itself, by \
-             --node-rank, for a fixed number of nodes; use --rdzv-backend c10d (or static) \
-             with --rdzv-endpoint HOST:PORT of node rank 0 and each node's --node-rank"
-        ))),
-    }
 }
 
 fn nproc(spec: Option<&str>, ctx: &Context) -> Result<usize, clap::Error> {
@@ -415,36 +428,34 @@ fn virtual_devices(
     }))
 }
 
-/// `--nnodes` and this node's rank. The command line wins over SLURM's environment:
+/// `--nnodes` as MIN and MAX. The command line wins over SLURM's environment:
 /// `--standalone` and `--nnodes 1` are one node on its own, whatever the allocation.
-fn nodes(args: &NodeArgs, slurm: &SlurmJob, c10d: bool) -> Result<(usize, usize), clap::Error> {
+fn node_counts(args: &NodeArgs, slurm: &SlurmJob) -> Result<(usize, usize), clap::Error> {
     let spec = match (&args.nnodes, args.standalone) {
         (Some(spec), _) => Some(spec.clone()),
         (None, true) => None,
         (None, false) => slurm.nnodes.clone(),
     };
-    let nnodes = match spec.as_deref() {
-        None => 1,
+    let (min, max) = match spec.as_deref() {
+        None => (1, 1),
         Some(spec) => parse_nnodes(spec)?,
     };
-    if args.standalone && nnodes != 1 {
+    if args.standalone && max != 1 {
         return Err(conflict(
             "--standalone runs a single node; it cannot be used with --nnodes > 1",
         ));
     }
+    Ok((min, max))
+}
+
+/// This node's rank with a fixed number of nodes: `--node-rank`, else SLURM's.
+fn node_rank(args: &NodeArgs, slurm: &SlurmJob, nnodes: usize) -> Result<usize, clap::Error> {
     let node_rank = match (args.node_rank, &slurm.node_rank) {
         (Some(r), _) => r,
         (None, Some(r)) if nnodes > 1 => r
             .trim()
             .parse()
             .map_err(|_| invalid(format!("invalid SLURM_NODEID {r:?}: expected a node rank")))?,
-        (None, _) if nnodes > 1 && c10d => {
-            return Err(invalid(format!(
-                "--nnodes {nnodes} with --rdzv-backend c10d needs each node's --node-rank: \
-                 tether assigns node ranks by --node-rank (torchrun's c10d rendezvous sorts \
-                 the nodes itself)"
-            )))
-        }
         (None, _) => 0,
     };
     if node_rank >= nnodes {
@@ -453,26 +464,22 @@ fn nodes(args: &NodeArgs, slurm: &SlurmJob, c10d: bool) -> Result<(usize, usize)
             nnodes - 1
         )));
     }
-    Ok((nnodes, node_rank))
+    Ok(node_rank)
 }
 
-fn parse_nnodes(spec: &str) -> Result<usize, clap::Error> {
+/// `N`, or an elastic `MIN:MAX`.
+fn parse_nnodes(spec: &str) -> Result<(usize, usize), clap::Error> {
     let bad = || {
         invalid(format!(
-            "invalid --nnodes {spec:?}: expected a number of nodes, at least 1 (or N:N)"
+            "invalid --nnodes {spec:?}: expected a number of nodes, at least 1, or MIN:MAX \
+             with 1 <= MIN <= MAX"
         ))
     };
     let number = |s: &str| s.trim().parse::<usize>().ok().filter(|&n| n >= 1);
     match spec.split_once(':') {
-        None => number(spec).ok_or_else(bad),
+        None => number(spec).map(|n| (n, n)).ok_or_else(bad),
         Some((lo, hi)) => match (number(lo), number(hi)) {
-            (Some(lo), Some(hi)) if lo == hi => Ok(lo),
-            (Some(lo), Some(hi)) if lo < hi => Err(invalid(format!(
-                "--nnodes {spec} asks for an elastic range of nodes, which tether does not \
-                 support: tether runs a fixed number of nodes; give --nnodes N (or N:N) and \
-                 each node's --node-rank, and use --max-restarts to restart a single node's \
-                 ranks after a failure"
-            ))),
+            (Some(lo), Some(hi)) if lo <= hi => Ok((lo, hi)),
             _ => Err(bad()),
         },
     }
@@ -528,7 +535,7 @@ fn master(
 }
 
 /// `HOST[:PORT]`, `[IPV6]:PORT` or `[IPV6]`, as torch reads a rendezvous endpoint.
-fn parse_endpoint(endpoint: &str) -> Result<(String, Option<u16>), clap::Error> {
+pub fn parse_endpoint(endpoint: &str) -> Result<(String, Option<u16>), clap::Error> {
     let bad = |why: &str| invalid(format!("invalid --rdzv-endpoint {endpoint:?}: {why}"));
     let ep = endpoint.trim();
     let (host, port) = if ep.starts_with('[') && ep.ends_with(']') {
@@ -804,7 +811,7 @@ mod tests {
             "x",
         ])
         .unwrap();
-        assert_eq!((c.nproc, c.master_port), (3, 1234));
+        assert_eq!((c.nproc, c.place.master_port), (3, 1234));
         let c = args(&[
             "--nproc-per-node=2",
             "--nnodes",
@@ -816,11 +823,11 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(
-            (c.nproc, c.nnodes, c.node_rank, c.global_rank(1)),
+            (c.nproc, c.place.nnodes, c.place.node_rank, c.global_rank(1)),
             (2, 2, 1, 3)
         );
         assert_eq!(
-            (c.master_addr.as_str(), c.master_port),
+            (c.place.master_addr.as_str(), c.place.master_port),
             ("127.0.0.1", 29500)
         );
         let c = args(&[
@@ -832,7 +839,10 @@ mod tests {
             "x",
         ])
         .unwrap();
-        assert_eq!((c.master_addr.as_str(), c.master_port), ("h", 9));
+        assert_eq!(
+            (c.place.master_addr.as_str(), c.place.master_port),
+            ("h", 9)
+        );
         let c = args(&[
             "--rdzv-backend=c10d",
             "--rdzv-endpoint=[::1]",
@@ -840,36 +850,84 @@ mod tests {
             "x",
         ])
         .unwrap();
-        assert_eq!((c.master_addr.as_str(), c.master_port), ("::1", 29400));
+        assert_eq!(
+            (c.place.master_addr.as_str(), c.place.master_port),
+            ("::1", 29400)
+        );
         // One node with no address given: torchrun's "localhost".
         for form in [
             &["--no-python", "x"][..],
             &["--standalone", "--no-python", "x"],
         ] {
             let one = args(form).unwrap();
-            assert!(one.master_port != 0 && one.master_addr == "localhost");
+            assert!(one.place.master_port != 0 && one.place.master_addr == "localhost");
         }
         let err = args(&["--shutdown-timeout=-1", "--no-python", "x"]).unwrap_err();
         assert!(err.to_string().contains("--shutdown-timeout"), "{err}");
     }
 
     #[test]
-    fn c10d_on_several_nodes_needs_node_ranks() {
-        let base = [
+    fn c10d_on_several_nodes_is_torchs_rendezvous_and_ignores_node_ranks() {
+        let base = ["--nnodes", "2", "--rdzv-backend", "c10d"];
+        let err = args(&[&base[..], &["--no-python", "x"]].concat()).unwrap_err();
+        assert!(err.to_string().contains("--rdzv-endpoint"), "{err}");
+        let endpoint = ["--rdzv-endpoint", "h:5", "--rdzv-conf", "join_timeout=5"];
+        let c = args(&[&base[..], &endpoint, &["--no-python", "x"]].concat()).unwrap();
+        let rdzv = c.rendezvous.expect("a dynamic rendezvous");
+        assert_eq!(
+            (
+                rdzv.endpoint.as_str(),
+                rdzv.min_nodes,
+                rdzv.max_nodes,
+                rdzv.conf.as_str()
+            ),
+            ("h:5", 2, 2, "join_timeout=5")
+        );
+        assert!(c.notes.is_empty(), "{:?}", c.notes);
+        let ranked = [
+            &base[..],
+            &endpoint,
+            &["--node-rank", "1", "--no-python", "x"],
+        ]
+        .concat();
+        let c = args(&ranked).unwrap();
+        assert!(c.rendezvous.is_some());
+        assert!(
+            c.notes
+                .iter()
+                .any(|n| n.contains("--node-rank 1 is ignored")),
+            "{:?}",
+            c.notes
+        );
+        let elastic = [
             "--nnodes",
-            "2",
+            "1:3",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "h",
+        ];
+        let c =
+            args(&[&elastic[..], &["--max-restarts", "2", "--no-python", "x"]].concat()).unwrap();
+        let rdzv = c.rendezvous.expect("an elastic rendezvous");
+        assert_eq!((rdzv.min_nodes, rdzv.max_nodes, c.max_restarts), (1, 3, 2));
+        // One node, and --standalone, stay tether's own.
+        let one = [
+            "--nnodes",
+            "1",
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
             "h:5",
         ];
-        let err = args(&[&base[..], &["--no-python", "x"]].concat()).unwrap_err();
-        assert!(err.to_string().contains("--node-rank"), "{err}");
-        let c = args(&[&base[..], &["--node-rank", "1", "--no-python", "x"]].concat()).unwrap();
-        assert_eq!(
-            (c.node_rank, c.master_addr.as_str(), c.master_port),
-            (1, "h", 5)
-        );
+        assert!(args(&[&one[..], &["--no-python", "x"]].concat())
+            .unwrap()
+            .rendezvous
+            .is_none());
+        assert!(args(&["--standalone", "--no-python", "x"])
+            .unwrap()
+            .rendezvous
+            .is_none());
     }
 
     #[test]
@@ -882,12 +940,12 @@ mod tests {
                 &["--nnodes", "2", "--max-restarts", "1", "x"],
                 "--max-restarts",
             ),
-            (&["--nnodes", "1:4", "x"], "elastic range"),
+            (&["--nnodes", "1:4", "x"], "--rdzv-backend c10d"),
             (&["--nnodes", "4:1", "x"], "--nnodes"),
             (&["--standalone", "--nnodes", "2", "x"], "--standalone"),
             (
-                &["--rdzv-backend", "etcd", "x"],
-                "--rdzv-backend etcd is not supported",
+                &["--rdzv-backend", "zookeeper", "x"],
+                "--rdzv-backend zookeeper is not supported",
             ),
             (&["--rdzv-endpoint", "h:x", "x"], "--rdzv-endpoint"),
             (
@@ -961,13 +1019,20 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            (c.nnodes, c.node_rank, c.master_addr.as_str()),
+            (
+                c.place.nnodes,
+                c.place.node_rank,
+                c.place.master_addr.as_str()
+            ),
             (3, 2, "gpu03")
         );
         assert_eq!(c.run_id, "slurm-42");
         let run = parse_run(&["--master-addr", "h", "--no-python", "x"]).unwrap();
         assert_eq!(
-            resolve(run, &ctx_with(Some(job), &[])).unwrap().master_addr,
+            resolve(run, &ctx_with(Some(job), &[]))
+                .unwrap()
+                .place
+                .master_addr,
             "h"
         );
     }
@@ -997,7 +1062,11 @@ mod tests {
             let c = resolve(parse_run(form).unwrap(), &ctx_with(Some(job.clone()), &[]))
                 .unwrap_or_else(|e| panic!("{form:?}: {e}"));
             assert_eq!(
-                (c.nnodes, c.node_rank, c.master_addr.as_str()),
+                (
+                    c.place.nnodes,
+                    c.place.node_rank,
+                    c.place.master_addr.as_str()
+                ),
                 (1, 0, "localhost"),
                 "{form:?}"
             );
@@ -1009,7 +1078,11 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            (c.nnodes, c.node_rank, c.master_addr.as_str()),
+            (
+                c.place.nnodes,
+                c.place.node_rank,
+                c.place.master_addr.as_str()
+            ),
             (2, 1, "gpu03")
         );
     }

@@ -24,6 +24,7 @@ pub fn rank_env(
     error_file: &Path,
     omp_unset: bool,
 ) -> Vec<(OsString, OsString)> {
+    let place = &cfg.place;
     let rank = cfg.global_rank(local_rank);
     let world = cfg.world_size();
     let mut vars = vec![
@@ -31,13 +32,13 @@ pub fn rank_env(
         ("LOCAL_RANK", local_rank.to_string()),
         ("WORLD_SIZE", world.to_string()),
         ("LOCAL_WORLD_SIZE", cfg.nproc.to_string()),
-        ("GROUP_RANK", cfg.node_rank.to_string()),
-        ("GROUP_WORLD_SIZE", cfg.nnodes.to_string()),
-        ("ROLE_RANK", rank.to_string()),
-        ("ROLE_WORLD_SIZE", world.to_string()),
+        ("GROUP_RANK", place.node_rank.to_string()),
+        ("GROUP_WORLD_SIZE", place.nnodes.to_string()),
+        ("ROLE_RANK", (place.role_rank_base + local_rank).to_string()),
+        ("ROLE_WORLD_SIZE", place.role_world_size.to_string()),
         ("ROLE_NAME", cfg.role.clone()),
-        ("MASTER_ADDR", cfg.master_addr.clone()),
-        ("MASTER_PORT", cfg.master_port.to_string()),
+        ("MASTER_ADDR", place.master_addr.clone()),
+        ("MASTER_PORT", place.master_port.to_string()),
         ("TORCHELASTIC_RESTART_COUNT", restart.to_string()),
         ("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string()),
         ("TORCHELASTIC_RUN_ID", cfg.run_id.clone()),
@@ -45,8 +46,12 @@ pub fn rank_env(
             "TORCHELASTIC_SIGNALS_TO_HANDLE",
             cfg.signals_to_handle.clone(),
         ),
-        // Rank 0 hosts the store (there is no agent's store to join).
-        ("TORCHELASTIC_USE_AGENT_STORE", "False".to_string()),
+        // Rank 0 hosts the store, unless the rendezvous shares its own (torch's default
+        // in the first round of a c10d rendezvous).
+        (
+            "TORCHELASTIC_USE_AGENT_STORE",
+            if place.agent_store { "True" } else { "False" }.to_string(),
+        ),
     ];
     if std::env::var_os("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none() {
         vars.push(("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".to_string()));

@@ -16,6 +16,7 @@ mod hangs;
 mod keeper;
 mod output;
 mod reaper;
+mod rendezvous;
 mod report;
 mod run;
 mod signals;

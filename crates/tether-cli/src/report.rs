@@ -108,6 +108,8 @@ pub struct RankEnd {
 pub struct Failure {
     pub root: RankEnd,
     pub node_rank: usize,
+    /// This node's host name.
+    pub host: String,
     pub attempt: u32,
     /// When the root cause's exit was seen.
     pub ended_at: SystemTime,
@@ -136,6 +138,19 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
+/// How a process that `std::process` waited for ended, in the report's words.
+pub fn describe_std(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => describe(ExitStatus::Exited(code)),
+        (None, Some(signal)) => describe(ExitStatus::Signaled {
+            signal,
+            core_dumped: status.core_dumped(),
+        }),
+        _ => describe(ExitStatus::Unknown),
+    }
+}
+
 const RULE: &str = "==============================================================================";
 
 impl Failure {
@@ -147,8 +162,8 @@ impl Failure {
         let _ = writeln!(s, "  rank       : {}", r.rank);
         let _ = writeln!(
             s,
-            "  local rank : {} (node rank {})",
-            r.local_rank, self.node_rank
+            "  local rank : {} (node rank {}, host {})",
+            r.local_rank, self.node_rank, self.host
         );
         let _ = writeln!(s, "  pid        : {}", r.pid);
         let _ = writeln!(s, "  exit       : {}", describe(r.status));
@@ -164,6 +179,30 @@ impl Failure {
         self.render_others(&mut s);
         let _ = writeln!(s, "{RULE}");
         s
+    }
+
+    /// The root cause as the other nodes of the job see it (the rendezvous's store carries
+    /// it): rank, pid, how it ended, when, and its error or last lines.
+    pub fn record(&self) -> serde_json::Value {
+        let r = &self.root;
+        let unix = self
+            .ended_at
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        serde_json::json!({
+            "rank": r.rank,
+            "local_rank": r.local_rank,
+            "pid": r.pid,
+            "exit": describe(r.status),
+            "code": r.status.as_shell_code(),
+            "time": unix,
+            "attempt": self.attempt,
+            "hint": self.hint(),
+            "error": self.error.as_ref().map(|e| e.message.clone()),
+            "traceback": self.error.as_ref().and_then(|e| e.traceback.clone()),
+            "lines": self.tail,
+            "stream": if self.tail_is_merged { "output" } else { "stderr" },
+        })
     }
 
     /// What a signal death may mean; for SIGKILL, the OOM evidence.
@@ -233,6 +272,77 @@ impl Failure {
     }
 }
 
+/// The job's root cause, from its record (see [`Failure::record`]), as every node reports it.
+pub fn render_cause(cause: &serde_json::Value) -> String {
+    let text = |key: &str| cause[key].as_str().map(str::to_string);
+    let number = |key: &str| {
+        cause[key]
+            .as_i64()
+            .map_or("?".to_string(), |n| n.to_string())
+    };
+    let rank = number("rank");
+    let mut s = String::new();
+    let _ = writeln!(s, "{RULE}");
+    let _ = writeln!(
+        s,
+        "tether run: rank {rank} on node {} failed first (root cause of the job)",
+        number("node_rank")
+    );
+    let _ = writeln!(s, "  rank       : {rank}");
+    let _ = writeln!(
+        s,
+        "  node       : node rank {}, host {}, local rank {}",
+        number("node_rank"),
+        text("host").unwrap_or_else(|| "?".into()),
+        number("local_rank")
+    );
+    let _ = writeln!(s, "  pid        : {}", number("pid"));
+    let _ = writeln!(s, "  exit       : {}", text("exit").unwrap_or_default());
+    let _ = writeln!(s, "  attempt    : {}", number("attempt"));
+    if let Some(t) = cause["time"].as_f64() {
+        let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs_f64(t.max(0.0));
+        let _ = writeln!(s, "  time       : {}", clock::local_iso(at));
+    }
+    if let Some(hint) = text("hint") {
+        let _ = writeln!(s, "  hint       : {hint}");
+    }
+    if let Some(error) = text("error") {
+        let _ = writeln!(s, "  error      : {error}");
+        if let Some(tb) = text("traceback") {
+            let _ = writeln!(s, "--- traceback (from TORCHELASTIC_ERROR_FILE) ---");
+            let _ = writeln!(s, "{}", tb.trim_end());
+        }
+    } else {
+        let lines: Vec<&str> = cause["lines"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|l| l.as_str()).collect())
+            .unwrap_or_default();
+        if lines.is_empty() {
+            let _ = writeln!(s, "  (no error file and nothing on stderr)");
+        } else {
+            let stream = text("stream").unwrap_or_else(|| "stderr".into());
+            let _ = writeln!(
+                s,
+                "--- last {} lines of rank {rank}'s {stream} ---",
+                lines.len()
+            );
+            for line in lines {
+                let _ = writeln!(s, "{line}");
+            }
+        }
+    }
+    let _ = writeln!(s, "{RULE}");
+    s
+}
+
+/// The exit status a node ends with for the job's root cause.
+pub fn cause_code(cause: &serde_json::Value) -> i32 {
+    cause["code"]
+        .as_i64()
+        .and_then(|c| i32::try_from(c).ok())
+        .unwrap_or(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,6 +372,7 @@ mod tests {
                 stopped: false,
             },
             node_rank: 0,
+            host: "h".into(),
             attempt: 0,
             ended_at: SystemTime::now(),
             error: None,

@@ -22,8 +22,11 @@ use crate::env::rank_env;
 use crate::hangs::{self, Limit, Ranks, Watchdog};
 use crate::output::{self, FilterSink, Prefix, Pump, RankNames, SharedTail, Stream, Tail};
 use crate::reaper;
+use crate::rendezvous::{Helper, Message};
 use crate::report::{oom_kills, ErrorFile, Failure, RankEnd};
 use crate::signals::SignalFd;
+
+mod rounds;
 
 /// How long the supervisor waits for output pipes to drain once every rank has exited, and
 /// after which it says which leftovers are slow to die (it waits for them all the same).
@@ -287,12 +290,18 @@ enum AttemptEnd {
     Interrupted(i32),
     /// The run went past `--timeout` or `--stall-timeout`; the ranks were stopped.
     TimedOut(Limit),
+    /// The rendezvous moved on (nodes waiting to join, a node gone); the ranks were stopped.
+    Membership(String),
+    /// Another node ended the job; its root cause.
+    Ended(serde_json::Value),
 }
 
 /// Why the launcher stopped the ranks of an attempt itself.
 enum Stop {
     Signal(i32),
     Limit(Limit),
+    Membership(String),
+    Ended(serde_json::Value),
 }
 
 /// The pipes and files of one rank, ready for its launch.
@@ -326,6 +335,9 @@ pub struct Launcher {
     stack_signals: Vec<i32>,
     /// A stop signal read while waiting for an attempt's leftovers to die.
     stop_pending: std::cell::Cell<Option<i32>>,
+    /// The rendezvous helper of a dynamic run, and the round the ranks run in.
+    helper: Option<Helper>,
+    round: u64,
 }
 
 impl Launcher {
@@ -338,6 +350,8 @@ impl Launcher {
             watchdog: Watchdog::new(&cfg),
             stack_signals: hangs::stack_signals(&cfg),
             stop_pending: std::cell::Cell::new(None),
+            helper: None,
+            round: 0,
             cfg,
             signals,
             tmp,
@@ -347,6 +361,9 @@ impl Launcher {
 
     /// Runs every attempt; returns the launcher's exit status.
     fn run(&mut self) -> i32 {
+        if self.cfg.rendezvous.is_some() {
+            return self.run_rounds();
+        }
         let max = self.cfg.max_restarts;
         for attempt in 0..=max {
             if let Some(sig) = self.pending_stop_signal() {
@@ -354,7 +371,10 @@ impl Launcher {
                 return 128 + sig;
             }
             match self.attempt(attempt) {
-                Ok(AttemptEnd::Success) => return 0,
+                // Only a rendezvous (`run_rounds`) moves on or ends the job from elsewhere.
+                Ok(AttemptEnd::Success | AttemptEnd::Membership(_) | AttemptEnd::Ended(_)) => {
+                    return 0
+                }
                 Ok(AttemptEnd::Interrupted(sig)) => return 128 + sig,
                 Ok(AttemptEnd::TimedOut(limit)) => {
                     output::message(&format!(
@@ -397,7 +417,7 @@ impl Launcher {
         }
         while let Some(sig) = self.signals.next() {
             if sig == libc::SIGCHLD {
-                reaper::reap_orphans(&HashSet::new());
+                reaper::reap_orphans(&self.helper_pid().into_iter().collect());
             } else if !self.stack_signals.contains(&sig) {
                 return Some(sig);
             }
@@ -406,11 +426,17 @@ impl Launcher {
     }
 
     /// The pids of running ranks, which only tether-core may reap.
-    fn live_pids(group: &Group) -> HashSet<i32> {
+    /// (and the rendezvous helper, which `std::process` reaps).
+    fn live_pids(&self, group: &Group) -> HashSet<i32> {
         (0..group.len())
             .filter(|&i| group.exit(i).is_none())
             .filter_map(|i| group.pid(i))
+            .chain(self.helper_pid())
             .collect()
+    }
+
+    fn helper_pid(&self) -> Option<i32> {
+        self.helper.as_ref().map(Helper::pid)
     }
 
     fn attempt(&mut self, attempt: u32) -> Result<AttemptEnd, RunError> {
@@ -465,6 +491,8 @@ impl Launcher {
         match stopped {
             Some(Stop::Signal(sig)) => return Ok(AttemptEnd::Interrupted(sig)),
             Some(Stop::Limit(limit)) => return Ok(AttemptEnd::TimedOut(limit)),
+            Some(Stop::Membership(why)) => return Ok(AttemptEnd::Membership(why)),
+            Some(Stop::Ended(cause)) => return Ok(AttemptEnd::Ended(cause)),
             None => {}
         }
         Ok(self.conclude(&group, attempt, stop_mono, &wired, oom, logs))
@@ -619,10 +647,13 @@ impl Launcher {
                     Some(Stop::Limit(limit)),
                 ));
             }
-            let (ready, signals) = self.poll(group, &live)?;
+            let (ready, signals, said) = self.poll(group, &live)?;
+            if let Some(stop) = said.and_then(|message| self.moved_on(message)) {
+                return Ok((Some(self.stop(group, libc::SIGTERM)), Some(stop)));
+            }
             for sig in signals {
                 if sig == libc::SIGCHLD {
-                    reaper::reap_orphans(&Self::live_pids(group));
+                    reaper::reap_orphans(&self.live_pids(group));
                     continue;
                 }
                 if self.stack_signals.contains(&sig) {
@@ -695,7 +726,7 @@ impl Launcher {
         let mut interrupted = || {
             while let Some(got) = self.signals.next() {
                 if got == libc::SIGCHLD {
-                    reaper::reap_orphans(&Self::live_pids(group));
+                    reaper::reap_orphans(&self.live_pids(group));
                 } else if got == libc::SIGINT {
                     output::message("tether: SIGINT while stopping: killing every rank now");
                     kill_now.set(true);
@@ -725,15 +756,24 @@ impl Launcher {
         began
     }
 
-    /// Polls the signalfd and the pidfds of the `live` ranks until one is ready or a limit
-    /// may have been reached; returns the ranks that exited and the signals that arrived.
-    fn poll(&self, group: &Group, live: &[usize]) -> Result<(Vec<usize>, Vec<i32>), RunError> {
+    /// Polls the signalfd, the pidfds of the `live` ranks and the rendezvous helper until one
+    /// is ready or a limit may have been reached; returns the ranks that exited, the signals
+    /// that arrived and what the helper said.
+    fn poll(&mut self, group: &Group, live: &[usize]) -> Result<Polled, RunError> {
+        if self.helper.as_ref().is_some_and(Helper::has_buffered) {
+            let said = self.helper.as_mut().map(Helper::read);
+            return Ok((Vec::new(), Vec::new(), said));
+        }
         let sentinels: Vec<(usize, i32)> = live
             .iter()
             .filter_map(|&i| group.with_member(i, |m| (i, m.sentinel())))
             .collect();
-        let mut fds = Vec::with_capacity(sentinels.len() + 1);
+        let mut fds = Vec::with_capacity(sentinels.len() + 2);
         fds.push(PollFd::new(&self.signals, PollFlags::IN));
+        if let Some(helper) = &self.helper {
+            fds.push(PollFd::from_borrowed_fd(helper.fd(), PollFlags::IN));
+        }
+        let first_rank = fds.len();
         for &(_, raw) in &sentinels {
             // SAFETY: the pidfd belongs to a member of `group`, which outlives this poll.
             let fd = unsafe { BorrowedFd::borrow_raw(raw) };
@@ -751,20 +791,26 @@ impl Launcher {
             Ok(_) | Err(rustix::io::Errno::INTR) => {}
             Err(e) => return Err(io_err("poll")(e.into())),
         }
-        let ready = fds[1..]
+        let helper_ready = first_rank == 2 && !fds[1].revents().is_empty();
+        let ready = fds[first_rank..]
             .iter()
             .zip(&sentinels)
             .filter(|(fd, _)| !fd.revents().is_empty())
             .map(|(_, &(i, _))| i)
             .collect();
+        drop(fds);
         let signals = std::iter::from_fn(|| self.signals.next()).collect();
-        Ok((ready, signals))
+        let said = match helper_ready {
+            true => self.helper.as_mut().map(Helper::read),
+            false => None,
+        };
+        Ok((ready, signals, said))
     }
 
     /// After every rank has exited: kill and reap what they left behind, every one of them
     /// (the next attempt starts only then), and let the output pumps finish.
     fn cleanup(&self, group: &Group, done: &mpsc::Receiver<()>, pumps: usize) {
-        let live = Self::live_pids(group);
+        let live = self.live_pids(group);
         let slow = |left: &[i32]| {
             output::message(&format!(
                 "tether: {} process(es) that the ranks left are not dead yet after SIGKILL \
@@ -831,7 +877,8 @@ impl Launcher {
         };
         let rank_io = wired.get(root.local_rank);
         AttemptEnd::Failed(Box::new(Failure {
-            node_rank: self.cfg.node_rank,
+            node_rank: self.cfg.place.node_rank,
+            host: self.hostname.clone(),
             attempt,
             ended_at: clock::wall_time_of(at),
             error: rank_io.and_then(|w| ErrorFile::read(&w.error_file)),
@@ -850,6 +897,9 @@ impl Launcher {
         }))
     }
 }
+
+/// What one poll saw: ranks that exited, signals, and the rendezvous helper's message.
+type Polled = (Vec<usize>, Vec<i32>, Option<Message>);
 
 /// SIGKILL to every rank, and a bounded wait for their exits.
 fn kill_all(group: &Group) {

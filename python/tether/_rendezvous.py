@@ -1,0 +1,454 @@
+"""One node's side of a dynamic rendezvous, for `tether run` (``python -m tether._rendezvous``).
+
+The launcher (Rust) starts this helper once per node, with the interpreter its ranks use,
+for torchrun's dynamic forms: ``--rdzv-backend c10d`` (or ``etcd``, ``etcd-v2``) on several
+nodes, or an elastic ``--nnodes MIN:MAX``. The joining, the node ranks, the heartbeats, the
+last-call window and the rounds are torch's own (`torch.distributed.elastic.rendezvous`,
+built from the same options as torchrun builds it), so ``tether run`` and ``torchrun`` nodes
+can form one job. The launcher keeps everything else: the ranks, their output, the reports.
+
+The helper talks to the launcher in JSON lines: commands on stdin, answers and events on
+stdout (the helper's own prints go to stderr).
+
+Commands: ``{"cmd": "next"}`` joins the next round; ``{"cmd": "failed", "record": {...},
+"final": bool}`` records a failure of this node's ranks (``final``: no restart is left, the
+job ends); ``{"cmd": "done"}`` says this node's ranks succeeded; ``{"cmd": "leave"}`` (or the
+end of stdin, or SIGTERM) leaves the job.
+
+Answers and events: ``round`` (this node's place in the round that formed), ``restart``
+(the membership moved on: nodes wait to join, a node left or stopped answering), ``ended``
+(another node ended the job; its root cause), ``cause`` (the job's root cause, after a final
+failure), ``bye``, and ``error`` (a message naming the endpoint, the option or the node).
+
+Rounds: torch's handler shares its TCPStore with the ranks by default, which breaks the
+second round (a late node waits for a master address nobody publishes again; nodes whose
+restart counts differ look for each other under different prefixes). The first round is
+torch's exactly; every later round gets a store of its own: rank 0's node publishes a fresh
+port in the round's store and rank 0 hosts it (``TORCHELASTIC_USE_AGENT_STORE=False``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, TextIO
+
+# Keys this helper keeps in each round's store, beside torch's own.
+ALIVE = "tether.alive."
+LEFT = "tether.left."
+FAILURE = "tether.failure."
+END = "tether.end"
+DONE = "tether.done"
+FINISHED = "tether.finished."
+MASTER = "tether.master"
+# Keys in the endpoint's store itself, to name nodes that joined under another run id.
+RUNS = "tether.runs"
+RUN = "tether.run."
+
+WATCH_EVERY = 0.25
+
+
+class Say:
+    """The launcher's end of the conversation: one JSON object per line."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, **fields: Any) -> None:
+        line = json.dumps({"kind": kind, **fields})
+        with self._lock:
+            self._out.write(line + "\n")
+            self._out.flush()
+
+
+def fail(say: Say, message: str) -> None:
+    say("error", message=message)
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def call_with_deadline(say: Say, seconds: float, what: str, fn: Any) -> Any:
+    """``fn()``, or an error after `seconds`: torch's store client waits for ever on an
+    endpoint that accepts connections and never answers."""
+    box: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # reported below, with the endpoint named
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="tether-rdzv-connect", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        fail(say, f"{what}: no answer within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class Node:
+    """This node in the job: torch's handler, the store of the round, and the watch."""
+
+    def __init__(self, opts: Dict[str, Any], say: Say) -> None:
+        self.opts = opts
+        self.say = say
+        self.endpoint = opts["endpoint"]
+        self.run_id = opts["run_id"]
+        self.host = socket.gethostname()
+        self.handler: Any = None
+        self.base_store: Any = None
+        self.store: Any = None
+        self.group_rank = -1
+        self.nodes = 0
+        self.rounds = 0
+        self.watch_stop = threading.Event()
+        self.watcher: Optional[threading.Thread] = None
+
+    # -- joining ------------------------------------------------------------------------
+
+    def build(self) -> None:
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+        conf: Dict[str, Any] = _parse_rendezvous_config(self.opts.get("conf") or "")
+        conf.setdefault("timeout", 900)
+        self.read_timeout = float(conf.get("read_timeout", 60))
+        self.join_timeout = float(conf.get("join_timeout", 600))
+        interval = float(conf.get("keep_alive_interval", 5))
+        self.dead_after = interval * float(conf.get("keep_alive_max_attempt", 3))
+        params = RendezvousParameters(
+            backend=self.opts["backend"],
+            endpoint=self.endpoint,
+            run_id=self.run_id,
+            min_nodes=self.opts["min_nodes"],
+            max_nodes=self.opts["max_nodes"],
+            local_addr=self.opts.get("local_addr"),
+            **conf,
+        )
+        what = f"the rendezvous endpoint {self.endpoint} ({self.opts['backend']})"
+        try:
+            if params.backend == "c10d":
+                self.handler = call_with_deadline(
+                    self.say, self.read_timeout + 5, what, lambda: self.c10d_handler(params)
+                )
+            else:
+                from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+                self.handler = get_rendezvous_handler(params)
+        except Exception as exc:
+            fail(self.say, f"cannot reach {what}: {type(exc).__name__}: {cause_text(exc)}")
+        self.announce_run_id()
+
+    def c10d_handler(self, params: Any) -> Any:
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+        backend, store = create_backend(params)
+        self.base_store = store
+        return create_handler(store, backend, params)
+
+    def announce_run_id(self) -> None:
+        if self.base_store is None:
+            return
+        try:
+            index = self.base_store.add(RUNS, 1)
+            self.base_store.set(f"{RUN}{index}", json.dumps([self.run_id, self.host]))
+        except Exception:  # the store is torch's to complain about, at the join
+            pass
+
+    def other_run_ids(self) -> List[str]:
+        if self.base_store is None:
+            return []
+        try:
+            count = self.base_store.add(RUNS, 0)
+            keys = [f"{RUN}{i}" for i in range(1, count + 1)]
+            seen = [json.loads(v) for v in self.base_store.multi_get(keys)]
+        except Exception:
+            return []
+        return sorted({f"{run!r} (from {host})" for run, host in seen if run != self.run_id})
+
+    def next_round(self) -> None:
+        self.stop_watch()
+        handler = self.handler
+        if self.rounds > 0 and hasattr(handler, "_bootstrap_store_info"):
+            # torch publishes the master address once; the node that is rank 0 of this
+            # round publishes it again (a late node would wait for it for ever).
+            handler._bootstrap_store_info = None
+            handler._shared_tcp_store_server = None
+        try:
+            info = handler.next_rendezvous()
+        except Exception as exc:
+            self.joining_failed(exc)
+            return
+        self.rounds += 1
+        self.store = info.store
+        self.group_rank, self.nodes = info.rank, info.world_size
+        ranks = self.assign_ranks()
+        addr, port, agent = self.master(info)
+        self.store.set(f"{ALIVE}{self.group_rank}", json.dumps([0, self.host]))
+        self.say(
+            "round",
+            round=self.round_number(),
+            group_rank=self.group_rank,
+            group_world_size=self.nodes,
+            rank_base=ranks[0],
+            world_size=ranks[1],
+            role_rank_base=ranks[2],
+            role_world_size=ranks[3],
+            master_addr=addr,
+            master_port=port,
+            agent_store=agent,
+        )
+        self.start_watch()
+
+    def joining_failed(self, exc: BaseException) -> None:
+        from torch.distributed.elastic.rendezvous.api import (
+            RendezvousClosedError,
+            RendezvousTimeoutError,
+        )
+
+        if isinstance(exc, RendezvousClosedError):
+            cause = self.read_end()
+            if cause is not None:
+                self.say("ended", cause=cause)
+                os._exit(0)
+            fail(self.say, f"the rendezvous of run {self.run_id!r} at {self.endpoint} is closed")
+        if isinstance(exc, RendezvousTimeoutError):
+            others = self.other_run_ids()
+            also = ""
+            if others:
+                also = f"; nodes at this endpoint joined other run ids: {', '.join(others)}"
+            fail(
+                self.say,
+                f"the rendezvous of run {self.run_id!r} at {self.endpoint} did not complete "
+                f"within join_timeout ({self.join_timeout:g} s): fewer than "
+                f"{self.opts['min_nodes']} node(s) joined{also} (set it with --rdzv-conf "
+                "join_timeout=SECONDS)",
+            )
+        fail(
+            self.say,
+            f"the rendezvous at {self.endpoint} failed: {type(exc).__name__}: {cause_text(exc)}",
+        )
+
+    def round_number(self) -> int:
+        holder = getattr(self.handler, "_state_holder", None)
+        state = getattr(holder, "state", None)
+        return int(getattr(state, "round", self.rounds - 1))
+
+    def assign_ranks(self) -> List[int]:
+        """Base global rank, world size, base role rank, role world size: torch's agent's
+        own assignment (the same store keys), so torchrun's nodes agree."""
+        from types import SimpleNamespace
+
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+        spec = SimpleNamespace(role=self.opts["role"], local_world_size=self.opts["nproc"])
+        workers = SimpleElasticAgent._assign_worker_ranks(
+            None,
+            self.store,
+            self.group_rank,
+            self.nodes,
+            spec,
+        )
+        first = workers[0]
+        return [first.global_rank, first.world_size, first.role_rank, first.role_world_size]
+
+    def master(self, info: Any) -> "tuple[str, int, bool]":
+        """Where the ranks' store is, and whether it is the agent's (torch's shared one)."""
+        shared = bool(getattr(self.handler, "use_agent_store", False))
+        boot = info.bootstrap_store_info
+        if not shared or self.round_number() == 0:
+            return boot.master_addr, int(boot.master_port), shared
+        if self.group_rank == 0:
+            from torch.distributed.elastic.utils.distributed import get_free_port
+
+            addr = self.opts.get("local_addr") or socket.getfqdn()
+            self.store.set(MASTER, json.dumps([addr, get_free_port()]))
+        addr, port = json.loads(self.store.get(MASTER))
+        return addr, int(port), False
+
+    # -- watching the round -------------------------------------------------------------
+
+    def start_watch(self) -> None:
+        self.watch_stop = threading.Event()
+        self.watcher = threading.Thread(
+            target=self.watch,
+            args=(self.store, self.watch_stop),
+            name="tether-rdzv-watch",
+            daemon=True,
+        )
+        self.watcher.start()
+
+    def stop_watch(self) -> None:
+        self.watch_stop.set()
+        if self.watcher is not None:
+            self.watcher.join()
+            self.watcher = None
+
+    def watch(self, store: Any, stop: threading.Event) -> None:
+        beats: Dict[int, Any] = {}
+        seen: Dict[int, float] = {}
+        count = 0
+        while not stop.wait(WATCH_EVERY):
+            count += 1
+            try:
+                why = self.moved_on(store, count, beats, seen)
+            except Exception as exc:
+                print(
+                    f"tether: the rendezvous store at {self.endpoint} stopped answering "
+                    f"({type(exc).__name__}: {cause_text(exc)}); the ranks go on",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return
+            if why is None:
+                continue
+            self.say(why[0], round=self.round_number(), **why[1])
+            return
+
+    def moved_on(
+        self, store: Any, count: int, beats: Dict[int, Any], seen: Dict[int, float]
+    ) -> Optional["tuple[str, Dict[str, Any]]"]:
+        store.set(f"{ALIVE}{self.group_rank}", json.dumps([count, self.host]))
+        if store.check([END]):
+            return "ended", {"cause": json.loads(store.get(END))}
+        now = time.monotonic()
+        for node in range(self.nodes):
+            if node == self.group_rank or store.check([f"{FINISHED}{node}"]):
+                continue
+            if store.check([f"{LEFT}{node}"]):
+                host = json.loads(store.get(f"{LEFT}{node}"))
+                return "restart", {"why": f"node {node} ({host}) left the job"}
+            if not store.check([f"{ALIVE}{node}"]):
+                continue
+            beat = store.get(f"{ALIVE}{node}")
+            if beats.get(node) != beat:
+                beats[node], seen[node] = beat, now
+            elif now - seen[node] > self.dead_after:
+                host = json.loads(beat)[1]
+                why = f"node {node} ({host}) stopped answering for {self.dead_after:g} s"
+                return "restart", {"why": why}
+        waiting = self.handler.num_nodes_waiting()
+        if waiting:
+            why = f"{waiting} node(s) wait for a new round (joining, or restarting after a failure)"
+            return "restart", {"why": why}
+        return None
+
+    def read_end(self) -> Any:
+        if self.store is None:
+            return None
+        try:
+            return json.loads(self.store.get(END)) if self.store.check([END]) else None
+        except Exception:
+            return None
+
+    # -- the end of an attempt ----------------------------------------------------------
+
+    def failed(self, record: Dict[str, Any], final: bool) -> None:
+        self.stop_watch()
+        record = {**record, "node_rank": self.group_rank, "host": self.host}
+        try:
+            self.store.set(f"{FAILURE}{self.group_rank}", json.dumps(record))
+            if not final:
+                return
+            if self.store.check([END]):
+                cause = json.loads(self.store.get(END))
+            else:
+                cause = min(self.failures() + [record], key=lambda r: r.get("time", 0.0))
+                self.store.set(END, json.dumps(cause))
+            self.handler.set_closed()
+        except Exception:
+            cause = record
+        self.say("cause", cause=cause)
+
+    def failures(self) -> List[Dict[str, Any]]:
+        keys = [f"{FAILURE}{n}" for n in range(self.nodes)]
+        present = [k for k in keys if self.store.check([k])]
+        return [json.loads(v) for v in self.store.multi_get(present)] if present else []
+
+    def done(self) -> None:
+        """Waits for every node's ranks to end (the node hosting the store keeps it for the
+        others), as torchrun's exit barrier does; another node's final failure ends it."""
+        self.stop_watch()
+        try:
+            self.store.set(f"{FINISHED}{self.group_rank}", "1")
+            self.store.add(DONE, 1)
+            deadline = time.monotonic() + float(self.opts.get("exit_barrier", 300))
+            while time.monotonic() < deadline:
+                if self.store.check([END]):
+                    self.say("ended", cause=json.loads(self.store.get(END)))
+                    return
+                if self.store.add(DONE, 0) >= self.nodes:
+                    break
+                time.sleep(WATCH_EVERY)
+        except Exception:  # the store's host finished and went: nothing left to wait for
+            pass
+        self.say("bye")
+
+    def leave(self) -> None:
+        self.watch_stop.set()
+        if self.store is not None and self.group_rank >= 0:
+            try:
+                self.store.set(f"{LEFT}{self.group_rank}", json.dumps(self.host))
+            except Exception:
+                pass
+
+
+def cause_text(exc: BaseException) -> str:
+    """An exception's message with its causes' (torch wraps the real error)."""
+    parts = [str(exc) or type(exc).__name__]
+    inner = exc.__cause__ or exc.__context__
+    while inner is not None and len(parts) < 4:
+        parts.append(f"{type(inner).__name__}: {inner}")
+        inner = inner.__cause__ or inner.__context__
+    return " <- ".join(parts)
+
+
+def serve(node: Node, commands: TextIO) -> None:
+    for line in commands:
+        if not line.strip():
+            continue
+        msg = json.loads(line)
+        cmd = msg.get("cmd")
+        if cmd == "next":
+            node.next_round()
+        elif cmd == "failed":
+            node.failed(msg["record"], bool(msg.get("final")))
+        elif cmd == "done":
+            node.done()
+            return
+        elif cmd == "leave":
+            break
+    node.leave()
+
+
+def main(argv: List[str]) -> None:
+    opts = json.loads(argv[1])
+    # Answers go on the original stdout; anything else printed goes to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    say = Say(out)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    node = Node(opts, say)
+
+    def on_term(signum: int, frame: Any) -> None:
+        node.leave()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    node.build()
+    serve(node, sys.stdin)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
