@@ -43,7 +43,8 @@ ALIVE = "tether.alive."
 LEFT = "tether.left."
 FAILURE = "tether.failure."
 END = "tether.end"
-DONE = "tether.done"
+# torch's agents wait for each other there when their ranks succeeded.
+TERMINAL_STATE = "torchelastic/agent/terminal_state"
 FINISHED = "tether.finished."
 MASTER = "tether.master"
 # Keys in the endpoint's store itself, to name nodes that joined under another run id.
@@ -88,7 +89,11 @@ def call_with_deadline(say: Say, seconds: float, what: str, fn: Any) -> Any:
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
-        fail(say, f"{what}: no answer within {seconds:g} s")
+        fail(
+            say,
+            f"{what} accepted a connection but did not answer as a c10d store within "
+            f"{seconds:g} s (read_timeout + 5): another service may listen there",
+        )
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -134,6 +139,7 @@ class Node:
             **conf,
         )
         what = f"the rendezvous endpoint {self.endpoint} ({self.opts['backend']})"
+        reach = f"cannot reach {what} within read_timeout ({self.read_timeout:g} s)"
         try:
             if params.backend == "c10d":
                 self.handler = call_with_deadline(
@@ -144,7 +150,7 @@ class Node:
 
                 self.handler = get_rendezvous_handler(params)
         except Exception as exc:
-            fail(self.say, f"cannot reach {what}: {type(exc).__name__}: {cause_text(exc)}")
+            fail(self.say, f"{reach}: {cause_text(exc)}{connect_hint(exc)}")
         self.announce_run_id()
 
     def c10d_handler(self, params: Any) -> Any:
@@ -235,7 +241,7 @@ class Node:
             )
         fail(
             self.say,
-            f"the rendezvous at {self.endpoint} failed: {type(exc).__name__}: {cause_text(exc)}",
+            f"the rendezvous at {self.endpoint} failed: {cause_text(exc)}",
         )
 
     def round_number(self) -> int:
@@ -304,7 +310,7 @@ class Node:
             except Exception as exc:
                 print(
                     f"tether: the rendezvous store at {self.endpoint} stopped answering "
-                    f"({type(exc).__name__}: {cause_text(exc)}); the ranks go on",
+                    f"({cause_text(exc)}); the ranks go on",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -376,19 +382,27 @@ class Node:
 
     def done(self) -> None:
         """Waits for every node's ranks to end (the node hosting the store keeps it for the
-        others), as torchrun's exit barrier does; another node's final failure ends it."""
+        others) in torch's agent's own exit barrier, so that torchrun nodes of the job are
+        let go too; another node's final failure ends the wait."""
+        from torch.distributed.elastic.utils.store import barrier
+
         self.stop_watch()
+        passed = threading.Event()
+
+        def wait_for_everyone() -> None:
+            try:
+                barrier(self.store, self.nodes, TERMINAL_STATE, self.opts.get("exit_barrier", 300))
+            except Exception:  # timed out, or the store's host finished and went
+                pass
+            passed.set()
+
         try:
             self.store.set(f"{FINISHED}{self.group_rank}", "1")
-            self.store.add(DONE, 1)
-            deadline = time.monotonic() + float(self.opts.get("exit_barrier", 300))
-            while time.monotonic() < deadline:
+            threading.Thread(target=wait_for_everyone, daemon=True).start()
+            while not passed.wait(WATCH_EVERY):
                 if self.store.check([END]):
                     self.say("ended", cause=json.loads(self.store.get(END)))
                     return
-                if self.store.add(DONE, 0) >= self.nodes:
-                    break
-                time.sleep(WATCH_EVERY)
         except Exception:  # the store's host finished and went: nothing left to wait for
             pass
         self.say("bye")
@@ -402,14 +416,29 @@ class Node:
                 pass
 
 
+def innermost(exc: BaseException) -> BaseException:
+    while (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return exc
+
+
 def cause_text(exc: BaseException) -> str:
-    """An exception's message with its causes' (torch wraps the real error)."""
-    parts = [str(exc) or type(exc).__name__]
-    inner = exc.__cause__ or exc.__context__
-    while inner is not None and len(parts) < 4:
-        parts.append(f"{type(inner).__name__}: {inner}")
-        inner = inner.__cause__ or inner.__context__
-    return " <- ".join(parts)
+    """The real error (torch wraps it: "See inner exception for details")."""
+    inner = innermost(exc)
+    text = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {text[0] if text else ''}"
+
+
+def connect_hint(exc: BaseException) -> str:
+    text = str(innermost(exc))
+    if "invalid value returned from server" in text:
+        return "; the service listening there is not a c10d store"
+    if "timed out" in text or "refused" in text:
+        return (
+            "; no node hosts the store there: the node whose address is the endpoint's host "
+            "hosts it (or the one given --rdzv-conf is_host=true)"
+        )
+    return ""
 
 
 def serve(node: Node, commands: TextIO) -> None:
@@ -432,6 +461,9 @@ def serve(node: Node, commands: TextIO) -> None:
 
 def main(argv: List[str]) -> None:
     opts = json.loads(argv[1])
+    # torch's C++ store client warns, with a stack, when a store it polls goes away (the
+    # node that hosted it finished): this helper says what matters itself.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     # Answers go on the original stdout; anything else printed goes to stderr.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
