@@ -232,17 +232,32 @@ class Node:
             also = ""
             if others:
                 also = f"; nodes at this endpoint joined other run ids: {', '.join(others)}"
-            fail(
-                self.say,
-                f"the rendezvous of run {self.run_id!r} at {self.endpoint} did not complete "
+            self.say(
+                "error",
+                message=f"the rendezvous of run {self.run_id!r} at {self.endpoint} did not complete "
                 f"within join_timeout ({self.join_timeout:g} s): fewer than "
                 f"{self.opts['min_nodes']} node(s) joined{also} (set it with --rdzv-conf "
                 "join_timeout=SECONDS)",
+            )
+            self.linger_if_hosting()
+            os._exit(1)
+        if "Connection was likely closed" in str(innermost(exc)):
+            fail(
+                self.say,
+                f"the store at {self.endpoint} closed the connection: the node that hosted it "
+                "ended (its own rendezvous failed or finished)",
             )
         fail(
             self.say,
             f"the rendezvous at {self.endpoint} failed: {cause_text(exc)}",
         )
+
+    def linger_if_hosting(self) -> None:
+        """The node hosting the store keeps it a while after its own join timeout, so that
+        the others reach theirs and can say which run ids they met."""
+        port = self.endpoint.rsplit(":", 1)[-1]
+        if port.isdigit() and listens_on(int(port)):
+            time.sleep(min(self.join_timeout, 10.0))
 
     def round_number(self) -> int:
         holder = getattr(self.handler, "_state_holder", None)
@@ -414,6 +429,27 @@ class Node:
                 self.store.set(f"{LEFT}{self.group_rank}", json.dumps(self.host))
             except Exception:
                 pass
+
+
+def listens_on(port: int) -> bool:
+    """Whether this process listens on TCP `port` (it hosts the store)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def innermost(exc: BaseException) -> BaseException:
