@@ -25,8 +25,11 @@ const RUN_EXAMPLES: &str =
      Examples:\n  \
      tether run --standalone --nproc-per-node 4 train.py --epochs 3\n  \
      tether run --nproc_per_node=2 -m mypackage.train --lr 0.1\n  \
-     tether run --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d \\\n      \
-     --rdzv-endpoint node0:29400 --rdzv-id job42 train.py\n  \
+     tether run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\\n      \
+     --rdzv-endpoint node0:29400 --rdzv-id job42 train.py       (on every node)\n  \
+     tether run --nnodes 1:4 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d \\\n      \
+     --rdzv-endpoint node0:29400 --rdzv-id job42 train.py       (elastic: 1 to 4 nodes)\n  \
+     tether run --nnodes 2 --node-rank 1 --master-addr node0 --nproc-per-node 8 train.py\n  \
      tether run -n 4 --no-python -- ./bench --size 1024";
 
 const RUN_TEMPLATE: &str =
@@ -117,7 +120,9 @@ pub struct NodeArgs {
         hide_env = true
     )]
     pub nproc_per_node: Option<String>,
-    /// Number of nodes: N, or N:N (an elastic range MIN:MAX is refused). SLURM's when unset.
+    /// Number of nodes: N, or an elastic range MIN:MAX (with a dynamic --rdzv-backend: the
+    /// job starts with MIN to MAX nodes and takes in or loses nodes in new rounds). SLURM's
+    /// when unset.
     #[arg(
         long,
         allow_negative_numbers = true,
@@ -126,7 +131,8 @@ pub struct NodeArgs {
         hide_env = true
     )]
     pub nnodes: Option<String>,
-    /// This node's rank among the nodes. SLURM's when unset, else 0.
+    /// This node's rank among the nodes, with --rdzv-backend static. SLURM's when unset, else
+    /// 0. Ignored (with a note) under c10d, whose rendezvous ranks the nodes.
     #[arg(
         long = "node-rank",
         visible_alias = "node_rank",
@@ -164,8 +170,10 @@ pub struct NodeArgs {
 #[derive(Debug, Args)]
 #[command(next_help_heading = RDZV)]
 pub struct RdzvArgs {
-    /// "static" or "c10d": either way tether assigns ranks by --node-rank for a fixed number
-    /// of nodes.
+    /// "static" (ranks by --node-rank, a fixed number of nodes), or a dynamic rendezvous:
+    /// "c10d" (torch's, over a TCPStore at --rdzv-endpoint), "etcd" or "etcd-v2" (where
+    /// python-etcd is installed). On several nodes, the dynamic forms run torch's own
+    /// rendezvous handler in a helper process, so tether and torchrun nodes can form one job.
     #[arg(
         long = "rdzv-backend",
         visible_alias = "rdzv_backend",
@@ -174,8 +182,9 @@ pub struct RdzvArgs {
         hide_env = true
     )]
     pub backend: Option<String>,
-    /// HOST[:PORT] of node rank 0: the ranks' MASTER_ADDR and MASTER_PORT (port 29400 for
-    /// c10d when omitted).
+    /// HOST[:PORT] where the nodes meet (port 29400 for c10d when omitted): the node at that
+    /// address hosts the rendezvous's store. With --rdzv-backend static, node rank 0's
+    /// address (the ranks' MASTER_ADDR and MASTER_PORT).
     #[arg(
         long = "rdzv-endpoint",
         visible_alias = "rdzv_endpoint",
@@ -189,8 +198,8 @@ pub struct RdzvArgs {
     #[arg(long = "rdzv-id", visible_aliases = ["rdzv_id", "run-id", "run_id"],
           value_name = "ID", env = "PET_RDZV_ID", hide_env = true)]
     pub id: Option<String>,
-    /// KEY=VALUE,...: checked and accepted; tether runs no rendezvous, so its timeouts do
-    /// not apply.
+    /// KEY=VALUE,...: torch's rendezvous settings, as torchrun passes them (join_timeout,
+    /// last_call_timeout, read_timeout, is_host, keep_alive_interval, ...).
     #[arg(
         long = "rdzv-conf",
         visible_alias = "rdzv_conf",
@@ -312,7 +321,9 @@ pub struct OutputArgs {
 #[derive(Debug, Args)]
 #[command(next_help_heading = STOPPING)]
 pub struct StopArgs {
-    /// Restart every rank up to K times after a failure (single node only).
+    /// Restart every rank up to K times after a failure of this node's ranks; on several
+    /// nodes (c10d), every node restarts its ranks in a new round, and a restart for a node
+    /// that joined or left does not count.
     #[arg(
         long = "max-restarts",
         visible_alias = "max_restarts",
@@ -395,7 +406,8 @@ pub struct AcceptedArgs {
         hide_env = true
     )]
     pub event_log_handler: Option<String>,
-    /// Accepted: tether opens no connection of its own between nodes.
+    /// This node's address in a dynamic rendezvous (MASTER_ADDR when it is node rank 0)
+    /// [default: its fully qualified host name].
     #[arg(
         long = "local-addr",
         visible_alias = "local_addr",

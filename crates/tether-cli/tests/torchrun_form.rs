@@ -281,21 +281,30 @@ fn pet_variables_are_defaults_as_in_torchrun() {
 }
 
 #[test]
-fn elastic_ranges_are_refused_with_what_tether_supports() {
+fn elastic_ranges_need_a_dynamic_rendezvous_and_unknown_backends_are_refused() {
     let out = run(&["run", "--nnodes", "1:4", "--no-python", "true"]);
     assert_eq!(out.code, Some(2));
     assert!(
-        out.stderr.contains("elastic range")
-            && out.stderr.contains("--nnodes N")
-            && out.stderr.contains("--node-rank"),
+        out.stderr.contains("elastic range") && out.stderr.contains("--rdzv-backend c10d"),
         "{}",
         out.stderr
     );
-    let out = run(&["run", "--rdzv-backend", "etcd-v2", "--no-python", "true"]);
+    let out = run(&[
+        "run",
+        "--nnodes",
+        "1:4",
+        "--rdzv-backend",
+        "c10d",
+        "--no-python",
+        "true",
+    ]);
+    assert_eq!(out.code, Some(2));
+    assert!(out.stderr.contains("--rdzv-endpoint"), "{}", out.stderr);
+    let out = run(&["run", "--rdzv-backend", "zookeeper", "--no-python", "true"]);
     assert_eq!(out.code, Some(2));
     assert!(out
         .stderr
-        .contains("--rdzv-backend etcd-v2 is not supported"));
+        .contains("--rdzv-backend zookeeper is not supported"));
 }
 
 #[test]
