@@ -12,7 +12,17 @@ arguments for both launchers:
 the launchers run alternately, in the same run, for several repetitions; the table shows
 the medians and their ratio.
 
+Then two launchers act as two nodes of one job on this machine, each with 2 ranks, in
+torchrun's c10d form (``--nnodes 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT``,
+no ``--node-rank``), the same command line for both launchers:
+
+- start: from starting both launchers to every rank running (each rank writes the time it
+  started);
+- restart: from a rank's failure (it writes the time, then exits 1) to every node's ranks
+  running again in the new round (``--max-restarts 1``).
+
     python bench/launcher.py [--reps 5] [--nproc 4] [--tether PATH] [--torchrun PATH]
+                             [--skip-one-node] [--skip-two-nodes]
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +38,26 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
+
+#: A rank of the two-node job: it writes when it started; in the first round, local rank 0
+#: of node rank 1 writes when it fails and fails; the other ranks wait to be stopped; in the
+#: round after the failure every rank ends at once.
+TWO_NODE_RANK = """
+import os, sys, time
+from pathlib import Path
+now = time.time()
+marks = Path(sys.argv[1])
+failed = (marks / "failed").exists()
+(marks / f"start-{int(failed)}-{os.environ['RANK']}").write_text(repr(now))
+if failed:
+    sys.exit(0)
+if sys.argv[2] == "restart" and os.environ["GROUP_RANK"] == "1" and os.environ["LOCAL_RANK"] == "0":
+    time.sleep(0.5)
+    (marks / "failed").write_text(repr(time.time()))
+    sys.exit(1)
+if sys.argv[2] == "restart":
+    time.sleep(120)
+"""
 
 
 def beside_python(name: str) -> str:
@@ -57,12 +88,80 @@ def forms(nproc: int, script: str) -> Dict[str, List[str]]:
     }
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def two_nodes(launcher: List[str], script: str, marks: Path, what: str) -> float:
+    """One two-node job; returns the seconds `what` ("start" or "restart") took."""
+    shutil.rmtree(marks, ignore_errors=True)
+    marks.mkdir()
+    argv = [
+        *launcher,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "bench",
+        "--max-restarts",
+        "1",
+        script,
+        str(marks),
+        what,
+    ]
+    began = time.time()
+    nodes = [
+        subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    errors = [node.communicate(timeout=600)[1] for node in nodes]
+    for node, err in zip(nodes, errors):
+        if node.returncode != 0:
+            sys.exit(f"{' '.join(argv)} failed ({node.returncode}):\n{err}")
+    if what == "start":
+        starts = [float(marks.joinpath(f"start-0-{rank}").read_text()) for rank in range(4)]
+        return max(starts) - began
+    failed = float(marks.joinpath("failed").read_text())
+    return max(float(marks.joinpath(f"start-1-{rank}").read_text()) for rank in range(4)) - failed
+
+
+def bench_two_nodes(launchers: Dict[str, List[str]], reps: int, tmp: str) -> None:
+    script = os.path.join(tmp, "rank.py")
+    Path(script).write_text(TWO_NODE_RANK)
+    marks = Path(tmp, "marks")
+    times = {what: {name: [] for name in launchers} for what in ("start", "restart")}
+    for _ in range(reps):
+        for what, by_launcher in times.items():
+            for name, launcher in launchers.items():
+                by_launcher[name].append(two_nodes(launcher, script, marks, what))
+    print(f"\ntwo nodes x 2 ranks, c10d on 127.0.0.1, {reps} repetitions each")
+    print(f"{'measure':<12} {'launcher':<12} {'median s':>10} {'min s':>10} {'max s':>10}")
+    for what, by_launcher in times.items():
+        for name, values in by_launcher.items():
+            print(
+                f"{what:<12} {name:<12} {statistics.median(values):>10.3f}"
+                f" {min(values):>10.3f} {max(values):>10.3f}"
+            )
+    for what, by_launcher in times.items():
+        ours, theirs = (statistics.median(by_launcher[n]) for n in ("tether run", "torchrun"))
+        print(f"{what}: tether run takes {ours / theirs:.2f}x torchrun's time (median)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each (default 5)")
     parser.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     parser.add_argument("--tether", default=None, help="the tether command [beside python]")
     parser.add_argument("--torchrun", default=None, help="path of torchrun [beside python]")
+    parser.add_argument("--skip-one-node", action="store_true", help="only the two-node job")
+    parser.add_argument("--skip-two-nodes", action="store_true", help="only one node")
     args = parser.parse_args()
     launchers = {
         "tether run": [args.tether or beside_python("tether"), "run"],
@@ -73,12 +172,17 @@ def main() -> None:
         Path(script).write_text("")
         times: Dict[str, Dict[str, List[float]]] = {}
         for form, form_args in forms(args.nproc, script).items():
+            if args.skip_one_node:
+                break
             times[form] = {name: [] for name in launchers}
             for _ in range(args.reps):
                 for name, launcher in launchers.items():
                     times[form][name].append(timed([*launcher, *form_args]))
-
-    print(f"{args.nproc} ranks of an empty Python program, {args.reps} repetitions each")
+        if not args.skip_two_nodes:
+            bench_two_nodes(launchers, args.reps, tmp)
+    if not times:
+        return
+    print(f"\n{args.nproc} ranks of an empty Python program, {args.reps} repetitions each")
     print(f"{'form':<12} {'launcher':<12} {'median s':>10} {'min s':>10} {'max s':>10}")
     for form, by_launcher in times.items():
         for name, values in by_launcher.items():

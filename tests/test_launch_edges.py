@@ -175,8 +175,8 @@ def test_a_100_mb_exception_message_arrives_whole(method):
     with pytest.raises(tether.ProcessRaisedException) as info:
         tether.start_processes(raise_big, nprocs=1, **options(method))
     assert str(info.value).endswith("ValueError: " + "x" * BIG + "\n")
-    assert isinstance(info.value.__cause__, ValueError)
-    assert len(info.value.__cause__.args[0]) == BIG
+    assert isinstance(info.value.__context__, ValueError)
+    assert len(info.value.__context__.args[0]) == BIG
 
 
 class Reporting(ValueError):
@@ -242,7 +242,7 @@ def test_an_exception_whose_reduce_raises_still_reports_its_traceback(method, ki
         tether.start_processes(raise_unpicklable, args=(kind,), nprocs=1, **options(method))
     assert "raise_unpicklable" in str(info.value)
     assert str(info.value).rstrip().endswith(": the real error")
-    assert info.value.__cause__ is None
+    assert info.value.__cause__ is None and info.value.__context__ is None
 
 
 # Statuses taken by someone else -------------------------------------------------------------------

@@ -79,7 +79,7 @@ for method in ("forkserver", "spawn", "fork"):
     try:
         tether.start_processes(refuse, nprocs=1, start_method=method)
     except tether.ProcessRaisedException as error:
-        cause = error.__cause__
+        cause = error.__context__
         assert str(error).endswith("Refused: rank 0 refuses\\n"), str(error)
         say(f"{{method}} raised {{type(cause).__name__}} {{type(cause) is Refused}} {{cause}}")
 tether.spawn(lambda i: say(f"lambda rank {{i}}"), nprocs=1)

@@ -26,8 +26,10 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 DDP = str(SCRIPTS / "ddp_train.py")
 ELASTIC = str(SCRIPTS / "elastic_rank.py")
 TRAINED = re.compile(r"rank=(\d+) local_rank=\d+ world=(\d+) epochs=\d+ params=(-?\d+\.\d{6})")
-PLACE = re.compile(r"place RANK=(\d+) WORLD_SIZE=(\d+) GROUP_RANK=(\d+) .*"
-                   r"TORCHELASTIC_RESTART_COUNT=(\d+) TORCHELASTIC_USE_AGENT_STORE=(\w+)")
+PLACE = re.compile(
+    r"place RANK=(\d+) WORLD_SIZE=(\d+) GROUP_RANK=(\d+) .*"
+    r"TORCHELASTIC_RESTART_COUNT=(\d+) TORCHELASTIC_USE_AGENT_STORE=(\w+)"
+)
 BIN = Path(sys.executable).parent
 #: What a gloo rank prints when it aborts inside torch's C++ now and then on this machine,
 #: under torchrun and tether alike: a fault of the peer library, not of a launcher.
@@ -203,8 +205,16 @@ def test_an_elastic_job_grows_when_a_node_joins_late_and_goes_on_when_one_is_kil
     marks = tmp_path / "marks"
     marks.mkdir()
     # Ranks end in a world of 4 seen after one of 6: 2 nodes, then 3, then 2 again.
-    argv = tether(*c10d(port, "grow", "1:3"), "--nproc-per-node=2", "--grace-period=3",
-                  ELASTIC, "--finish-at", "4", "--after", f"{marks}:6")
+    argv = tether(
+        *c10d(port, "grow", "1:3"),
+        "--nproc-per-node=2",
+        "--grace-period=3",
+        ELASTIC,
+        "--finish-at",
+        "4",
+        "--after",
+        f"{marks}:6",
+    )
     first = [start(nodes, tmp_path, argv, **env) for _ in range(2)]
     for node in first:
         node.wait_for("place RANK=.* WORLD_SIZE=4")
@@ -231,8 +241,15 @@ def test_a_rank_failure_restarts_every_node_and_the_last_one_ends_the_job_on_bot
     tmp_path: Path, nodes: List[Node]
 ) -> None:
     port = free_port()
-    argv = tether(*c10d(port, "fails"), "--nproc-per-node=2", "--max-restarts=2",
-                  "--grace-period=3", ELASTIC, "--fail-node", "1")
+    argv = tether(
+        *c10d(port, "fails"),
+        "--nproc-per-node=2",
+        "--max-restarts=2",
+        "--grace-period=3",
+        ELASTIC,
+        "--fail-node",
+        "1",
+    )
     both = [start(nodes, tmp_path, argv) for _ in range(2)]
     codes = [node.end() for node in both]
     assert codes == [3, 3], [n.err for n in both]
@@ -244,7 +261,7 @@ def test_a_rank_failure_restarts_every_node_and_the_last_one_ends_the_job_on_bot
     assert other.err.count("not counted as a restart") == 2, other.err
     host = socket.gethostname()
     for node in both:
-        report = node.err[node.err.index("failed first"):]
+        report = node.err[node.err.index("failed first") :]
         assert "rank 2" in report and "exit code 3" in report, report
         assert f"host {host}" in report and "node rank 1" in report, report
         assert "rank 2 fails on purpose" in report, report
@@ -289,12 +306,21 @@ SHOW = ["--no-python", "sh", "-c", 'echo "$RANK $WORLD_SIZE $MASTER_ADDR"']
 
 
 @pytest.mark.parametrize(
-    "form", [["--standalone", "-n", "2"], ["--nnodes", "1", "-n", "2"],
-             ["--nnodes", "1", "--node-rank", "0", "-n", "2"]]
+    "form",
+    [
+        ["--standalone", "-n", "2"],
+        ["--nnodes", "1", "-n", "2"],
+        ["--nnodes", "1", "--node-rank", "0", "-n", "2"],
+    ],
 )
 def test_one_node_forms_inside_a_slurm_allocation_run_locally(form: List[str]) -> None:
-    proc = subprocess.run(tether(*form, *SHOW), capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, **SLURM))
+    proc = subprocess.run(
+        tether(*form, *SHOW),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, **SLURM),
+    )
     assert proc.returncode == 0, proc.stderr
     lines = sorted(line.split(": ", 1)[1] for line in proc.stdout.splitlines())
     assert lines == ["0 2 localhost", "1 2 localhost"], proc.stdout
@@ -303,8 +329,9 @@ def test_one_node_forms_inside_a_slurm_allocation_run_locally(form: List[str]) -
 def test_a_slurm_steps_node_count_wins_over_the_jobs() -> None:
     step = {"SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "gpu-4", "SLURM_NODEID": "0"}
     env = dict(os.environ, **{**SLURM, **step})
-    proc = subprocess.run(tether("-n", "1", *SHOW), capture_output=True, text=True,
-                          timeout=60, env=env)
+    proc = subprocess.run(
+        tether("-n", "1", *SHOW), capture_output=True, text=True, timeout=60, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split(": ", 1)[1].split()[:2] == ["0", "1"], proc.stdout
 
@@ -381,8 +408,12 @@ def test_a_join_timeout_names_the_option() -> None:
 def test_nodes_that_disagree_on_the_run_id_each_name_the_other(tmp_path: Path) -> None:
     port = free_port()
     procs = [
-        subprocess.Popen(tether(*c10d(port, run_id, conf="join_timeout=5"), ELASTIC),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            tether(*c10d(port, run_id, conf="join_timeout=5"), ELASTIC),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for run_id in ("alpha", "beta")
     ]
     try:

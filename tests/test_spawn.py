@@ -11,6 +11,7 @@ import pickle
 import random
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -284,12 +285,29 @@ def test_pid_and_error_pid_are_both_set(method):
     assert e.pid == e.error_pid and e.pid > 0
 
 
-def test_original_exception_is_the_cause(method):
+def test_original_exception_is_the_suppressed_context(method):
     with pytest.raises(tether.ProcessRaisedException) as info:
         start(raise_in, args=(0,), nprocs=1, method=method)
-    cause = info.value.__cause__
-    assert isinstance(cause, ValueError)
+    cause = info.value.__context__
+    assert isinstance(cause, ValueError) and info.value.__suppress_context__
     assert str(cause) == "legitimate exception from process 0"
+
+
+def test_a_ranks_exception_prints_each_of_its_lines_once(tmp_path):
+    script = tmp_path / "raises.py"
+    script.write_text(
+        "import tether\n"
+        "def train(rank):\n"
+        "    raise ValueError(f'rank {rank} diverged')\n"
+        "if __name__ == '__main__':\n"
+        "    tether.spawn(train, nprocs=1)\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and lines[-1] == "ValueError: rank 0 diverged", proc.stderr
+    assert proc.stderr.count("ValueError: rank 0 diverged") == 1, proc.stderr
+    assert "direct cause" not in proc.stderr and "During handling" not in proc.stderr
+    assert all(a != b for a, b in zip(lines, lines[1:])), proc.stderr
 
 
 def test_unpicklable_exception_still_gives_the_traceback(method):
@@ -299,7 +317,7 @@ def test_unpicklable_exception_still_gives_the_traceback(method):
         r"Unpicklable: cannot pickle me\n$", str(info.value)
     )
     assert "raise_unpicklable" in str(info.value)
-    assert info.value.__cause__ is None
+    assert info.value.__context__ is None
 
 
 def test_exception_whose_constructor_needs_arguments(method):

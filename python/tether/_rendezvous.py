@@ -234,8 +234,8 @@ class Node:
                 also = f"; nodes at this endpoint joined other run ids: {', '.join(others)}"
             self.say(
                 "error",
-                message=f"the rendezvous of run {self.run_id!r} at {self.endpoint} did not complete "
-                f"within join_timeout ({self.join_timeout:g} s): fewer than "
+                message=f"the rendezvous of run {self.run_id!r} at {self.endpoint} did not "
+                f"complete within join_timeout ({self.join_timeout:g} s): fewer than "
                 f"{self.opts['min_nodes']} node(s) joined{also} (set it with --rdzv-conf "
                 "join_timeout=SECONDS)",
             )

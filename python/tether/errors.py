@@ -25,7 +25,8 @@ class ProcessException(Exception):
 
 class ProcessRaisedException(ProcessException):
     """The child raised an exception; its traceback is in the message and, when the exception
-    could be rebuilt in the parent, the original exception is ``__cause__``."""
+    could be rebuilt in the parent, the original exception is ``__context__`` (suppressed in
+    the printed traceback, which shows the child's once, in the message)."""
 
 
 class ProcessExitedException(ProcessException):

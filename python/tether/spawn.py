@@ -305,7 +305,10 @@ class ProcessContext:
             text, cause = report
             msg = f"\n\n-- Process {index} terminated with the following error:\n{text}"
             error = ProcessRaisedException(msg, index, pid)
-            error.__cause__ = cause
+            # The message already shows the child's traceback: the rebuilt exception is kept
+            # as the context, out of the printed traceback, so that each line prints once.
+            error.__context__ = cause
+            error.__suppress_context__ = True
             return error
         assert status is not None and status.exitcode is not None
         if status.signal is not None:
