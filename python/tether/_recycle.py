@@ -167,14 +167,19 @@ def _forget(kept: _Kept) -> None:
     _by_address.pop(kept.storage.data_ptr(), None)
 
 
+def _references(kept: _Kept) -> int:
+    return sys.getrefcount(kept.storage)
+
+
+#: What ``_references`` says of an object that only a ``_Kept`` refers to.
+_ONLY_KEPT = _references(_Kept(object(), 0, 0))
+
+
 def _unreferenced(kept: _Kept) -> bool:
     """Whether nothing in this process refers to the storage but ``kept``: no tensor (the
-    storage's use count is the Python object's own) and no other Python reference (two:
-    ``kept``'s and the argument of ``getrefcount``)."""
+    storage's use count is the Python object's own) and no other Python reference."""
     torch = sys.modules["torch"]
-    return (
-        torch._C._storage_Use_Count(kept.storage._cdata) == 1 and sys.getrefcount(kept.storage) == 2
-    )
+    return torch._C._storage_Use_Count(kept.storage._cdata) == 1 and _references(kept) == _ONLY_KEPT
 
 
 def _free(kept: _Kept) -> bool:
