@@ -4,7 +4,7 @@ anyway, so these cost a worker nothing more)."""
 from __future__ import annotations
 
 import os
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -147,16 +147,16 @@ def holds(batch: torch.Tensor, first: int) -> bool:
 
 
 class CollateKeepingLast:
-    """torch's ``default_collate``, which keeps its last batch in the worker: each batch
-    comes with whether the batch kept before it was still intact."""
+    """torch's ``default_collate``, which keeps its last 6 batches in the worker: each batch
+    comes with whether those were all still intact when it was made."""
 
     def __init__(self) -> None:
-        self.last: Optional[tuple] = None
+        self.kept: list = []
 
     def __call__(self, items: list) -> tuple:
         from torch.utils.data import default_collate
 
-        intact = self.last is None or holds(*self.last)
         batch = default_collate(items)
-        self.last = (batch, int(batch[0, 0, 0, 0]))
+        intact = all(holds(*kept) for kept in self.kept)
+        self.kept = [*self.kept[-5:], (batch, int(batch[0, 0, 0, 0]))]
         return batch, intact
