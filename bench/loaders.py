@@ -1,6 +1,6 @@
 """DataLoaders on tether.Pool against torch's own workers, in the same run.
 
-    python bench/loaders.py [--reps N] [--spawn-reps N] [--batches N] [--no-big]
+    python bench/loaders.py [--reps N] [--spawn-reps N] [--batches N] [--no-big] [--steady]
 
 1. Twenty DataLoaders (64 small items, batch 16, 2 workers) iterated one after the other:
    torch fork, torch fork with persistent_workers, torch spawn (``--spawn-reps``, slow),
@@ -16,7 +16,8 @@
    ``pickle.loads`` of it; 20 loaders in turn (8 batches of 64 each); the workers' PSS
    after them.
 4. Steady-state throughput of one loader of 32 x 3x224x224 float batches, with the machine
-   otherwise idle, then with a busy-looping process on every core.
+   otherwise idle, then with a busy-looping process on every core (``--steady``: only
+   this part).
 
 Each figure is the median over repetitions; within a repetition the contenders take
 turns, so that a busy moment of the machine hits them alike. Ratios are against tether."""
@@ -286,6 +287,7 @@ def main() -> None:
     parser.add_argument("--spawn-reps", type=int, default=1)
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--no-big", dest="big", action="store_false")
+    parser.add_argument("--steady", action="store_true", help="only the steady state")
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, medians of {args.reps} runs "
@@ -294,6 +296,14 @@ def main() -> None:
     pool = tether.Pool(2, preload=["torch"])
     ctx = pool.context()
     twenty(multiprocessing_context=ctx)  # warm: workers up, torch imported
+    if not args.steady:
+        loader_starts(ctx, args)
+    steady_state(ctx, args)
+    pool.shutdown()
+
+
+def loader_starts(ctx: Any, args: argparse.Namespace) -> None:
+    """Sections 1 to 3."""
     with seed_context() as seed:
         loaders: Dict[str, Callable[[], float]] = {
             "torch fork": lambda: twenty(multiprocessing_context="fork"),
@@ -329,6 +339,10 @@ def main() -> None:
     print_versus("Time to the first batch of a new loader", "ms", first, True)
     if args.big:
         big_datasets(ctx, args.reps)
+
+
+def steady_state(ctx: Any, args: argparse.Namespace) -> None:
+    """Section 4."""
     steady: Dict[str, Callable[[], float]] = {
         "torch fork": lambda: throughput(args.batches, multiprocessing_context="fork"),
         "tether.Pool": lambda: throughput(args.batches, multiprocessing_context=ctx),
@@ -343,7 +357,6 @@ def main() -> None:
         busy = interleaved(steady, max(args.reps, 5))
     print_versus("Steady state, a busy-looping process on every core", "batches/s", busy, False)
     print_cpu("Steady state, every core busy")
-    pool.shutdown()
 
 
 if __name__ == "__main__":

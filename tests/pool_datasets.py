@@ -121,3 +121,42 @@ def refuse_shared_memory(worker_id: int) -> None:
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
     os.posix_fallocate = refuse
+
+
+class Filled(torch.utils.data.Dataset):
+    """``n`` items of ``shape`` float32, item i full of i (a batch of 16 of the default
+    shape is 192 KiB: big enough for its storage to go back to its worker)."""
+
+    def __init__(self, n: int, shape: tuple = (3, 32, 32)) -> None:
+        self.n = n
+        self.shape = shape
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full(self.shape, float(i))
+
+
+def holds(batch: torch.Tensor, first: int) -> bool:
+    """Whether ``batch`` is still the batch of the items ``first``, ``first + 1``... of a
+    ``Filled`` dataset, in every byte."""
+    expected = torch.arange(first, first + len(batch), dtype=batch.dtype)
+    flat = batch.reshape(len(batch), -1)
+    return bool(torch.equal(flat.amin(1), expected) and torch.equal(flat.amax(1), expected))
+
+
+class CollateKeepingLast:
+    """torch's ``default_collate``, which keeps its last 6 batches in the worker: each batch
+    comes with whether those were all still intact when it was made."""
+
+    def __init__(self) -> None:
+        self.kept: list = []
+
+    def __call__(self, items: list) -> tuple:
+        from torch.utils.data import default_collate
+
+        batch = default_collate(items)
+        intact = all(holds(*kept) for kept in self.kept)
+        self.kept = [*self.kept[-5:], (batch, int(batch[0, 0, 0, 0]))]
+        return batch, intact

@@ -209,7 +209,7 @@ def test_big_batches_need_no_dev_shm_where_torch_fork_fails():
         got = _in_small_dev_shm("pool", tmp)
     assert control.returncode != 0 and "shared memory" in control.stderr, control.stderr[-2000:]
     assert got.returncode == 0, got.stderr[-3000:]
-    assert got.stdout.split() == ["batches", "6"]
+    assert got.stdout.split() == ["batches", "12"]
 
 
 def test_shared_memory_that_runs_out_is_an_error_naming_the_worker_and_the_size(pool):

@@ -9,6 +9,9 @@ storage from the fd as it always does (``UntypedStorage._new_shared_fd_cpu``). T
 are allocated when the storage is made, so that running out of memory raises an error
 that says how much was asked, not a SIGBUS later.
 
+In a leased process, the storages of at least 64 KiB go back to the worker once their
+receiver let go of them, and are reused (see ``_recycle``).
+
 A tensor the program itself moves with ``share_memory_()`` still goes through torch's own
 path (it is moved in place, which only torch's C++ code can do)."""
 
@@ -17,9 +20,10 @@ from __future__ import annotations
 import os
 import sys
 from multiprocessing.context import get_spawning_popen
+from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any, Callable, Tuple
 
-from . import _channel
+from . import _channel, _recycle
 
 __all__ = ["install", "memfd", "memfd_storage"]
 
@@ -44,7 +48,11 @@ def memfd(who: str, what: str, size: int, sealing: bool = False) -> int:
 
 
 def memfd_storage(cls: Any, size: int) -> Any:
-    """A new ``cls`` (torch's ``UntypedStorage``) of ``size`` bytes in a memfd."""
+    """A ``cls`` (torch's ``UntypedStorage``) of ``size`` bytes in a memfd: one that came
+    back to this worker (see ``_recycle``), or else a new one."""
+    storage = _recycle.take(cls, size)
+    if storage is not None:
+        return storage
     fd = memfd(f"tether.Pool worker (pid {os.getpid()})", "a tensor", size)
     try:
         storage = cls._new_shared_fd_cpu(fd, size)  # maps its own duplicate of the fd
@@ -52,6 +60,7 @@ def memfd_storage(cls: Any, size: int) -> Any:
         os.close(fd)
     if size >= POPULATE:
         _populate(storage.data_ptr(), size)
+    _recycle.keep(storage, size)
     return storage
 
 
@@ -86,14 +95,19 @@ def install() -> None:
         return
     _installed = True
     storage._new_using_fd_cpu = classmethod(memfd_storage)
-    _channel.register(storage, _moving_reducer(torch, reductions.reduce_storage))
+    # The reduction registered now: torch's, or one that wraps it.
+    registered = ForkingPickler._extra_reducers.get(  # type: ignore[attr-defined]
+        storage, reductions.reduce_storage
+    )
+    _channel.register(storage, _worker_reducer(torch, registered, reductions.rebuild_storage_fd))
 
 
-def _moving_reducer(
-    torch: Any, reduce_storage: Callable[[Any], Tuple[Any, ...]]
+def _worker_reducer(
+    torch: Any, reduce_storage: Callable[[Any], Tuple[Any, ...]], rebuild_fd: Callable[..., Any]
 ) -> Callable[[Any], Tuple[Any, ...]]:
     """torch's storage reduction, but a CPU storage not in shared memory yet is copied into
-    a memfd first (torch would move it into ``/dev/shm``)."""
+    a memfd first (torch would move it into ``/dev/shm``), and a storage this worker keeps
+    travels with what its receiver needs to give it back (``_recycle.rebuild``)."""
 
     def reduce(storage: Any) -> Tuple[Any, ...]:
         if (
@@ -109,6 +123,15 @@ def _moving_reducer(
             owners = getattr(get_spawning_popen(), "owners", None)
             if owners is not None:
                 owners.append(shared)
-        return reduce_storage(storage)
+        kept = _recycle.sending(storage)
+        reduced = reduce_storage(storage)
+        if kept is None:
+            return reduced
+        rebuild, args = reduced
+        if rebuild is not rebuild_fd:
+            _recycle.forget(storage)
+            return reduced
+        page_fd, slot, generation = kept
+        return _recycle.rebuild, (*args, DupFd(page_fd), slot, generation)
 
     return reduce

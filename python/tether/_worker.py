@@ -38,7 +38,7 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Final, List, Literal, Optional, Sequence, Tuple
 
-from . import _channel, _child, _native, _shm
+from . import _channel, _child, _native, _recycle, _shm
 
 #: What a task's bytes hold (see the module's documentation).
 CALL = 0
@@ -182,6 +182,7 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
         _, target, args, kwargs, seeds = call
         call = None
         _shm.install()
+        _recycle.begin()
         if not seeds:
             _reseed_if_needed()
         try:
@@ -211,7 +212,8 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
 
 def _reset_after_lease() -> None:
     """What a DataLoader worker loop leaves behind that the next task must not see (but
-    the seeds: see ``_reseed_if_needed``)."""
+    the seeds: see ``_reseed_if_needed``), and the batch storages it kept."""
+    _recycle.end()
     worker = sys.modules.get("torch.utils.data._utils.worker")
     if worker is not None:
         # What torch.utils.data.get_worker_info() reads; private, so untyped for mypy.

@@ -1,6 +1,7 @@
-"""A DataLoader of 64 x 3x224x224 float32 batches (37 MiB each, two in flight per worker),
-on torch's fork workers or on a tether.Pool: ``big_batches.py fork|pool``. Prints
-``batches N`` when every batch arrived whole."""
+"""A DataLoader of 64 x 3x224x224 float32 batches (37 MiB each, two in flight per worker;
+a pool worker reuses the storages of those dropped), on torch's fork workers or on a
+tether.Pool: ``big_batches.py fork|pool``. Prints ``batches N`` when every batch arrived
+whole."""
 
 import sys
 
@@ -15,7 +16,7 @@ if __name__ == "__main__":
     context = "fork" if pool is None else pool.context()
     count = 0
     for i, batch in enumerate(
-        DataLoader(Images(64 * 6), batch_size=64, num_workers=2, multiprocessing_context=context)
+        DataLoader(Images(64 * 12), batch_size=64, num_workers=2, multiprocessing_context=context)
     ):
         assert batch.shape == (64, 3, 224, 224)
         assert torch.equal(

@@ -1,0 +1,420 @@
+"""Batch storages that go back to the leased worker that made them, once nothing reads them.
+
+A fresh storage for each batch is most of a pool worker's work with big batches: a memfd
+whose pages are allocated and zeroed, mapped, then unmapped and freed when the batch is
+dropped (for 32 x 3x224x224 float32, about 60% of the worker's CPU, against about 30% to
+make the items and stack them). So a leased worker keeps the storages of at least
+``MIN_SIZE`` bytes it sends (``SLOTS`` of them at most), and the process that receives one
+tells the worker when nothing holds it any more: the worker's next storage of that size is
+that one, its pages already allocated and mapped. The worker never waits for one: when
+none of the size is free, it makes a new storage, as it would without this module.
+
+How the worker learns it: each worker has a *release page*, a memfd page of 64-bit words
+(one per slot) whose fd travels with every storage it sends, with the storage's slot and a
+*generation*, a number the page never used before. The receiving process rebuilds the
+storage as torch does, maps the page (once, however many storages of that worker it holds)
+and watches the storage with torch's weak reference; once the storage is gone (every tensor
+and view of it, its mapping unmapped), it writes the generation into the slot. It looks
+when it receives the next storage (there is no thread and no timer: a worker needs a
+storage back only while it sends storages). The worker takes a storage back only when its
+slot holds the generation it was sent with and nothing in the worker refers to it but
+this module.
+
+A storage that something may still read is never reused:
+
+- sent a second time before it came back (a second message, another receiver): the worker
+  forgets it;
+- sent on by the receiver (a ``torch.multiprocessing`` queue, a pipe, a tether queue:
+  anything pickled with ``ForkingPickler``), or held by the receiver when it forks (the
+  child has the mapping): the receiver stops watching it, and its slot never says it is
+  free;
+- a receiver that holds more than ``WATCHED`` of them stops watching the oldest;
+- a worker that forks forgets the storages referred to outside this module (the child
+  may use them), and the child forgets them all;
+- what a worker keeps when its lease ends, it drops (the memory goes when the receiver
+  lets go of it too); a worker that dies takes its storages and its page with it.
+
+A storage taken back holds the previous batch's bytes, not zeros: torch's callers of
+``UntypedStorage._new_shared`` (collate, the checkpoint stager) write all of it."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+__all__ = ["begin", "end", "keep", "rebuild", "sending", "take", "unwatch"]
+
+#: Storages smaller than this are made afresh each time.
+MIN_SIZE = 1 << 16
+#: How many storages a worker keeps at most.
+SLOTS = 16
+#: How many storages a receiving process watches at most.
+WATCHED = 64
+_PAGE = 4096
+
+
+class _Libc:
+    """``mmap`` and ``munmap`` without an fd kept open (``mmap.mmap`` keeps a duplicate)."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.mmap = libc.mmap
+        self.mmap.restype = ctypes.c_void_p
+        self.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        self.munmap = libc.munmap
+        self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+    def map_page(self, fd: int) -> int:
+        address = self.mmap(None, _PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if address is None or address == ctypes.c_void_p(-1).value:
+            error = ctypes.get_errno()
+            raise OSError(error, os.strerror(error))
+        return int(address)
+
+
+_libc_instance: Optional[_Libc] = None
+
+
+def _libc() -> _Libc:
+    global _libc_instance
+    if _libc_instance is None:
+        _libc_instance = _Libc()
+    return _libc_instance
+
+
+def _words(address: int) -> Any:
+    return (ctypes.c_uint64 * SLOTS).from_address(address)
+
+
+# -- in the worker --------------------------------------------------------------------------
+
+
+class _Page:
+    """This worker's release page."""
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("tether release page", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, _PAGE)
+            self.address = _libc().map_page(self.fd)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.words = _words(self.address)
+        #: The next generation: unique to this page (it starts anywhere in 2**62).
+        self.generation = int.from_bytes(os.urandom(8), "little") >> 2 | 1
+
+    def close(self) -> None:
+        _libc().munmap(self.address, _PAGE)
+        os.close(self.fd)
+
+
+class _Kept:
+    """A storage the worker keeps: its slot, and the generation it was last sent with (0
+    while it is in the worker's hands)."""
+
+    __slots__ = ("storage", "size", "slot", "generation")
+
+    def __init__(self, storage: Any, size: int, slot: int) -> None:
+        self.storage = storage
+        self.size = size
+        self.slot = slot
+        self.generation = 0
+
+
+_lock = threading.Lock()
+_active = False
+_page: Optional[_Page] = None
+_slots: List[Optional[_Kept]] = [None] * SLOTS
+#: The kept storages by address (what a reduction knows of a storage).
+_by_address: Dict[int, _Kept] = {}
+
+
+def begin() -> None:
+    """A leased process starts: from now on, storages are kept."""
+    global _active
+    _active = True
+
+
+def end() -> None:
+    """The leased process ended: drop every kept storage."""
+    global _active
+    with _lock:
+        _active = False
+        _forget_all()
+
+
+def _forget_all() -> None:
+    for index in range(SLOTS):
+        _slots[index] = None
+    _by_address.clear()
+
+
+def _forget(kept: _Kept) -> None:
+    if _slots[kept.slot] is kept:
+        _slots[kept.slot] = None
+    _by_address.pop(kept.storage.data_ptr(), None)
+
+
+def _references(kept: _Kept) -> int:
+    return sys.getrefcount(kept.storage)
+
+
+#: What ``_references`` says of an object that only a ``_Kept`` refers to.
+_ONLY_KEPT = _references(_Kept(object(), 0, 0))
+
+
+def _unreferenced(kept: _Kept) -> bool:
+    """Whether nothing in this process refers to the storage but ``kept``: no tensor (the
+    storage's use count is the Python object's own) and no other Python reference."""
+    torch = sys.modules["torch"]
+    return torch._C._storage_Use_Count(kept.storage._cdata) == 1 and _references(kept) == _ONLY_KEPT
+
+
+def _free(kept: _Kept) -> bool:
+    """Whether ``kept`` came back: sent, released by its receiver, unreferenced here."""
+    return (
+        _page is not None
+        and kept.generation != 0
+        and _page.words[kept.slot] == kept.generation
+        and _unreferenced(kept)
+    )
+
+
+def take(cls: Any, size: int) -> Optional[Any]:
+    """A kept storage of ``cls`` and ``size`` bytes that came back, or None."""
+    if not _active or size < MIN_SIZE:
+        return None
+    with _lock:
+        for kept in _slots:
+            if kept is not None and kept.size == size and type(kept.storage) is cls and _free(kept):
+                kept.generation = 0
+                return kept.storage
+    return None
+
+
+def keep(storage: Any, size: int) -> None:
+    """Keeps a new storage of ``size`` bytes, in a free slot, or else in place of one that
+    came back, or else of the one sent longest ago. Those of other sizes that came back
+    go: batches whose size changes all the time (padded to their longest item) must not
+    leave the worker holding a storage of every size."""
+    if not _active or size < MIN_SIZE:
+        return
+    with _lock:
+        for kept in _slots:
+            if kept is not None and kept.size != size and _free(kept):
+                _forget(kept)
+        slot = _slot_for_new()
+        kept = _Kept(storage, size, slot)
+        _slots[slot] = kept
+        _by_address[storage.data_ptr()] = kept
+
+
+def _slot_for_new() -> int:
+    victim: Optional[_Kept] = None
+    for index, kept in enumerate(_slots):
+        if kept is None:
+            return index
+        if _free(kept):
+            victim = kept
+            break
+        # Sent longest ago: the smallest generation (one not sent yet goes last).
+        if victim is None or (kept.generation or 1 << 64) < (victim.generation or 1 << 64):
+            victim = kept
+    assert victim is not None
+    _forget(victim)
+    return victim.slot
+
+
+def sending(storage: Any) -> Optional[Tuple[int, int, int]]:
+    """A storage is being pickled: ``(release page fd, slot, generation)`` when it is a
+    kept storage sent for the first time since it was taken, else None (a kept storage
+    sent again is forgotten: its receivers could not tell the worker together)."""
+    if not _by_address:
+        return None
+    global _page
+    with _lock:
+        kept = _by_address.get(storage.data_ptr())
+        if kept is None:
+            return None
+        if kept.generation != 0:
+            _forget(kept)
+            return None
+        if _page is None:
+            _page = _Page()
+        kept.generation = _page.generation
+        _page.generation += 1
+        return _page.fd, kept.slot, kept.generation
+
+
+def forget(storage: Any) -> None:
+    """The storage was sent in a way that cannot come back: the worker forgets it."""
+    with _lock:
+        kept = _by_address.get(storage.data_ptr())
+        if kept is not None:
+            _forget(kept)
+
+
+def _before_fork() -> None:
+    _lock.acquire()
+    _watch_lock.acquire()
+    # The child may use what is referred to outside this module: never reuse it here.
+    for kept in list(_by_address.values()):
+        if not _unreferenced(kept):
+            _forget(kept)
+    # Neither may what this process received and still holds be reused by its worker.
+    for key in list(_watched):
+        _drop_watch(key)
+
+
+def _after_fork_in_parent() -> None:
+    _watch_lock.release()
+    _lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _watch_lock, _page, _active
+    _lock, _watch_lock = threading.Lock(), threading.Lock()
+    _active = False
+    _forget_all()
+    if _page is not None:
+        _page.close()
+        _page = None
+    for page in _pages.values():
+        _libc().munmap(page.address, _PAGE)
+    _pages.clear()
+
+
+# -- in the receiving process ---------------------------------------------------------------
+
+
+class _Mapped:
+    """A worker's release page, as a receiving process maps it while it watches storages of
+    that worker."""
+
+    __slots__ = ("key", "address", "words", "users")
+
+    def __init__(self, key: Tuple[int, int], fd: int) -> None:
+        self.key = key
+        self.address = _libc().map_page(fd)
+        self.words = _words(self.address)
+        self.users = 0
+
+
+class _Watch:
+    __slots__ = ("ref", "page", "slot", "generation")
+
+    def __init__(self, ref: Any, page: _Mapped, slot: int, generation: int) -> None:
+        self.ref = ref
+        self.page = page
+        self.slot = slot
+        self.generation = generation
+
+
+_watch_lock = threading.Lock()
+#: The storages watched, by address, oldest first.
+_watched: Dict[int, _Watch] = {}
+_pages: Dict[Tuple[int, int], _Mapped] = {}
+_receiving = False
+
+
+def rebuild(cls: Any, df: Any, size: int, page_df: Any, slot: int, generation: int) -> Any:
+    """Unpickles a kept storage: torch's ``rebuild_storage_fd``, then the storage is watched
+    so that its worker learns when it is gone."""
+    from torch.multiprocessing import reductions
+
+    storage = reductions.rebuild_storage_fd(cls, df, size)
+    page_fd = page_df.detach()
+    try:
+        stat = os.fstat(page_fd)
+        key = (stat.st_ino, stat.st_dev)
+        with _watch_lock:
+            _start_receiving()
+            page = _pages.get(key)
+            if page is None:
+                page = _pages[key] = _Mapped(key, page_fd)
+            page.users += 1
+            # First what is gone: a new mapping may take the address of one just unmapped.
+            _release_gone()
+            address = storage.data_ptr()
+            if address in _watched:
+                # This very storage, still held (torch's cache gave it again): it is not
+                # free when one of the two goes.
+                _drop_watch(address)
+                _unuse(page)
+            else:
+                ref = reductions.StorageWeakRef(storage)
+                _watched[address] = _Watch(ref, page, slot, generation)
+                if len(_watched) > WATCHED:
+                    _drop_watch(next(iter(_watched)))
+    finally:
+        os.close(page_fd)
+    return storage
+
+
+def _release_gone() -> None:
+    """Tells the workers of the watched storages that are gone."""
+    for address, watch in list(_watched.items()):
+        if watch.ref.expired():
+            watch.page.words[watch.slot] = watch.generation
+            _drop_watch(address)
+
+
+def _drop_watch(address: int) -> None:
+    _unuse(_watched.pop(address).page)
+
+
+def _unuse(page: _Mapped) -> None:
+    page.users -= 1
+    if page.users == 0:
+        del _pages[page.key]
+        _libc().munmap(page.address, _PAGE)
+
+
+def unwatch(storage: Any) -> None:
+    """The storage is being pickled (sent on): its worker never gets it back."""
+    if not _watched:
+        return
+    with _watch_lock:
+        if storage.data_ptr() in _watched:
+            _drop_watch(storage.data_ptr())
+
+
+def _start_receiving() -> None:
+    """Once per process that receives kept storages: storages it sends on are unwatched."""
+    global _receiving
+    if _receiving:
+        return
+    _receiving = True
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+
+    from . import _channel
+
+    reducers = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    reduce_storage = reducers[torch.UntypedStorage]
+
+    def reduce(storage: Any) -> Any:
+        unwatch(storage)
+        return reduce_storage(storage)
+
+    _channel.register(torch.UntypedStorage, reduce)
+
+
+os.register_at_fork(
+    before=_before_fork,
+    after_in_parent=_after_fork_in_parent,
+    after_in_child=_after_fork_in_child,
+)
