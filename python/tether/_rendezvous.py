@@ -52,6 +52,10 @@ RUNS = "tether.runs"
 RUN = "tether.run."
 
 WATCH_EVERY = 0.1
+NO_HOST = (
+    ": no node hosts the store there (the node whose address is the endpoint's host hosts "
+    "it, or the one given --rdzv-conf is_host=true)"
+)
 
 
 class Say:
@@ -74,7 +78,7 @@ def fail(say: Say, message: str) -> None:
     os._exit(1)
 
 
-def call_with_deadline(say: Say, seconds: float, what: str, fn: Any) -> Any:
+def call_with_deadline(say: Say, seconds: float, endpoint: str, what: str, fn: Any) -> Any:
     """``fn()``, or an error after `seconds`: torch's store client waits for ever on an
     endpoint that accepts connections and never answers."""
     box: Dict[str, Any] = {}
@@ -89,14 +93,26 @@ def call_with_deadline(say: Say, seconds: float, what: str, fn: Any) -> Any:
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
-        fail(
-            say,
-            f"{what} accepted a connection but did not answer as a c10d store within "
-            f"{seconds:g} s (read_timeout + 5): another service may listen there",
-        )
+        if accepts(endpoint):
+            fail(
+                say,
+                f"{what} accepted a connection but did not answer as a c10d store within "
+                f"{seconds:g} s (read_timeout + 5): another service may listen there",
+            )
+        fail(say, f"cannot reach {what} within {seconds:g} s (read_timeout + 5){NO_HOST}")
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def accepts(endpoint: str) -> bool:
+    """Whether something accepts TCP connections at `endpoint` (HOST:PORT)."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or endpoint, int(port)), timeout=2):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 class Node:
@@ -143,7 +159,11 @@ class Node:
         try:
             if params.backend == "c10d":
                 self.handler = call_with_deadline(
-                    self.say, self.read_timeout + 5, what, lambda: self.c10d_handler(params)
+                    self.say,
+                    self.read_timeout + 5,
+                    self.endpoint,
+                    what,
+                    lambda: self.c10d_handler(params),
                 )
             else:
                 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
@@ -496,10 +516,7 @@ def connect_hint(exc: BaseException) -> str:
     if "invalid value returned from server" in text:
         return "; the service listening there is not a c10d store"
     if "timed out" in text or "refused" in text:
-        return (
-            "; no node hosts the store there: the node whose address is the endpoint's host "
-            "hosts it (or the one given --rdzv-conf is_host=true)"
-        )
+        return NO_HOST
     return ""
 
 
