@@ -55,7 +55,7 @@ lint: build
 	@echo "== lint and type checks"
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	$(VENV)/bin/ruff check python tests bench examples
+	$(VENV)/bin/ruff check python tests bench examples tools
 	$(PY) -m mypy
 	$(PY) -m mypy.stubtest tether._native
 
