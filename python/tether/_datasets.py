@@ -41,7 +41,7 @@ import weakref
 from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-from . import _channel, _shm
+from . import _pickling, _shm
 
 __all__ = ["Kept", "Shipment"]
 
@@ -130,7 +130,7 @@ def _received(
         views = [whole[offset : offset + length] for offset, length in layout]
         del whole
     try:
-        bundle: Tuple[Any, ...] = _channel.loads(data, owned, views)
+        bundle: Tuple[Any, ...] = _pickling.loads(data, owned, views)
     finally:
         if mapped is not None:
             data.release()
@@ -174,8 +174,8 @@ class Shipment:
         self, bundle: Tuple[Any, ...], keys: Sequence[Tuple[Optional[int], Optional[str]]]
     ) -> None:
         self.keys = list(keys)
-        collector = _channel._FdCollector(dup=True)
-        self._closer = weakref.finalize(self, _channel._close_all, collector.fds)
+        collector = _pickling.FdCollector(dup=True)
+        self._closer = weakref.finalize(self, _pickling.close_all, collector.fds)
         views: List[memoryview] = []
 
         def out_of_band(buffer: pickle.PickleBuffer) -> bool:
@@ -190,7 +190,7 @@ class Shipment:
 
         what = f"a {type(bundle[0]).__name__}"
         stream = io.BytesIO()
-        _channel.dump(bundle, collector, stream, out_of_band)
+        _pickling.dump(bundle, collector, stream, out_of_band)
         self.fds = collector.fds
         self.size = stream.getbuffer().nbytes
         self.stream: Any = None

@@ -5,8 +5,9 @@ method, used by ``tether.spawn`` and by ``tether.Pool``:
 - ``"spawn"``: fresh interpreters started by the supervisor (``python -m tether._child``);
 - ``"fork"``: copies of the calling process.
 
-The arguments are pickled while an object stands in for multiprocessing's "spawning popen",
-so that multiprocessing primitives and shared tensors name the fds the children inherit."""
+The arguments are pickled by ``_pickling`` standing in for multiprocessing's "spawning
+popen", so that multiprocessing primitives and shared tensors name the fds the children
+inherit."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import _channel, _child, _native
+from . import _child, _native, _pickling
 
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_START_METHOD = "forkserver"
@@ -35,33 +36,7 @@ def check_start_method(method: str, who: str) -> None:
         )
 
 
-class _DupFd:
-    """An fd passed to a child under the same number (multiprocessing's protocol)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def detach(self) -> int:
-        return self.fd
-
-
-class _SpawningPopen:
-    """Stands in for the "spawning popen" while the arguments are pickled (by tether's one
-    pickler, ``_channel.dumps``), so that multiprocessing primitives and shared tensors can
-    name the fds the child must inherit."""
-
-    def __init__(self) -> None:
-        self.fds: List[int] = []
-
-    def duplicate_for_child(self, fd: int) -> int:
-        self.fds.append(fd)
-        return fd
-
-    def DupFd(self, fd: int) -> _DupFd:  # noqa: N802 (multiprocessing's name)
-        return _DupFd(fd)
-
-
-def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
+def _preparation_data(popen: _pickling.FdCollector) -> Dict[str, Any]:
     """What a spawn child needs to look like this process: paths, argv, working directory,
     authkey, and how to rebuild ``__main__`` (by module name or by path; a ``__main__``
     without a file is not rebuilt: what the child needs of it travels by value)."""
@@ -79,7 +54,7 @@ def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
     main_path = getattr(main, "__file__", None)
     if spec_name is not None:
         data["init_main_from_name"] = spec_name
-    elif main_path is not None and not _channel.main_without_file():
+    elif main_path is not None and not _pickling.main_without_file():
         original = _original_dir()
         if not os.path.isabs(main_path) and original is not None:
             main_path = os.path.join(original, main_path)
@@ -145,16 +120,16 @@ def start(
     title = title or rank_title(fn, method)
     if method == "fork":
         return _start_fork(fn, args, ranks, close_in_child, title)
-    popen = _SpawningPopen()
+    popen = _pickling.FdCollector(inherit=True)
     data = _preparation_data(popen)
     data["tether_title"] = title
     if method == "forkserver":
         # A spawn child is given the stacks channel by the supervisor (TETHER_STACKS_FD).
         fd, inode = _native.stacks_fd()
         data["tether_stacks_channel"] = (popen.duplicate_for_child(fd), inode)
-    prep = _channel.dumps(data, popen)
+    prep = _pickling.dumps(data, popen)
     # A function (or arguments) of a __main__ without a file travels by value.
-    work = _channel.dumps((fn, tuple(args)), popen)
+    work = _pickling.dumps((fn, tuple(args)), popen)
     passed = list(dict.fromkeys([*popen.fds, *keep_fds]))
     if method == "spawn":
         return _start_spawn(prep, work, ranks, passed, title[0])

@@ -15,7 +15,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
-from . import _channel, _datasets, _native
+from . import _datasets, _native, _pickling
 from .context import Leased
 from .errors import BrokenPool, NoFreeWorkerError
 
@@ -139,9 +139,9 @@ class Leases:
                     loader, slot, self._pid_in(slot), keep_datasets
                 )
                 args = ()
-            collector = _channel._FdCollector()
+            collector = _pickling.FdCollector()
             # torch's worker loop seeds the random generators itself (see _worker._run_lease).
-            blob = _channel.dumps((forget, target, args, kwargs, loader is not None), collector)
+            blob = _pickling.dumps((forget, target, args, kwargs, loader is not None), collector)
             lease = self.workers.lease(slot, lease_id, blob, collector.fds)
         except BaseException:
             self.workers.unreserve([slot])

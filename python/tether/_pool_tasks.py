@@ -22,7 +22,7 @@ from typing import (
     Tuple,
 )
 
-from . import _channel, _native, _worker
+from . import _native, _pickling, _worker
 from ._pool_futures import (
     Chunk,
     MapRun,
@@ -73,11 +73,11 @@ def crash_error(pid: int, exitcode: int, lost: bool) -> WorkerCrashedError:
     )
 
 
-def _dumps(obj: Any, collector: _channel._FdCollector) -> Tuple[Optional[bytes], Any]:
+def _dumps(obj: Any, collector: _pickling.FdCollector) -> Tuple[Optional[bytes], Any]:
     """``(bytes, None)``, or ``(None, the error)`` when ``obj`` does not pickle (a
     ``KeyboardInterrupt`` is raised, not returned)."""
     try:
-        return _channel.dumps(obj, collector), None
+        return _pickling.dumps(obj, collector), None
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - SystemExit in a __reduce__ included
@@ -122,7 +122,7 @@ class Tasks:
     ) -> TaskFuture:
         self.lifecycle.check_open()
         future = TaskFuture()
-        collector = _channel._FdCollector(dup=True)
+        collector = _pickling.FdCollector(dup=True)
         blob, error = _dumps((_worker.CALL, fn, args, kwargs), collector)
         if blob is None:
             collector.close()
@@ -184,7 +184,7 @@ class Tasks:
         self, fn: Callable[..., Any], calls: List[Any], size: int, run: MapRun
     ) -> List[int]:
         """Queues ``calls`` as chunks of ``size``; returns their task ids."""
-        fn_blob, fn_error = _dumps(fn, _channel._FdCollector())
+        fn_blob, fn_error = _dumps(fn, _pickling.FdCollector())
         if fn_blob is None:
             run.deliver((i, False, fn_error) for i in range(len(calls)))
             return []
@@ -207,7 +207,7 @@ class Tasks:
     ) -> None:
         """Pickles one chunk; when it does not pickle, the items that do not get their
         error and the others travel together."""
-        collector = _channel._FdCollector(dup=True)
+        collector = _pickling.FdCollector(dup=True)
         blob, error = _dumps((_worker.CHUNK, fn, calls), collector)
         if blob is None:
             collector.close()
@@ -216,7 +216,7 @@ class Tasks:
                 return
             good = []
             for index, args in zip(indices, calls):
-                single, error = _dumps(args, _channel._FdCollector())
+                single, error = _dumps(args, _pickling.FdCollector())
                 if single is None:
                     run.deliver([(index, False, error)])
                 else:
@@ -251,7 +251,7 @@ class Tasks:
         ok, data, fds = got
         sink = self.sinks.pop(future._tether_id, None)
         if sink is None:
-            _channel._close_all(fds)
+            _pickling.close_all(fds)
             return
         was = getattr(delivery, "active", False)
         delivery.active = True
@@ -265,14 +265,14 @@ class Tasks:
         for task_id, ok, data, fds in outcomes:
             sink = self.sinks.pop(task_id, None)
             if sink is None:
-                _channel._close_all(fds)
+                _pickling.close_all(fds)
             else:
                 self._deliver(sink, ok, data, fds)
 
     def _deliver(self, sink: Sink, ok: bool, data: bytes, fds: List[int]) -> None:
         """Unpickles a task's outcome and hands it to its future or map."""
         try:
-            value = _channel.loads(data, fds)
+            value = _pickling.loads(data, fds)
         except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling too
             self._fail(sink, exc)
             return

@@ -19,7 +19,7 @@ import sys
 from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Tuple
 
-from . import _channel
+from . import _pickling
 
 __all__ = ["install", "memfd", "memfd_storage"]
 
@@ -86,7 +86,7 @@ def install() -> None:
         return
     _installed = True
     storage._new_using_fd_cpu = classmethod(memfd_storage)
-    _channel.register(storage, _moving_reducer(torch, reductions.reduce_storage))
+    _pickling.register(storage, _moving_reducer(torch, reductions.reduce_storage))
 
 
 def _moving_reducer(
