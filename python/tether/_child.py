@@ -171,6 +171,18 @@ def split_payload(payload: bytes) -> Tuple[int, bytes, bytes]:
     )
 
 
+def python_argv(code: str) -> List[bytes]:
+    """``python [the interpreter's flags] -c code`` for this interpreter, as bytes."""
+    import subprocess  # only a parent starts an interpreter: a child's start-up skips it
+
+    argv = [multiprocessing.spawn.get_executable()]
+    # The interpreter's own flags (-B, -X, ...), as multiprocessing passes them on (private to
+    # subprocess, not in its type stubs).
+    argv += subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+    argv += ["-c", code]
+    return [os.fsencode(a) for a in argv]
+
+
 def make_payload(rank: int, prep: bytes, work: bytes) -> bytes:
     return HEADER.pack(rank, len(prep), len(work)) + prep + work
 

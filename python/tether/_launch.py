@@ -16,7 +16,6 @@ import multiprocessing.process
 import multiprocessing.spawn
 import os
 import signal
-import subprocess
 import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -87,16 +86,6 @@ def _original_dir() -> Optional[str]:
     return getattr(multiprocessing.process, "ORIGINAL_DIR", None)
 
 
-def python_argv(code: str) -> List[bytes]:
-    """``python [the interpreter's flags] -c code`` for this interpreter, as bytes."""
-    argv = [multiprocessing.spawn.get_executable()]
-    # The interpreter's own flags (-B, -X, ...), as multiprocessing passes them on (private to
-    # subprocess, not in its type stubs).
-    argv += subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
-    argv += ["-c", code]
-    return [os.fsencode(a) for a in argv]
-
-
 def start(
     fn: Callable[..., Any],
     args: Sequence[Any],
@@ -162,7 +151,7 @@ def _is_open(fd: int) -> bool:
 def _start_spawn(
     prep: bytes, work: bytes, ranks: Sequence[int], passed: Sequence[int], title: str
 ) -> _native.Group:
-    argv = python_argv("from tether._child import main; main()")
+    argv = _child.python_argv("from tether._child import main; main()")
     group = _native.Group()
     # The title also rides as the last argument, so that ``ps`` names the rank while its
     # interpreter starts (the child renames itself once it runs; it ignores the argument).

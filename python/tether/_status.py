@@ -53,7 +53,7 @@ class Status:
 
     def __str__(self) -> str:
         lines = [f"tether in pid {self.pid}"]
-        from ._zygote import preload_summary
+        from ._zygote_server import preload_summary
 
         for z in self.zygotes:
             lines.append(f"  zygote {z.pid} (preload: {preload_summary(z.preload)})")
