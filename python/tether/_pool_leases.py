@@ -15,7 +15,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
-from . import _datasets, _native, _pickling
+from . import _datasets, _native, _pickling, _shipment
 from .context import Leased
 from .errors import BrokenPool, NoFreeWorkerError
 
@@ -132,7 +132,7 @@ class Leases:
             self.lifecycle.join_replacements()
             slot = self._take_slot(loader)
         try:
-            forget = _datasets.Forgetting(())
+            forget = _shipment.Forgetting(())
             commit: Optional[Callable[[], None]] = None
             if loader is not None:
                 kwargs, forget, commit = self.kept.prepare(
