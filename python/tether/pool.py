@@ -26,18 +26,19 @@ from .errors import BrokenPool, NoFreeWorkerError, RemoteError, WorkerCrashedErr
 __all__ = ["BrokenPool", "NoFreeWorkerError", "Pool", "RemoteError", "WorkerCrashedError"]
 
 
+@_launch.with_start_methods
 class Pool(concurrent.futures.Executor):
     """Long-lived worker processes for DataLoaders and for ``concurrent.futures`` work.
 
     ``processes`` workers (default: the CPU count) are started at once with
-    ``start_method`` ("forkserver", the default: forks of tether's zygote, which preloads
-    ``preload`` when given; "spawn"; or "fork"); each imports the modules in ``preload``
-    and runs ``initializer(*initargs)`` first. With ``max_tasks_per_child``, a worker exits
-    after that many executor tasks and a new one takes its place. ``pool.context()`` is a
-    multiprocessing context for ``DataLoader(multiprocessing_context=...)`` whose processes
-    are leased pool workers; ``submit`` / ``map`` run tasks on the free workers.
-    ``shutdown()`` (or leaving a ``with`` block) stops everything once the work given is
-    done; so does the garbage collection of the pool, and the interpreter's exit."""
+    ``start_method``: {start_methods} (the zygote preloads ``preload`` when given); each
+    imports the modules in ``preload`` and runs ``initializer(*initargs)`` first. With
+    ``max_tasks_per_child``, a worker exits after that many executor tasks and a new one
+    takes its place. ``pool.context()`` is a multiprocessing context for
+    ``DataLoader(multiprocessing_context=...)`` whose processes are leased pool workers;
+    ``submit`` / ``map`` run tasks on the free workers. ``shutdown()`` (or leaving a
+    ``with`` block) stops everything once the work given is done; so does the garbage
+    collection of the pool, and the interpreter's exit."""
 
     def __init__(
         self,
@@ -63,12 +64,12 @@ class Pool(concurrent.futures.Executor):
             or max_tasks_per_child < 1
         ):
             raise ValueError("max_tasks_per_child must be >= 1")
-        if max_tasks_per_child is not None and method == "fork":
+        if max_tasks_per_child is not None and not _launch.STARTERS[method].fresh:
             # Each replacement would fork this process, which has threads by then (the hub's).
             raise ValueError(
-                "max_tasks_per_child is incompatible with the 'fork' start method: every "
-                "replacement would fork this process, which has threads; use 'forkserver' "
-                "(the default) or 'spawn'"
+                f"max_tasks_per_child is incompatible with the {method!r} start method: every "
+                "replacement would fork this process, which has threads; use "
+                + _launch.named(_launch.FRESH_START_METHODS, quote="'")
             )
         self._core = _pool_core.Core(
             processes, method, list(preload or ()), initializer, initargs, max_tasks_per_child

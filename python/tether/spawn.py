@@ -285,6 +285,7 @@ def _finish_at_exit() -> None:
         ctx._at_exit(interrupted)
 
 
+@_launch.with_start_methods
 def start_processes(
     fn: Callable[..., Any],
     args: Sequence[Any] = (),
@@ -297,14 +298,13 @@ def start_processes(
     timeout: Optional[float] = None,
 ) -> Optional[ProcessContext]:
     """Starts ``nprocs`` processes running ``fn(i, *args)`` with ``start_method``:
-    "forkserver" (the default: a fork of tether's warm zygote, as clean as "spawn" but
-    without the interpreter start and the heavy imports; ``preload`` names the modules the
-    zygote imports, see ``tether.set_preload``), "spawn" (a fresh interpreter) or "fork" (a
-    copy of this process). With ``join`` (the default) waits for all of them and raises on
-    the first failure; otherwise returns the ``ProcessContext``. A ``timeout`` (seconds,
-    counted from the start of the processes) bounds the whole job: once it has passed,
-    ``join`` takes every rank's stack, stops them all and raises ``ProcessTimeoutError``
-    (a ``TimeoutError``) whose ``stacks`` shows where each rank was."""
+    {start_methods}. A fork of the zygote is as clean as a fresh interpreter, without the
+    interpreter start and the heavy imports; ``preload`` names the modules the zygote
+    imports (see ``tether.set_preload``). With ``join`` (the default) waits for all of them
+    and raises on the first failure; otherwise returns the ``ProcessContext``. A ``timeout``
+    (seconds, counted from the start of the processes) bounds the whole job: once it has
+    passed, ``join`` takes every rank's stack, stops them all and raises
+    ``ProcessTimeoutError`` (a ``TimeoutError``) whose ``stacks`` shows where each rank was."""
     _launch.check_start_method(start_method, "tether")
     if timeout is not None:
         timeout = _stacks.check_timeout(timeout)
@@ -333,6 +333,7 @@ def start_processes(
 SpawnContext = ProcessContext
 
 
+@_launch.with_start_methods
 def spawn(
     fn: Callable[..., Any],
     args: Sequence[Any] = (),
@@ -344,14 +345,14 @@ def spawn(
     preload: Optional[Sequence[str]] = None,
     timeout: Optional[float] = None,
 ) -> Optional[ProcessContext]:
-    """Like ``start_processes``, for a fresh-process start method: "forkserver" (the
-    default) or "spawn". As in torch, another ``start_method`` ("fork") gives a
+    """Like ``start_processes``, for a fresh-process start method: {fresh_start_methods}.
+    As in torch, another ``start_method`` (one that copies this process) gives a
     FutureWarning and the default is used instead."""
-    if start_method == "fork":
+    if start_method in _launch.STARTERS and not _launch.STARTERS[start_method].fresh:
         warnings.warn(
-            "spawn() starts fresh processes and does not use start_method='fork'; "
+            f"spawn() starts fresh processes and does not use start_method={start_method!r}; "
             f"using {DEFAULT_START_METHOD!r}. Use tether.start_processes(..., "
-            "start_method='fork') to fork this process.",
+            f"start_method={start_method!r}) to fork this process.",
             FutureWarning,
             stacklevel=2,
         )
