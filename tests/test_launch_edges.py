@@ -173,7 +173,7 @@ def test_a_100_mb_exception_message_arrives_whole(start_method):
     assert len(info.value.__cause__.args[0]) == BIG
 
 
-class Reporting(ValueError):
+class ReportingError(ValueError):
     """Says, while its report is being made, that rank 0 has begun reporting."""
 
     def __init__(self, message, started):
@@ -188,7 +188,7 @@ class Reporting(ValueError):
 
 def raise_big_or_exit(i, started):
     if i == 0:
-        raise Reporting("x" * BIG, started)
+        raise ReportingError("x" * BIG, started)
     started.wait(60)
     sys.exit(3)
 
@@ -214,18 +214,19 @@ def test_a_report_beyond_the_limit_is_cut_with_a_note():
     assert cause is None
 
 
-class UnpicklableExit(Exception):
+class UnpicklableExitError(Exception):
     def __reduce__(self):
         raise SystemExit("no pickling for you")
 
 
-class UnpicklableInterrupt(Exception):
+class UnpicklableInterruptError(Exception):
     def __reduce__(self):
         raise KeyboardInterrupt
 
 
 def raise_unpicklable(i, kind):
-    raise {"exit": UnpicklableExit, "interrupt": UnpicklableInterrupt}[kind]("the real error")
+    kinds = {"exit": UnpicklableExitError, "interrupt": UnpicklableInterruptError}
+    raise kinds[kind]("the real error")
 
 
 @pytest.mark.parametrize("kind", ["exit", "interrupt"])

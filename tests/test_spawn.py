@@ -90,23 +90,23 @@ def raise_keyboard_interrupt(i):
     raise KeyboardInterrupt
 
 
-class Unpicklable(Exception):
+class UnpicklableError(Exception):
     def __init__(self, msg):
         super().__init__(msg)
         self.lock = threading.Lock()
 
 
-class NeedsTwoArgs(Exception):
+class NeedsTwoArgsError(Exception):
     def __init__(self, a, b):
         super().__init__(f"{a} and {b}")
 
 
 def raise_unpicklable(i):
-    raise Unpicklable("cannot pickle me")
+    raise UnpicklableError("cannot pickle me")
 
 
 def raise_needs_args(i):
-    raise NeedsTwoArgs("first", "second")
+    raise NeedsTwoArgsError("first", "second")
 
 
 def raise_huge(i):
@@ -293,7 +293,7 @@ def test_unpicklable_exception_still_gives_the_traceback(start_method):
     with pytest.raises(tether.ProcessRaisedException) as info:
         start(raise_unpicklable, nprocs=1, start_method=start_method)
     assert re.search(r"\nUnpicklable: cannot pickle me$", str(info.value)) or re.search(
-        r"Unpicklable: cannot pickle me\n$", str(info.value)
+        r"UnpicklableError: cannot pickle me\n$", str(info.value)
     )
     assert "raise_unpicklable" in str(info.value)
     assert info.value.__cause__ is None
@@ -302,7 +302,7 @@ def test_unpicklable_exception_still_gives_the_traceback(start_method):
 def test_exception_whose_constructor_needs_arguments(start_method):
     with pytest.raises(tether.ProcessRaisedException) as info:
         start(raise_needs_args, nprocs=1, start_method=start_method)
-    assert "NeedsTwoArgs: first and second" in str(info.value)
+    assert "NeedsTwoArgsError: first and second" in str(info.value)
     assert "raise_needs_args" in str(info.value)
 
 

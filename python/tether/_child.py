@@ -45,8 +45,8 @@ def _flush_stdio() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:
-            pass
+        except Exception:  # noqa: BLE001 - a stream the user put there may raise anything
+            pass  # the exit goes on
 
 
 def run_rank(call: Callable[[], Any], report_fd: int) -> int:
@@ -55,7 +55,7 @@ def run_rank(call: Callable[[], Any], report_fd: int) -> int:
         call()
     except SystemExit as exc:
         return exit_code(exc)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - any exception is the rank's failure
         # From here the process only reports and exits: a SIGTERM that tether sends to stop
         # the other ranks (another one failed first) must not cut the report short. It
         # stays pending and is dropped at the exit.

@@ -145,7 +145,7 @@ def settle(future: concurrent.futures.Future, ok: bool, value: Any) -> None:
             future.set_exception(value)
     except concurrent.futures.InvalidStateError:
         pass  # cancelled meanwhile
-    except BaseException:  # noqa: BLE001 - a callback not wrapped by us
+    except BaseException:
         _LOGGER.exception("exception calling callback for %r", future)
 
 

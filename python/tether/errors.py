@@ -8,7 +8,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Dict, Optional, Tuple
 
 
-class ProcessException(Exception):
+class ProcessException(Exception):  # noqa: N818 - torch.multiprocessing's name
     """A child process failed. ``error_index`` is its rank; ``error_pid`` (and ``pid``, the
     same) its process id. The constructor takes torch's arguments."""
 
