@@ -1,4 +1,5 @@
-# The two commands: `make demo` shows tether at work, `make test` runs every test.
+# The two commands: `make demo` shows tether at work, `make test` runs every test
+# (`make test-fast`: all but the slowest, for the edit-test loop).
 # Both set everything up on a fresh machine: a virtual environment in .venv with the test
 # dependencies (torch, numpy, pytest, ...), and tether built and installed into it.
 
@@ -9,7 +10,7 @@ DEPS      := $(VENV)/.deps-installed
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
-.PHONY: all build wheel test test-rust test-python lint demo bench clean
+.PHONY: all build wheel test test-fast test-rust test-python lint demo bench clean
 
 all: build
 
@@ -40,6 +41,12 @@ wheel: $(DEPS)
 	$(VENV)/bin/maturin build --release --out dist
 
 test: build lint test-rust test-python
+
+# The edit-test loop: every test but those marked slow (the wheel's, and the longest stress
+# tests; see the "slow" marker in pyproject.toml).
+test-fast: build test-rust
+	@echo "== Python tests, but the slow ones"
+	$(PY) -m pytest -m "not slow"
 
 test-rust:
 	@echo "== Rust tests"

@@ -50,6 +50,7 @@ def run_script(*args, timeout=120):
 # No limit below the system's ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a thousand processes: the longest start of the suite
 @pytest.mark.parametrize("method", ["forkserver", "fork"])
 def test_1000_ranks_in_one_call(method):
     flags = multiprocessing.get_context("spawn").Array("i", 1000, lock=False)

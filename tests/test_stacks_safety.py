@@ -147,6 +147,7 @@ def test_a_stray_stacks_fd_variable_installs_nothing_and_changes_no_fd() -> None
 # a thousand requests to each kind of rank ---------------------------------------------------
 
 
+@pytest.mark.slow  # a thousand stacks requests to every kind of rank
 @pytest.mark.timeout(600)
 def test_a_thousand_requests_change_nothing_in_any_kind_of_rank(
     start_method: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
