@@ -1,4 +1,5 @@
-# The two commands: `make demo` shows tether at work, `make test` runs every test.
+# The two commands: `make demo` shows tether at work, `make test` runs every test
+# (`make test-fast`: all but the slowest, for the edit-test loop).
 # Both set everything up on a fresh machine: a virtual environment in .venv with the test
 # dependencies (torch, numpy, pytest, ...), and tether built and installed into it.
 
@@ -9,7 +10,7 @@ DEPS      := $(VENV)/.deps-installed
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
-.PHONY: all build wheel test test-rust test-python lint demo bench clean
+.PHONY: all build wheel test test-fast test-rust test-python lint demo bench clean
 
 all: build
 
@@ -41,6 +42,12 @@ wheel: $(DEPS)
 
 test: build lint test-rust test-python
 
+# The edit-test loop: every test but those marked slow (the wheel's, and the longest stress
+# tests; see the "slow" marker in pyproject.toml).
+test-fast: build test-rust
+	@echo "== Python tests, but the slow ones"
+	$(PY) -m pytest -m "not slow"
+
 test-rust:
 	@echo "== Rust tests"
 	cargo test --workspace --exclude tether-py
@@ -55,7 +62,7 @@ lint: build
 	@echo "== lint and type checks"
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	$(VENV)/bin/ruff check python tests bench examples
+	$(VENV)/bin/ruff check python tests bench examples tools
 	$(PY) -m mypy
 	$(PY) -m mypy.stubtest tether._native
 

@@ -26,10 +26,10 @@ import torch.multiprocessing as tmp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _table import fmt_seconds, median, print_table, ratio  # noqa: E402
+from _table import fmt_seconds, median, print_table, ratio
 
-import tether  # noqa: E402
-from tether import _native, _zygote  # noqa: E402
+import tether
+from tether import _native, _zygote
 
 
 def trivial(i: int) -> None:

@@ -28,9 +28,9 @@ from typing import List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _table import fmt_seconds, median, print_table  # noqa: E402
+from _table import fmt_seconds, median, print_table
 
-import tether  # noqa: E402
+import tether
 
 
 def sleeper(i: int) -> None:

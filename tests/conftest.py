@@ -44,6 +44,9 @@ os.environ["TETHER_TESTS_TMP"] = os.environ["TMPDIR"] = tempfile.tempdir = _PRIV
 # process's pid in them, so that one left behind is recognised as ours.
 multiprocessing.process.current_process()._config["semprefix"] = f"/mp-tether{os.getpid()}"
 
+# Imported once the variables above are set (a tether child started by a test inherits them).
+from tether._launch import START_METHODS  # noqa: E402
+
 
 def _stat(pid: int) -> List[str]:
     """The fields of /proc/PID/stat after the command name (state is [0], ppid [1])."""
@@ -231,6 +234,12 @@ def _snapshot() -> Dict[str, Set[str]]:
         "tmp": set(os.listdir(tempfile.gettempdir())),
         "shm": shm_entries(pids),
     }
+
+
+@pytest.fixture(params=START_METHODS)
+def start_method(request: pytest.FixtureRequest) -> str:
+    """Each of tether's start methods in turn (their one list is ``_launch.STARTERS``)."""
+    return request.param
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -254,7 +254,7 @@ def raise_runtime_error() -> None:
     raise RuntimeError(123)  # the line the remote traceback shows
 
 
-class NeedsTwoArguments(Exception):
+class NeedsTwoArgumentsError(Exception):
     """Pickles, but cannot be rebuilt (its __init__ wants two arguments, its args hold one)."""
 
     def __init__(self, a: Any, b: Any) -> None:
@@ -262,7 +262,7 @@ class NeedsTwoArguments(Exception):
         self.b = b
 
 
-class HoldsALock(Exception):
+class HoldsALockError(Exception):
     """Cannot even be pickled."""
 
     def __init__(self, message: str) -> None:
@@ -273,11 +273,11 @@ class HoldsALock(Exception):
 
 
 def raise_needs_two() -> None:
-    raise NeedsTwoArguments("first", "second")
+    raise NeedsTwoArgumentsError("first", "second")
 
 
 def raise_holds_a_lock() -> None:
-    raise HoldsALock("locked out")
+    raise HoldsALockError("locked out")
 
 
 def unpicklable_result() -> Any:

@@ -5,6 +5,7 @@ replaced."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -144,18 +145,10 @@ def test_persistent_workers_keep_their_workers_between_epochs(pool):
 
 def test_pin_memory(pool):
     dataset = pdata.Tensors(16)
-    with pytest.warns() if not torch.accelerator.is_available() else _nothing():
+    with pytest.warns() if not torch.accelerator.is_available() else contextlib.nullcontext():
         same_batches(
             loader(pool, dataset, batch_size=4, pin_memory=True), DataLoader(dataset, batch_size=4)
         )
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_more_than_250_tensors_in_one_batch(pool):

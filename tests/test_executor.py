@@ -81,8 +81,8 @@ def test_submit_result_and_exception_with_the_workers_traceback(pool):
 
 def test_an_exception_that_cannot_cross_is_named_with_its_message_and_traceback(pool):
     for fn, type_name, message in [
-        (helpers.raise_needs_two, "NeedsTwoArguments", "first"),
-        (helpers.raise_holds_a_lock, "HoldsALock", "locked out"),
+        (helpers.raise_needs_two, "NeedsTwoArgumentsError", "first"),
+        (helpers.raise_holds_a_lock, "HoldsALockError", "locked out"),
     ]:
         with pytest.raises(tether.RemoteError) as info:
             pool.submit(fn).result(timeout=30)

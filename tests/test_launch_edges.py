@@ -25,7 +25,6 @@ from tether import _native, _report, _zygote
 pytestmark = pytest.mark.timeout(180)
 
 SCRIPTS = Path(__file__).parent / "scripts"
-METHODS = ["forkserver", "spawn", "fork"]
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +50,7 @@ def run_script(*args, timeout=120):
 # No limit below the system's ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a thousand processes: the longest start of the suite
 @pytest.mark.parametrize("method", ["forkserver", "fork"])
 def test_1000_ranks_in_one_call(method):
     flags = multiprocessing.get_context("spawn").Array("i", 1000, lock=False)
@@ -71,9 +71,8 @@ def _check_limit_result(result, errno):
     assert result["second_start"]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_running_out_of_fds_leaves_nothing_behind(method):
-    result = run_script(SCRIPTS / "limits.py", method, "nofile")
+def test_running_out_of_fds_leaves_nothing_behind(start_method):
+    result = run_script(SCRIPTS / "limits.py", start_method, "nofile")
     _check_limit_result(result, 24)  # EMFILE
     assert "RLIMIT_NOFILE" in result["error"][2]
 
@@ -94,16 +93,15 @@ def _pids_cgroup():
     return None
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_running_out_of_processes_leaves_nothing_behind(method):
+def test_running_out_of_processes_leaves_nothing_behind(start_method):
     if os.geteuid() != 0:
-        result = run_script(SCRIPTS / "limits.py", method, "nproc")
+        result = run_script(SCRIPTS / "limits.py", start_method, "nproc")
     else:
         # RLIMIT_NPROC does not bind root: a pids cgroup makes fork fail the same way.
         cgroup = _pids_cgroup()
         assert cgroup is not None, "running as root without a pids cgroup to limit processes"
         try:
-            result = run_script(SCRIPTS / "limits.py", method, "pids", cgroup)
+            result = run_script(SCRIPTS / "limits.py", start_method, "pids", cgroup)
         finally:
             deadline = time.monotonic() + 5
             while True:
@@ -121,9 +119,8 @@ def test_running_out_of_processes_leaves_nothing_behind(method):
 # The caller's process attributes ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_children_take_the_callers_umask_rlimits_affinity_and_more(method):
-    result = run_script(SCRIPTS / "attributes.py", method)
+def test_children_take_the_callers_umask_rlimits_affinity_and_more(start_method):
+    result = run_script(SCRIPTS / "attributes.py", start_method)
     parent = result["parent"]
     assert parent["umask"] == "0077" and parent["core"] == [0, 0] and parent["nice"] >= 3
     for child in result["children"]:
@@ -138,9 +135,8 @@ def nap(i, seconds):
     time.sleep(seconds)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_join_timeouts_as_torch_treats_them(method):
-    ctx = tether.start_processes(nap, args=(0.6,), nprocs=2, join=False, **options(method))
+def test_join_timeouts_as_torch_treats_them(start_method):
+    ctx = tether.start_processes(nap, args=(0.6,), nprocs=2, join=False, **options(start_method))
     for bad, error in [(float("nan"), ValueError), ("1", TypeError), (None, None)]:
         if error is not None:
             with pytest.raises(error):
@@ -156,7 +152,7 @@ def test_join_timeouts_as_torch_treats_them(method):
     assert all(p.is_alive() for p in ctx.processes), "a negative timeout stopped the children"
     assert ctx.join(1e300) is True
     assert ctx.join(float("inf")) is True
-    ctx = tether.start_processes(nap, args=(0.2,), nprocs=1, join=False, **options(method))
+    ctx = tether.start_processes(nap, args=(0.2,), nprocs=1, join=False, **options(start_method))
     assert ctx.join(float("inf")) is True
     assert [p.exitcode for p in ctx.processes] == [0]
 
@@ -170,16 +166,15 @@ def raise_big(i):
     raise ValueError("x" * BIG)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_a_100_mb_exception_message_arrives_whole(method):
+def test_a_100_mb_exception_message_arrives_whole(start_method):
     with pytest.raises(tether.ProcessRaisedException) as info:
-        tether.start_processes(raise_big, nprocs=1, **options(method))
+        tether.start_processes(raise_big, nprocs=1, **options(start_method))
     assert str(info.value).endswith("ValueError: " + "x" * BIG + "\n")
     assert isinstance(info.value.__context__, ValueError)
     assert len(info.value.__context__.args[0]) == BIG
 
 
-class Reporting(ValueError):
+class ReportingError(ValueError):
     """Says, while its report is being made, that rank 0 has begun reporting."""
 
     def __init__(self, message, started):
@@ -194,16 +189,15 @@ class Reporting(ValueError):
 
 def raise_big_or_exit(i, started):
     if i == 0:
-        raise Reporting("x" * BIG, started)
+        raise ReportingError("x" * BIG, started)
     started.wait(60)
     sys.exit(3)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_a_child_writing_its_report_is_never_signalled(method):
+def test_a_child_writing_its_report_is_never_signalled(start_method):
     started = multiprocessing.get_context("spawn").Event()
     ctx = tether.start_processes(
-        raise_big_or_exit, args=(started,), nprocs=2, join=False, **options(method)
+        raise_big_or_exit, args=(started,), nprocs=2, join=False, **options(start_method)
     )
     with pytest.raises(tether.ProcessException):
         while not ctx.join():
@@ -221,25 +215,25 @@ def test_a_report_beyond_the_limit_is_cut_with_a_note():
     assert cause is None
 
 
-class UnpicklableExit(Exception):
+class UnpicklableExitError(Exception):
     def __reduce__(self):
         raise SystemExit("no pickling for you")
 
 
-class UnpicklableInterrupt(Exception):
+class UnpicklableInterruptError(Exception):
     def __reduce__(self):
         raise KeyboardInterrupt
 
 
 def raise_unpicklable(i, kind):
-    raise {"exit": UnpicklableExit, "interrupt": UnpicklableInterrupt}[kind]("the real error")
+    kinds = {"exit": UnpicklableExitError, "interrupt": UnpicklableInterruptError}
+    raise kinds[kind]("the real error")
 
 
 @pytest.mark.parametrize("kind", ["exit", "interrupt"])
-@pytest.mark.parametrize("method", METHODS)
-def test_an_exception_whose_reduce_raises_still_reports_its_traceback(method, kind):
+def test_an_exception_whose_reduce_raises_still_reports_its_traceback(start_method, kind):
     with pytest.raises(tether.ProcessRaisedException) as info:
-        tether.start_processes(raise_unpicklable, args=(kind,), nprocs=1, **options(method))
+        tether.start_processes(raise_unpicklable, args=(kind,), nprocs=1, **options(start_method))
     assert "raise_unpicklable" in str(info.value)
     assert str(info.value).rstrip().endswith(": the real error")
     assert info.value.__cause__ is None and info.value.__context__ is None
@@ -249,9 +243,8 @@ def test_an_exception_whose_reduce_raises_still_reports_its_traceback(method, ki
 
 
 @pytest.mark.parametrize("how", ["sigchld_ignored", "waitpid"])
-@pytest.mark.parametrize("method", METHODS)
-def test_a_status_reaped_elsewhere_is_never_a_made_up_failure(method, how):
-    result = run_script(SCRIPTS / "reaped_elsewhere.py", method, how)
+def test_a_status_reaped_elsewhere_is_never_a_made_up_failure(start_method, how):
+    result = run_script(SCRIPTS / "reaped_elsewhere.py", start_method, how)
     # Rank 1's real error is the one raised, whatever happened to rank 0's status.
     assert result["raised"] == ["ProcessRaisedException", 1], result
     assert "ValueError: rank 1 failed" in result["message"]
@@ -342,10 +335,9 @@ def test_native_errors_keep_their_errno():
 # A working directory that was deleted ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_a_deleted_working_directory_is_an_error_that_says_so(method):
-    result = run_script(SCRIPTS / "deleted_cwd.py", method)
-    if method == "fork":
+def test_a_deleted_working_directory_is_an_error_that_says_so(start_method):
+    result = run_script(SCRIPTS / "deleted_cwd.py", start_method)
+    if start_method == "fork":
         # A fork child shares the deleted directory, as os.fork's does.
         assert result == {"start": None, "pool": None}, result
         return

@@ -14,6 +14,8 @@ from typing import List
 
 import pytest
 
+from tether._launch import START_METHODS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 #: A program's cells are separated by this line (for the kernel; -c and stdin run it whole).
@@ -74,7 +76,7 @@ def work(i, tally):
 def refuse(i):
     raise Refused(f"rank {{i}} refuses")
 {CELL}
-for method in ("forkserver", "spawn", "fork"):
+for method in {START_METHODS!r}:
     tether.start_processes(work, args=(Tally(method, 10),), nprocs=2, start_method=method)
     try:
         tether.start_processes(refuse, nprocs=1, start_method=method)
@@ -89,7 +91,7 @@ tether.spawn(lambda i: say(f"lambda rank {{i}}"), nprocs=1)
 @pytest.mark.parametrize("way", WAYS)
 def test_spawn_runs_functions_and_classes_of_a_main_without_a_file_in_every_start_method(way):
     lines = _lines(_run(SPAWN, way))
-    for method in ("forkserver", "spawn", "fork"):
+    for method in START_METHODS:
         assert sorted(line for line in lines if line.startswith(f"{method} rank")) == [
             f"{method} rank 0: Tally 10",
             f"{method} rank 1: Tally 11",
@@ -117,7 +119,7 @@ class Squares(Dataset):
 def collate(batch):
     return [int(x) for x in torch.cat(batch)]
 {CELL}
-for method in ("forkserver", "spawn", "fork"):
+for method in {START_METHODS!r}:
     with tether.Pool(1, start_method=method) as pool:
         loader = DataLoader(
             Squares(6), batch_size=3, num_workers=1, collate_fn=collate,
@@ -130,7 +132,7 @@ for method in ("forkserver", "spawn", "fork"):
 @pytest.mark.parametrize("way", WAYS)
 def test_a_pool_dataloader_takes_a_dataset_and_collate_fn_of_a_main_without_a_file(way):
     lines = _lines(_run(LOADERS, way))
-    for method in ("forkserver", "spawn", "fork"):
+    for method in START_METHODS:
         assert f"{method} [[0, 1, 4], [9, 16, 25]]" in lines
 
 
@@ -162,7 +164,7 @@ def setup(value):
 def configured_value():
     return int(os.environ["CONFIGURED"])
 {CELL}
-for method in ("forkserver", "spawn", "fork"):
+for method in {START_METHODS!r}:
     with tether.Pool(1, start_method=method, initializer=setup, initargs=(41,)) as pool:
         point = pool.submit(make, 3).result(timeout=60)
         assert type(point) is Point and point.x == 3, point
@@ -181,7 +183,7 @@ for method in ("forkserver", "spawn", "fork"):
 @pytest.mark.parametrize("way", WAYS)
 def test_executor_tasks_of_a_main_without_a_file_run_in_every_start_method(way):
     lines = _lines(_run(EXECUTOR, way))
-    assert lines[-3:] == ["forkserver ok", "spawn ok", "fork ok"]
+    assert lines[-len(START_METHODS) :] == [f"{method} ok" for method in START_METHODS]
 
 
 BY_REFERENCE = """

@@ -332,6 +332,8 @@ def test_pool_context_and_channel_import_in_one_direction():
                 found |= {node.module} if node.module else {a.name for a in node.names}
         return found
 
-    assert {"pool", "context"}.isdisjoint(imports("_channel"))
-    assert "pool" not in imports("context") and "_channel" in imports("context")
-    assert {"context", "_channel"} <= imports("pool")
+    pool_modules = {"pool", "_pool_core", "_pool_tasks", "_pool_futures", "_pool_leases"}
+    for lower in ("_channel", "_pickling"):
+        assert (pool_modules | {"context"}).isdisjoint(imports(lower))
+    assert pool_modules.isdisjoint(imports("context")) and "_channel" in imports("context")
+    assert {"context", "_pickling"} <= set().union(*map(imports, pool_modules))

@@ -155,6 +155,7 @@ def test_nothing_of_a_loader_without_keeping_stays_in_the_worker(pool):
     assert set(states.values()) == {0}
 
 
+@pytest.mark.slow  # ten loaders over a large dataset, memory measured after each
 @pytest.mark.parametrize("same", [True, False], ids=["same-dataset", "new-dataset-each-time"])
 def test_workers_memory_stays_flat_over_ten_loaders(pool, same):
     dataset = helpers.Samples(300_000)
@@ -201,6 +202,7 @@ def _in_small_dev_shm(mode, tmp):
     )
 
 
+@pytest.mark.slow  # batches larger than a small /dev/shm, with torch and with the pool
 def test_big_batches_need_no_dev_shm_where_torch_fork_fails():
     # A short temporary directory of its own (multiprocessing's sockets live there), which
     # goes with whatever torch's failed workers leave in it.

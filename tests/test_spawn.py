@@ -24,16 +24,9 @@ from conftest import stray_children, wait_gone
 
 pytestmark = pytest.mark.timeout(60)
 
-METHODS = ["forkserver", "spawn", "fork"]
 
-
-@pytest.fixture(params=METHODS)
-def method(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-def start(fn, args=(), nprocs=2, method="spawn", **kwargs):
-    return tether.start_processes(fn, args=args, nprocs=nprocs, start_method=method, **kwargs)
+def start(fn, args=(), nprocs=2, start_method="spawn", **kwargs):
+    return tether.start_processes(fn, args=args, nprocs=nprocs, start_method=start_method, **kwargs)
 
 
 # Functions run in the children ------------------------------------------------------------
@@ -98,23 +91,23 @@ def raise_keyboard_interrupt(i):
     raise KeyboardInterrupt
 
 
-class Unpicklable(Exception):
+class UnpicklableError(Exception):
     def __init__(self, msg):
         super().__init__(msg)
         self.lock = threading.Lock()
 
 
-class NeedsTwoArgs(Exception):
+class NeedsTwoArgsError(Exception):
     def __init__(self, a, b):
         super().__init__(f"{a} and {b}")
 
 
 def raise_unpicklable(i):
-    raise Unpicklable("cannot pickle me")
+    raise UnpicklableError("cannot pickle me")
 
 
 def raise_needs_args(i):
-    raise NeedsTwoArgs("first", "second")
+    raise NeedsTwoArgsError("first", "second")
 
 
 def raise_huge(i):
@@ -130,19 +123,19 @@ def use_primitives(i, simple, queue, event, lock, value):
         event.set()
 
 
-def nested_spawn(i, method, queue):
-    tether.start_processes(put_index, args=(queue,), nprocs=2, start_method=method)
+def nested_spawn(i, start_method, queue):
+    tether.start_processes(put_index, args=(queue,), nprocs=2, start_method=start_method)
 
 
-def nested_then_die(i, pids_queue, ready, method):
+def nested_then_die(i, pids_queue, ready, start_method):
     ctx = tether.start_processes(
-        put_index, args=(ready,), nprocs=2, join=False, start_method=method
+        put_index, args=(ready,), nprocs=2, join=False, start_method=start_method
     )
     for _ in range(2):
         ready.get()
     pids_queue.put(ctx.pids())
     # Children started with put_index are done; start two that would live for ever.
-    ctx2 = tether.start_processes(sleep_forever, nprocs=2, join=False, start_method=method)
+    ctx2 = tether.start_processes(sleep_forever, nprocs=2, join=False, start_method=start_method)
     pids_queue.put(ctx2.pids())
     time.sleep(0.3)
     os.kill(os.getpid(), signal.SIGTERM)
@@ -151,12 +144,12 @@ def nested_then_die(i, pids_queue, ready, method):
 # torch's own spawn tests ---------------------------------------------------------------
 
 
-def test_success(method):
-    assert start(success, method=method) is None
+def test_success(start_method):
+    assert start(success, start_method=start_method) is None
 
 
-def test_success_non_blocking(method):
-    ctx = start(success, join=False, method=method)
+def test_success_non_blocking(start_method):
+    ctx = start(success, join=False, start_method=start_method)
     ctx.join(timeout=None)
     ctx.join(timeout=None)
     assert ctx.join(timeout=None) is True
@@ -166,8 +159,8 @@ def exit_after(i, delays):
     time.sleep(delays[i])
 
 
-def test_sentinels_and_process_attributes_as_torch_and_multiprocessing_have_them(method):
-    ctx = start(exit_after, args=((0.0, 30.0),), join=False, method=method)
+def test_sentinels_and_process_attributes_as_torch_and_multiprocessing_have_them(start_method):
+    ctx = start(exit_after, args=((0.0, 30.0),), join=False, start_method=start_method)
     first, second = ctx.processes
     assert second.ident == second.pid
     first.join(30)
@@ -181,56 +174,56 @@ def test_sentinels_and_process_attributes_as_torch_and_multiprocessing_have_them
     first.close()
 
 
-def test_first_argument_index(method):
+def test_first_argument_index(start_method):
     queue = multiprocessing.get_context("spawn").SimpleQueue()
-    start(put_index, args=(queue,), method=method)
+    start(put_index, args=(queue,), start_method=start_method)
     assert sorted([queue.get(), queue.get()]) == [0, 1]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_exception_single(method, rank):
+def test_exception_single(start_method, rank):
     with pytest.raises(
         Exception, match=r"\nValueError: legitimate exception from process %d$" % rank
     ):
-        start(raise_in, args=(rank,), method=method)
+        start(raise_in, args=(rank,), start_method=start_method)
 
 
-def test_exception_all(method):
+def test_exception_all(start_method):
     with pytest.raises(Exception, match=r"\nValueError: legitimate exception from process (0|1)$"):
-        start(raise_all, method=method)
+        start(raise_all, start_method=start_method)
 
 
-def test_terminate_signal(method, capfd):
+def test_terminate_signal(start_method, capfd):
     with pytest.raises(Exception, match="process 0 terminated with signal (SIGABRT|SIGIOT)"):
-        start(abort_rank0, method=method)
+        start(abort_rank0, start_method=start_method)
     dump = capfd.readouterr().err
     assert "Fatal Python error: Aborted" in dump and "in abort_rank0" in dump
 
 
-def test_terminate_exit(method):
+def test_terminate_exit(start_method):
     with pytest.raises(Exception, match="process 0 terminated with exit code 123") as info:
-        start(exit_rank0, args=(123,), method=method)
+        start(exit_rank0, args=(123,), start_method=start_method)
     assert info.value.exit_code == 123
     assert stray_children() == set()
 
 
-def test_success_first_then_exception(method):
+def test_success_first_then_exception(start_method):
     with pytest.raises(Exception, match="ValueError: legitimate exception"):
-        start(success_first_then_exception, args=(123,), method=method)
+        start(success_first_then_exception, args=(123,), start_method=start_method)
 
 
-def test_exception_raises(method):
+def test_exception_raises(start_method):
     with pytest.raises(tether.ProcessRaisedException):
-        start(success_first_then_exception, nprocs=1, method=method)
+        start(success_first_then_exception, nprocs=1, start_method=start_method)
 
 
-def test_missing_arguments_raise_in_the_child(method):
+def test_missing_arguments_raise_in_the_child(start_method):
     with pytest.raises(tether.ProcessRaisedException, match="TypeError"):
-        start(exit_rank0, args=(), method=method)
+        start(exit_rank0, args=(), start_method=start_method)
 
 
-def test_signal_raises(method):
-    ctx = start(sleep_forever, nprocs=1, join=False, method=method)
+def test_signal_raises(start_method):
+    ctx = start(sleep_forever, nprocs=1, join=False, start_method=start_method)
     for pid in ctx.pids():
         os.kill(pid, signal.SIGTERM)
     with pytest.raises(tether.ProcessExitedException) as info:
@@ -239,9 +232,9 @@ def test_signal_raises(method):
     assert info.value.exit_code == -signal.SIGTERM
 
 
-def test_process_exited(method):
+def test_process_exited(start_method):
     with pytest.raises(tether.ProcessExitedException) as info:
-        start(exit_12, nprocs=1, method=method)
+        start(exit_12, nprocs=1, start_method=start_method)
     assert info.value.exit_code == 12
     assert info.value.signal_name is None
 
@@ -262,11 +255,15 @@ def test_exceptions_pickle():
     assert (copy.exit_code, copy.signal_name) == (-9, "SIGKILL")
 
 
-def test_nested_children_die_with_their_parent(method):
+def test_nested_children_die_with_their_parent(start_method):
     mp = multiprocessing.get_context("spawn")
     pids_queue, ready = mp.Queue(), mp.Queue()
     ctx = start(
-        nested_then_die, args=(pids_queue, ready, method), nprocs=1, join=False, method=method
+        nested_then_die,
+        args=(pids_queue, ready, start_method),
+        nprocs=1,
+        join=False,
+        start_method=start_method,
     )
     first, second = pids_queue.get(timeout=30), pids_queue.get(timeout=30)
     with pytest.raises(tether.ProcessExitedException, match="signal SIGTERM"):
@@ -277,17 +274,17 @@ def test_nested_children_die_with_their_parent(method):
 # Beyond torch ---------------------------------------------------------------------------
 
 
-def test_pid_and_error_pid_are_both_set(method):
+def test_pid_and_error_pid_are_both_set(start_method):
     with pytest.raises(tether.ProcessRaisedException) as info:
-        start(raise_in, args=(1,), method=method)
+        start(raise_in, args=(1,), start_method=start_method)
     e = info.value
     assert e.error_index == 1
     assert e.pid == e.error_pid and e.pid > 0
 
 
-def test_original_exception_is_the_suppressed_context(method):
+def test_original_exception_is_the_suppressed_context(start_method):
     with pytest.raises(tether.ProcessRaisedException) as info:
-        start(raise_in, args=(0,), nprocs=1, method=method)
+        start(raise_in, args=(0,), nprocs=1, start_method=start_method)
     cause = info.value.__context__
     assert isinstance(cause, ValueError) and info.value.__suppress_context__
     assert str(cause) == "legitimate exception from process 0"
@@ -310,39 +307,39 @@ def test_a_ranks_exception_prints_each_of_its_lines_once(tmp_path):
     assert all(a != b for a, b in zip(lines, lines[1:])), proc.stderr
 
 
-def test_unpicklable_exception_still_gives_the_traceback(method):
+def test_unpicklable_exception_still_gives_the_traceback(start_method):
     with pytest.raises(tether.ProcessRaisedException) as info:
-        start(raise_unpicklable, nprocs=1, method=method)
+        start(raise_unpicklable, nprocs=1, start_method=start_method)
     assert re.search(r"\nUnpicklable: cannot pickle me$", str(info.value)) or re.search(
-        r"Unpicklable: cannot pickle me\n$", str(info.value)
+        r"UnpicklableError: cannot pickle me\n$", str(info.value)
     )
     assert "raise_unpicklable" in str(info.value)
     assert info.value.__context__ is None
 
 
-def test_exception_whose_constructor_needs_arguments(method):
+def test_exception_whose_constructor_needs_arguments(start_method):
     with pytest.raises(tether.ProcessRaisedException) as info:
-        start(raise_needs_args, nprocs=1, method=method)
-    assert "NeedsTwoArgs: first and second" in str(info.value)
+        start(raise_needs_args, nprocs=1, start_method=start_method)
+    assert "NeedsTwoArgsError: first and second" in str(info.value)
     assert "raise_needs_args" in str(info.value)
 
 
-def test_huge_traceback_arrives_whole(method):
+def test_huge_traceback_arrives_whole(start_method):
     with pytest.raises(tether.ProcessRaisedException) as info:
-        start(raise_huge, nprocs=1, method=method)
+        start(raise_huge, nprocs=1, start_method=start_method)
     text = str(info.value)
     assert len(text) > 8 << 20
     assert text.rstrip().endswith("xxxxEND")
 
 
-def test_keyboard_interrupt_in_a_child_is_a_failure(method):
+def test_keyboard_interrupt_in_a_child_is_a_failure(start_method):
     with pytest.raises(tether.ProcessRaisedException, match="KeyboardInterrupt"):
-        start(raise_keyboard_interrupt, nprocs=1, method=method)
+        start(raise_keyboard_interrupt, nprocs=1, start_method=start_method)
 
 
-def test_root_cause_is_first_in_time_even_outside_join(method):
+def test_root_cause_is_first_in_time_even_outside_join(start_method):
     # Rank 2 fails first, rank 0 later; the parent only joins after both have failed.
-    ctx = start(fail_at, args=([0.6, 30.0, 0.05],), nprocs=3, join=False, method=method)
+    ctx = start(fail_at, args=([0.6, 30.0, 0.05],), nprocs=3, join=False, start_method=start_method)
     time.sleep(1.2)
     with pytest.raises(tether.ProcessRaisedException, match="rank 2 failed") as info:
         ctx.join()
@@ -350,19 +347,19 @@ def test_root_cause_is_first_in_time_even_outside_join(method):
     assert not any(p.is_alive() for p in ctx.processes)
 
 
-def test_no_temporary_files_are_left(method):
+def test_no_temporary_files_are_left(start_method):
     before = set(os.listdir(tempfile.gettempdir()))
     for _ in range(2):
         with pytest.raises(tether.ProcessRaisedException):
-            start(raise_all, method=method)
+            start(raise_all, start_method=start_method)
     assert set(os.listdir(tempfile.gettempdir())) == before
 
 
-def test_multiprocessing_primitives_as_arguments(method):
+def test_multiprocessing_primitives_as_arguments(start_method):
     mp = multiprocessing.get_context("spawn")
     simple, queue, event, lock = mp.SimpleQueue(), mp.Queue(), mp.Event(), mp.Lock()
     value = mp.Value("i", 0)
-    start(use_primitives, args=(simple, queue, event, lock, value), method=method)
+    start(use_primitives, args=(simple, queue, event, lock, value), start_method=start_method)
     assert sorted([simple.get(), simple.get()]) == [("simple", 0), ("simple", 1)]
     assert sorted([queue.get(timeout=10), queue.get(timeout=10)]) == [("queue", 0), ("queue", 1)]
     assert event.is_set()
@@ -371,14 +368,14 @@ def test_multiprocessing_primitives_as_arguments(method):
     queue.join_thread()
 
 
-def test_nested_spawn(method):
+def test_nested_spawn(start_method):
     queue = multiprocessing.get_context("spawn").SimpleQueue()
-    start(nested_spawn, args=(method, queue), nprocs=1, method=method)
+    start(nested_spawn, args=(start_method, queue), nprocs=1, start_method=start_method)
     assert sorted([queue.get(), queue.get()]) == [0, 1]
 
 
-def test_process_objects(method):
-    ctx = start(sleep_forever, nprocs=2, join=False, method=method)
+def test_process_objects(start_method):
+    ctx = start(sleep_forever, nprocs=2, join=False, start_method=start_method)
     p0, p1 = ctx.processes
     assert ctx.pids() == [p0.pid, p1.pid]
     assert p0.is_alive() and p0.exitcode is None
@@ -392,8 +389,8 @@ def test_process_objects(method):
     assert p1.exitcode == -signal.SIGKILL
 
 
-def test_join_timeout_returns_false_while_running(method):
-    ctx = start(sleep_forever, nprocs=1, join=False, method=method)
+def test_join_timeout_returns_false_while_running(start_method):
+    ctx = start(sleep_forever, nprocs=1, join=False, start_method=start_method)
     assert ctx.join(timeout=0.05) is False
     ctx.processes[0].kill()
     with pytest.raises(tether.ProcessExitedException, match="signal SIGKILL") as info:
@@ -401,8 +398,8 @@ def test_join_timeout_returns_false_while_running(method):
     assert any("OOM" in note for note in info.value.__notes__)
 
 
-def test_grace_period_then_sigkill(method):
-    ctx = start(fail_at, args=([0.05, 60.0],), nprocs=2, join=False, method=method)
+def test_grace_period_then_sigkill(start_method):
+    ctx = start(fail_at, args=([0.05, 60.0],), nprocs=2, join=False, start_method=start_method)
     begin = time.monotonic()
     with pytest.raises(tether.ProcessRaisedException, match="rank 0 failed"):
         ctx.join(grace_period=0.2)
@@ -410,11 +407,11 @@ def test_grace_period_then_sigkill(method):
     assert ctx.processes[1].exitcode == -signal.SIGTERM
 
 
-def test_spawn_from_a_short_lived_thread(method):
+def test_spawn_from_a_short_lived_thread(start_method):
     box = {}
     thread = threading.Thread(
         target=lambda: box.setdefault(
-            "ctx", start(success_after, args=(0.5,), join=False, method=method)
+            "ctx", start(success_after, args=(0.5,), join=False, start_method=start_method)
         )
     )
     thread.start()

@@ -18,9 +18,6 @@ from conftest import sigint_as_at_a_terminal, wait_gone
 pytestmark = pytest.mark.timeout(90)
 
 SCRIPTS = Path(__file__).parent / "scripts"
-METHODS = ["forkserver", "spawn", "fork"]
-
-
 _started: List[subprocess.Popen] = []
 
 
@@ -53,23 +50,21 @@ def read_pids(proc: subprocess.Popen) -> List[int]:
     return json.loads(line)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_parent_sigkill_takes_children_and_grandchildren(method):
-    proc = start_script("parent_killed.py", method)
+def test_parent_sigkill_takes_children_and_grandchildren(start_method):
+    proc = start_script("parent_killed.py", start_method)
     try:
         pids = read_pids(proc)
         # Six children and grandchildren; with "forkserver" also the zygote and the children
         # it keeps ready.
-        assert len(set(pids)) >= 7 if method == "forkserver" else len(set(pids)) == 6
+        assert len(set(pids)) >= 7 if start_method == "forkserver" else len(set(pids)) == 6
     finally:
         proc.kill()
         proc.communicate()
     assert wait_gone(pids, 1.0) == [], "children outlived a parent killed with SIGKILL"
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_ctrl_c_during_join_stops_every_child(method):
-    proc = start_script("interrupted.py", method, "obedient")
+def test_ctrl_c_during_join_stops_every_child(start_method):
+    proc = start_script("interrupted.py", start_method, "obedient")
     pids = read_pids(proc)
     time.sleep(0.3)  # into join()
     proc.send_signal(signal.SIGINT)
@@ -136,16 +131,15 @@ def test_ctrl_c_in_join_kills_at_the_end_of_the_grace_period_what_ignores_sigter
     assert wait_gone(pids, 1.0) == []
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_functions_of_a_guarded_main_script(method):
+def test_functions_of_a_guarded_main_script(start_method):
     out = subprocess.run(
-        [sys.executable, str(SCRIPTS / "main_guard.py"), method],
+        [sys.executable, str(SCRIPTS / "main_guard.py"), start_method],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    main_name = "__main__" if method == "fork" else "__mp_main__"
+    main_name = "__main__" if start_method == "fork" else "__mp_main__"
     assert out.stdout.strip() == str([(0, 0, main_name), (1, 1, main_name), (2, 4, main_name)])
 
 

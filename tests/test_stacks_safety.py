@@ -22,7 +22,6 @@ from tether import _stacks
 
 pytestmark = pytest.mark.timeout(240)
 
-METHODS = ["forkserver", "spawn", "fork"]
 SCRIPT = Path(__file__).parent / "scripts" / "adversary_rank.py"
 
 
@@ -68,16 +67,15 @@ def finish(ctx: tether.ProcessContext, where: Path, wake: Sequence[int] = ()) ->
 
 
 @pytest.mark.parametrize("kind", ["socket", "file"])
-@pytest.mark.parametrize("method", METHODS)
 def test_a_rank_that_reused_its_channel_fd_gets_no_byte_and_is_named(
-    method: str, kind: str, tmp_path: Path
+    start_method: str, kind: str, tmp_path: Path
 ) -> None:
     ctx = tether.start_processes(
         adversary.reuse_channel,
         args=(str(tmp_path), kind),
         nprocs=2,
         join=False,
-        start_method=method,
+        start_method=start_method,
     )
     try:
         wait_ready(tmp_path, 2, ctx)
@@ -149,10 +147,10 @@ def test_a_stray_stacks_fd_variable_installs_nothing_and_changes_no_fd() -> None
 # a thousand requests to each kind of rank ---------------------------------------------------
 
 
+@pytest.mark.slow  # a thousand stacks requests to every kind of rank
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("method", METHODS)
 def test_a_thousand_requests_change_nothing_in_any_kind_of_rank(
-    method: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    start_method: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     kinds = list(adversary.KINDS)
     ctx = tether.start_processes(
@@ -160,7 +158,7 @@ def test_a_thousand_requests_change_nothing_in_any_kind_of_rank(
         args=(str(tmp_path), kinds),
         nprocs=len(kinds),
         join=False,
-        start_method=method,
+        start_method=start_method,
     )
     try:
         wait_ready(tmp_path, len(kinds), ctx)
@@ -187,16 +185,15 @@ def test_a_thousand_requests_change_nothing_in_any_kind_of_rank(
 
 
 @pytest.mark.parametrize("how", ["signal", "faulthandler", "sigwait"])
-@pytest.mark.parametrize("method", METHODS)
 def test_a_rank_that_takes_the_stack_signals_for_itself_is_never_sent_them(
-    method: str, how: str, tmp_path: Path
+    start_method: str, how: str, tmp_path: Path
 ) -> None:
     ctx = tether.start_processes(
         adversary.own_handlers,
         args=(str(tmp_path), how),
         nprocs=1,
         join=False,
-        start_method=method,
+        start_method=start_method,
     )
     try:
         wait_ready(tmp_path, 1, ctx)

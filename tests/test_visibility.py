@@ -20,8 +20,6 @@ from tether import _zygote
 
 pytestmark = pytest.mark.timeout(120)
 
-METHODS = ["forkserver", "spawn", "fork"]
-
 
 def cmdline(pid):
     with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -60,12 +58,11 @@ def running():
     made.clear()  # pytest keeps `start` (and so this list) until the test is over
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_ranks_say_their_rank_and_function(running, method):
-    ctx = running(method)
+def test_ranks_say_their_rank_and_function(running, start_method):
+    ctx = running(start_method)
     for rank, pid in enumerate(ctx.pids()):
         assert cmdline(pid) == (
-            f"tether rank {rank}: wait_for_release [{method}, parent {os.getpid()}]"
+            f"tether rank {rank}: wait_for_release [{start_method}, parent {os.getpid()}]"
         )
         assert comm(pid) == f"tether:r{rank}:wait_for_release"[:15]
 
@@ -373,13 +370,12 @@ STARTS = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
 @pytest.mark.parametrize("value", ["loud", "Warning"])
-def test_an_invalid_tether_log_is_one_warning_and_nothing_logged(tmp_path, method, value):
+def test_an_invalid_tether_log_is_one_warning_and_nothing_logged(tmp_path, start_method, value):
     script = tmp_path / "starts.py"
     script.write_text(STARTS)
     done = subprocess.run(
-        [sys.executable, str(script), method],
+        [sys.executable, str(script), start_method],
         capture_output=True,
         text=True,
         env=dict(os.environ, TETHER_LOG=value),

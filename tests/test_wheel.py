@@ -17,7 +17,7 @@ from typing import Dict, List
 
 import pytest
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # builds the wheel: minutes
 
 ROOT = Path(__file__).resolve().parent.parent
 

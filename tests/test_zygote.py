@@ -275,7 +275,7 @@ def test_concurrent_spawns_from_several_threads():
         try:
             for _ in range(3):
                 tether.start_processes(success, nprocs=2, start_method="forkserver")
-        except BaseException as e:  # pragma: no cover - reported below
+        except BaseException as e:  # noqa: BLE001 # pragma: no cover - asserted below
             errors.append(e)
 
     threads = [threading.Thread(target=run) for _ in range(4)]

@@ -1,47 +1,27 @@
-"""Queues and events over tether channels, and the pickling that carries fds with a message.
+"""Queues and events over tether channels.
 
 A ``Queue`` is a ``SOCK_SEQPACKET`` socket pair (``_native.Endpoint``): ``put`` sends one
 message on one end, ``get`` receives one whole message from the other, so any number of
 processes and threads may put and get at once, with no feeder thread and no manager
-process. An ``Event`` is a flag in a shared memfd page (``_native.SharedFlag``).
-
-Objects are pickled with ``multiprocessing.reduction.ForkingPickler`` (so torch's reductions
-apply: a tensor's storage moves to shared memory) while an ``_FdCollector`` stands in for
-multiprocessing's "spawning popen": every fd that a reduction passes through
-``multiprocessing.reduction.DupFd`` (a shared-memory storage, a connection, a tether queue)
-is collected and travels with the message as ``SCM_RIGHTS`` ancillary data, and comes back
-in the receiver from ``detach()``. Nothing goes through ``resource_sharer`` and nothing is
-copied more than with torch's own queues.
+process. An ``Event`` is a flag in a shared memfd page (``_native.SharedFlag``). A message
+is pickled by ``_pickling`` (its fds travel with it as ``SCM_RIGHTS`` ancillary data).
 
 Queues and events travel to other processes only this way: as arguments of a process the
-pool starts, or inside a message of another tether channel.
-
-Functions and classes of a ``__main__`` that has no file (a notebook, the REPL, ``python -c``,
-stdin) cannot be found by name in another process: those travel by value, pickled by
-cloudpickle (an optional dependency, imported only when such an object travels), and so do
-the instances of such classes. Everything else still travels by reference."""
+pool starts, or inside a message of another tether channel."""
 
 from __future__ import annotations
 
-import copyreg
-import importlib
-import io
-import multiprocessing.context
-import os
-import pickle
 import queue
-import sys
 import threading
 import time
-from collections import ChainMap
 from multiprocessing.context import get_spawning_popen
-from multiprocessing.reduction import DupFd, ForkingPickler
-from types import FunctionType, ModuleType
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
+from multiprocessing.reduction import DupFd
+from typing import Any, List, Optional, Protocol, Tuple
 
 from . import _native
+from ._pickling import FdCollector, dumps, loads
 
-__all__ = ["Event", "Queue", "Watched", "dumps", "loads"]
+__all__ = ["Event", "Queue", "Watched"]
 
 
 class Watched(Protocol):
@@ -55,255 +35,6 @@ class Watched(Protocol):
         """The error to raise for how the process ended, or None (it ended well, or its
         failure was reported already)."""
         ...
-
-
-class SpawningPopen(Protocol):
-    """What multiprocessing's reductions ask of the "spawning popen" while an object is
-    pickled (an ``_FdCollector``, or the stand-in of a process start in ``_launch``)."""
-
-    def duplicate_for_child(self, fd: int) -> int:
-        """Passes ``fd`` with the pickle; returns what names it there."""
-        ...
-
-    def DupFd(self, fd: int) -> Any:  # noqa: N802 (multiprocessing's name)
-        """An object that pickles as the fd passed (its ``detach()`` returns it there)."""
-        ...
-
-
-class _FdRef:
-    """What ``DupFd`` returns while an ``_FdCollector`` is active: the position of an fd in
-    the message's fd list. It pickles as a call that claims that fd in the receiver."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __reduce__(self) -> Tuple[Callable[[int], "_ReceivedFd"], Tuple[int]]:
-        return _received_fd, (self.index,)
-
-
-class _FdCollector:
-    """Stands in for multiprocessing's "spawning popen" while an object is pickled for a
-    channel: ``duplicate_for_child`` collects the fd and returns its position in the
-    message, ``DupFd`` wraps that position. With ``dup``, the fds are duplicates owned by the
-    collector (for a message sent later, after the pickled objects may be gone)."""
-
-    def __init__(self, dup: bool = False) -> None:
-        self.fds: List[int] = []
-        self.dup = dup
-        #: The tether queues pickled into the message (a pool process watches them).
-        self.channels: List[Any] = []
-        #: What owns fds of the message that nothing else keeps alive until it is sent.
-        self.owners: List[Any] = []
-
-    def duplicate_for_child(self, fd: int) -> int:
-        self.fds.append(os.dup(fd) if self.dup else fd)
-        return len(self.fds) - 1
-
-    def DupFd(self, index: int) -> _FdRef:  # noqa: N802 (multiprocessing's name)
-        return _FdRef(index)
-
-    def close(self) -> None:
-        """Closes the duplicates (only those made with ``dup``)."""
-        if self.dup:
-            _close_all(self.fds)
-            self.fds = []
-
-
-class _Incoming:
-    """The fds of a message being unpickled; those nobody claims are closed afterwards."""
-
-    __slots__ = ("fds", "claimed")
-
-    def __init__(self, fds: Sequence[int]) -> None:
-        self.fds = list(fds)
-        self.claimed = [False] * len(self.fds)
-
-    def take(self, index: int) -> int:
-        if self.claimed[index]:
-            return os.dup(self.fds[index])
-        self.claimed[index] = True
-        return self.fds[index]
-
-    def close_unclaimed(self) -> None:
-        _close_all(fd for fd, taken in zip(self.fds, self.claimed) if not taken)
-
-
-class _ReceivedFd:
-    """An fd that arrived with a message; ``detach()`` hands it over (multiprocessing's
-    protocol, used by torch's ``rebuild_storage_fd`` and by ``rebuild_connection``)."""
-
-    __slots__ = ("_incoming", "_index")
-
-    def __init__(self, incoming: _Incoming, index: int) -> None:
-        self._incoming = incoming
-        self._index = index
-
-    def detach(self) -> int:
-        return self._incoming.take(self._index)
-
-
-_tls = threading.local()
-# multiprocessing's own thread-local "spawning popen" (what get_spawning_popen() reads).
-_popen_tls = multiprocessing.context._tls  # type: ignore[attr-defined]
-
-
-def _received_fd(index: int) -> _ReceivedFd:
-    incoming: Optional[_Incoming] = getattr(_tls, "incoming", None)
-    if incoming is None:
-        raise RuntimeError("a tether fd reference was unpickled outside of a channel message")
-    return _ReceivedFd(incoming, index)
-
-
-def _close_all(fds: Any) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-class _Pickler(pickle.Pickler):
-    """``ForkingPickler``'s reductions (copyreg's table plus those registered with
-    ``ForkingPickler.register``, e.g. torch's) in a table shared by every instance, rebuilt
-    when a registration is added: ``ForkingPickler`` copies it for each message."""
-
-    dispatch_table: Dict[Any, Any] = {}
-    _sizes = (-1, -1)
-
-
-class _MainByValuePickler(_Pickler):
-    """``_Pickler`` for a process whose ``__main__`` has no file: a function or class of
-    ``__main__`` travels by value (see ``_by_value``)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        # Called for every object but atoms and strings: as little work as possible.
-        if isinstance(obj, _BY_VALUE_KINDS) and getattr(obj, "__module__", None) == "__main__":
-            return _by_value(obj)
-        return NotImplemented
-
-
-_BY_VALUE_KINDS = (FunctionType, type)
-
-
-def main_without_file() -> bool:
-    """Whether this process's ``__main__`` has no file another process could import it from
-    (a notebook or IPython, the REPL, ``python -c``, stdin: no ``__file__``, or a name such
-    as ``<stdin>``), and is no module run with ``-m``."""
-    main = sys.modules.get("__main__")
-    if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
-        return False
-    path = getattr(main, "__file__", None)
-    return not isinstance(path, str) or path.startswith("<")
-
-
-def _pickler_class() -> "type[_Pickler]":
-    # The reducers registered with ForkingPickler.register (torch's tensors and storages);
-    # private to multiprocessing and not in its type stubs.
-    extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
-    sizes = (len(copyreg.dispatch_table), len(extra))
-    if _Pickler._sizes != sizes:
-        table = dict(copyreg.dispatch_table)
-        table.update(extra)
-        _Pickler.dispatch_table = table
-        _Pickler._sizes = sizes
-    # Only then does every object pickled pass through a Python call (reducer_override).
-    return _MainByValuePickler if main_without_file() else _Pickler
-
-
-def _cloudpickle(obj: Any) -> ModuleType:
-    """cloudpickle, or a PicklingError that says why ``obj`` needs it and how to get it."""
-    try:
-        return importlib.import_module("cloudpickle")
-    except ImportError:
-        kind = "class" if isinstance(obj, type) else "function"
-        raise pickle.PicklingError(
-            f"the {kind} {obj.__qualname__} cannot travel to another process: it is defined "
-            "in a __main__ without a file (a notebook, the REPL, python -c or stdin), whose "
-            "functions and classes tether sends by value with cloudpickle, which is not "
-            "installed: pip install cloudpickle"
-        ) from None
-
-
-def _by_value(obj: Union[FunctionType, type]) -> Tuple[Callable[[bytes], Any], Tuple[bytes]]:
-    """The reduction of a function or class of a ``__main__`` without a file: cloudpickle's
-    pickle of it (code, closure, the globals it uses, a class's body) with the reductions of
-    ``ForkingPickler`` (so a tensor it refers to moves to shared memory, an fd travels with
-    the message), unpickled where the message is. cloudpickle gives a class an id that
-    follows it: the same class pickled in several messages, or sent back, is one class."""
-    pickler = _by_value_pickler(_cloudpickle(obj))
-    buf = io.BytesIO()
-    pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
-    return _from_main, (buf.getvalue(),)
-
-
-#: ``(ForkingPickler's table, the pickler class made with it)``.
-_by_value_class: Optional[Tuple[Any, type]] = None
-
-
-def _by_value_pickler(cloudpickle: ModuleType) -> type:
-    """cloudpickle's Pickler, with ``ForkingPickler``'s reductions under its own."""
-    global _by_value_class
-    table = _pickler_class().dispatch_table
-    if _by_value_class is None or _by_value_class[0] is not table:
-        base = cloudpickle.Pickler
-        made = type(
-            "_ByValuePickler", (base,), {"dispatch_table": ChainMap(base.dispatch_table, table)}
-        )
-        _by_value_class = (table, made)
-    return _by_value_class[1]
-
-
-def _from_main(data: bytes) -> Any:
-    """A function or class of the sender's ``__main__``, rebuilt from cloudpickle's bytes."""
-    return pickle.loads(data)
-
-
-def register(cls: type, reducer: Callable[[Any], Any]) -> None:
-    """Registers (or replaces) ``ForkingPickler``'s reduction of ``cls``, here too."""
-    ForkingPickler.register(cls, reducer)
-    _Pickler._sizes = (-1, -1)
-
-
-def dump(
-    obj: Any,
-    collector: SpawningPopen,
-    file: Any,
-    buffer_callback: Optional[Callable[[pickle.PickleBuffer], Any]] = None,
-) -> None:
-    """Pickles ``obj`` into ``file`` as ``ForkingPickler`` would (protocol 5, so that
-    ``buffer_callback`` may take large buffers out of band); the fds it names go to
-    ``collector`` (``collector.fds`` for an ``_FdCollector``)."""
-    previous = getattr(_popen_tls, "spawning_popen", None)
-    _popen_tls.spawning_popen = collector
-    try:
-        _pickler_class()(file, pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback).dump(obj)
-    finally:
-        _popen_tls.spawning_popen = previous
-
-
-def dumps(obj: Any, collector: SpawningPopen) -> bytes:
-    """``dump`` into bytes."""
-    buf = io.BytesIO()
-    dump(obj, collector, buf)
-    return buf.getvalue()
-
-
-def loads(data: Any, fds: Sequence[int], buffers: Optional[Sequence[Any]] = None) -> Any:
-    """Unpickles a message (any bytes-like object) whose fds arrived as ``fds`` (this
-    process owns them), with its out-of-band ``buffers``: the fds its objects claim are
-    theirs, the rest are closed."""
-    if not fds:
-        return pickle.loads(data, buffers=buffers)  # nothing in it can claim an fd
-    previous = getattr(_tls, "incoming", None)
-    incoming = _Incoming(fds)
-    _tls.incoming = incoming
-    try:
-        return pickle.loads(data, buffers=buffers)
-    finally:
-        _tls.incoming = previous
-        incoming.close_unclaimed()
 
 
 # Channels a pool worker received while serving one task; closed when the task ends, so
@@ -340,7 +71,7 @@ def _check_travel(obj: Any) -> Any:
             f"{type(obj).__name__} objects of tether travel to other processes only as "
             "arguments of a process the pool starts or inside a message of a tether queue"
         )
-    if isinstance(popen, _FdCollector):
+    if isinstance(popen, FdCollector):
         popen.channels.append(obj)
     return popen
 
@@ -370,7 +101,7 @@ class Queue:
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         """Sends ``obj``; waits only while the channel's buffer is full (``queue.Full`` after
         ``timeout``, or at once when not ``block``)."""
-        collector = _FdCollector()
+        collector = FdCollector()
         data = dumps(obj, collector)
         if not self._tx.send(data, collector.fds, timeout if block else 0.0):
             raise queue.Full

@@ -45,8 +45,8 @@ def _flush_stdio() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:
-            pass
+        except Exception:  # noqa: BLE001 - a stream the user put there may raise anything
+            pass  # the exit goes on
 
 
 def run_rank(call: Callable[[], Any], report_fd: int) -> int:
@@ -55,7 +55,7 @@ def run_rank(call: Callable[[], Any], report_fd: int) -> int:
         call()
     except SystemExit as exc:
         return exit_code(exc)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - any exception is the rank's failure
         # From here the process only reports and exits: a SIGTERM that tether sends to stop
         # the other ranks (another one failed first) must not cut the report short. It
         # stays pending and is dropped at the exit.
@@ -169,6 +169,18 @@ def split_payload(payload: bytes) -> Tuple[int, bytes, bytes]:
         payload[start : start + prep_size],
         payload[start + prep_size : start + prep_size + work_size],
     )
+
+
+def python_argv(code: str) -> List[bytes]:
+    """``python [the interpreter's flags] -c code`` for this interpreter, as bytes."""
+    import subprocess  # only a parent starts an interpreter: a child's start-up skips it
+
+    argv = [multiprocessing.spawn.get_executable()]
+    # The interpreter's own flags (-B, -X, ...), as multiprocessing passes them on (private to
+    # subprocess, not in its type stubs).
+    argv += subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+    argv += ["-c", code]
+    return [os.fsencode(a) for a in argv]
 
 
 def make_payload(rank: int, prep: bytes, work: bytes) -> bytes:

@@ -1,12 +1,12 @@
 """The one way tether starts Python children running ``fn(rank, *args)``, for every start
-method, used by ``tether.spawn`` and by ``tether.Pool``:
+method, used by ``tether.spawn`` and by ``tether.Pool``. ``STARTERS`` is the table of start
+methods (each a function that starts the children of one call): forks of the warm zygote
+(``_zygote``), fresh interpreters started by the supervisor (``tether._child``), copies of
+the calling process.
 
-- ``"forkserver"``: forks of the warm zygote (``_zygote``);
-- ``"spawn"``: fresh interpreters started by the supervisor (``python -m tether._child``);
-- ``"fork"``: copies of the calling process.
-
-The arguments are pickled while an object stands in for multiprocessing's "spawning popen",
-so that multiprocessing primitives and shared tensors name the fds the children inherit."""
+The arguments are pickled by ``_pickling`` standing in for multiprocessing's "spawning
+popen", so that multiprocessing primitives and shared tensors name the fds the children
+inherit."""
 
 from __future__ import annotations
 
@@ -15,15 +15,13 @@ import multiprocessing.process
 import multiprocessing.spawn
 import os
 import signal
-import subprocess
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
-from . import _channel, _child, _native
+from . import _child, _native, _pickling
 
-START_METHODS = ("forkserver", "spawn", "fork")
-DEFAULT_START_METHOD = "forkserver"
+_T = TypeVar("_T")
 
 
 def check_start_method(method: str, who: str) -> None:
@@ -35,33 +33,7 @@ def check_start_method(method: str, who: str) -> None:
         )
 
 
-class _DupFd:
-    """An fd passed to a child under the same number (multiprocessing's protocol)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def detach(self) -> int:
-        return self.fd
-
-
-class _SpawningPopen:
-    """Stands in for the "spawning popen" while the arguments are pickled (by tether's one
-    pickler, ``_channel.dumps``), so that multiprocessing primitives and shared tensors can
-    name the fds the child must inherit."""
-
-    def __init__(self) -> None:
-        self.fds: List[int] = []
-
-    def duplicate_for_child(self, fd: int) -> int:
-        self.fds.append(fd)
-        return fd
-
-    def DupFd(self, fd: int) -> _DupFd:  # noqa: N802 (multiprocessing's name)
-        return _DupFd(fd)
-
-
-def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
+def _preparation_data(popen: _pickling.FdCollector) -> Dict[str, Any]:
     """What a spawn child needs to look like this process: paths, argv, working directory,
     authkey, and how to rebuild ``__main__`` (by module name or by path; a ``__main__``
     without a file is not rebuilt: what the child needs of it travels by value)."""
@@ -79,7 +51,7 @@ def _preparation_data(popen: _SpawningPopen) -> Dict[str, Any]:
     main_path = getattr(main, "__file__", None)
     if spec_name is not None:
         data["init_main_from_name"] = spec_name
-    elif main_path is not None and not _channel.main_without_file():
+    elif main_path is not None and not _pickling.main_without_file():
         original = _original_dir()
         if not os.path.isabs(main_path) and original is not None:
             main_path = os.path.join(original, main_path)
@@ -112,14 +84,27 @@ def _original_dir() -> Optional[str]:
     return getattr(multiprocessing.process, "ORIGINAL_DIR", None)
 
 
-def python_argv(code: str) -> List[bytes]:
-    """``python [the interpreter's flags] -c code`` for this interpreter, as bytes."""
-    argv = [multiprocessing.spawn.get_executable()]
-    # The interpreter's own flags (-B, -X, ...), as multiprocessing passes them on (private to
-    # subprocess, not in its type stubs).
-    argv += subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
-    argv += ["-c", code]
-    return [os.fsencode(a) for a in argv]
+class Start(NamedTuple):
+    """One call of ``start``: what each child runs, and how it is made (see ``start``)."""
+
+    fn: Callable[..., Any]
+    args: Sequence[Any]
+    ranks: Sequence[int]
+    preload: Optional[Sequence[str]]
+    keep_fds: Sequence[int]
+    close_in_child: Sequence[int]
+    title: _child.Title
+
+
+class Starter(NamedTuple):
+    """A start method: how it starts the children of a ``Start``, what a child is (for the
+    documentation), and whether a child is a fresh process (``spawn()`` takes only those;
+    a pool that replaces its workers needs one, since a copy of this process would copy
+    its threads)."""
+
+    start: Callable[[Start], _native.Group]
+    child: str
+    fresh: bool
 
 
 def start(
@@ -143,27 +128,35 @@ def start(
     no fd made for it is left open."""
     check_start_method(method, "tether")
     title = title or rank_title(fn, method)
-    if method == "fork":
-        return _start_fork(fn, args, ranks, close_in_child, title)
-    popen = _SpawningPopen()
+    job = Start(fn, args, ranks, preload, keep_fds, close_in_child, title)
+    return STARTERS[method].start(job)
+
+
+def _pickled(job: Start, stacks_channel: bool) -> Tuple[bytes, bytes, List[int]]:
+    """The preparation data and the work of a fresh child, pickled, and the fds the
+    children inherit. With ``stacks_channel`` the data carries the stacks channel (a spawn
+    child is given it by the supervisor instead: TETHER_STACKS_FD)."""
+    popen = _pickling.FdCollector(inherit=True)
     data = _preparation_data(popen)
-    data["tether_title"] = title
-    if method == "forkserver":
-        # A spawn child is given the stacks channel by the supervisor (TETHER_STACKS_FD).
+    data["tether_title"] = job.title
+    if stacks_channel:
         fd, inode = _native.stacks_fd()
         data["tether_stacks_channel"] = (popen.duplicate_for_child(fd), inode)
-    prep = _channel.dumps(data, popen)
+    prep = _pickling.dumps(data, popen)
     # A function (or arguments) of a __main__ without a file travels by value.
-    work = _channel.dumps((fn, tuple(args)), popen)
-    passed = list(dict.fromkeys([*popen.fds, *keep_fds]))
-    if method == "spawn":
-        return _start_spawn(prep, work, ranks, passed, title[0])
+    work = _pickling.dumps((job.fn, tuple(job.args)), popen)
+    return prep, work, list(dict.fromkeys([*popen.fds, *job.keep_fds]))
+
+
+def _start_forkserver(job: Start) -> _native.Group:
+    """Forks of the zygote of ``job.preload``, in one request."""
     from . import _zygote
 
+    prep, work, passed = _pickled(job, stacks_channel=True)
     group = _native.Group()
     shared = [(fd, fd) for fd in dict.fromkeys([0, 1, 2, *passed]) if _is_open(fd)]
     payload = _child.make_payload(0, prep, work)
-    _zygote.get(preload).fork(group, ranks, shared, payload, title[0])
+    _zygote.get(job.preload).fork(group, job.ranks, shared, payload, job.title[0])
     return group
 
 
@@ -184,44 +177,36 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def _start_spawn(
-    prep: bytes, work: bytes, ranks: Sequence[int], passed: Sequence[int], title: str
-) -> _native.Group:
-    argv = python_argv("from tether._child import main; main()")
+def _start_spawn(job: Start) -> _native.Group:
+    """Fresh interpreters, started by the supervisor in one call."""
+    prep, work, passed = _pickled(job, stacks_channel=False)
+    argv = _child.python_argv("from tether._child import main; main()")
     group = _native.Group()
     # The title also rides as the last argument, so that ``ps`` names the rank while its
     # interpreter starts (the child renames itself once it runs; it ignores the argument).
     group.launch(
         [
             (
-                [*argv, os.fsencode(title.format(rank=i))],
+                [*argv, os.fsencode(job.title[0].format(rank=i))],
                 [],
                 passed,
                 _child.make_payload(i, prep, work),
             )
-            for i in ranks
+            for i in job.ranks
         ]
     )
     return group
 
 
-def _start_fork(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    ranks: Sequence[int],
-    close_in_child: Sequence[int],
-    title: _child.Title,
-) -> _native.Group:
+def _start_fork(job: Start) -> _native.Group:
     """Forks one child per rank, then hands them all to the supervisor in one call."""
     parent = os.getpid()
     from_main = threading.current_thread() is threading.main_thread()
     stacks_channel = _native.stacks_fd()
     children: List[Tuple[int, int]] = []  # (pid, read end of its report pipe)
     try:
-        for rank in ranks:
-            child = _fork_one(
-                fn, rank, args, close_in_child, parent, from_main, title, stacks_channel
-            )
+        for rank in job.ranks:
+            child = _fork_one(job, rank, parent, from_main, stacks_channel)
             children.append(child)
     except BaseException:
         _stop_unsupervised(children)
@@ -232,14 +217,7 @@ def _start_fork(
 
 
 def _fork_one(
-    fn: Callable[..., Any],
-    rank: int,
-    args: Sequence[Any],
-    close_in_child: Sequence[int],
-    parent: int,
-    from_main: bool,
-    title: _child.Title,
-    stacks_channel: Tuple[int, int],
+    job: Start, rank: int, parent: int, from_main: bool, stacks_channel: Tuple[int, int]
 ) -> Tuple[int, int]:
     try:
         read_fd, write_fd = os.pipe()
@@ -255,12 +233,14 @@ def _fork_one(
         raise
     if pid == 0:  # pragma: no cover - runs in the child
         os.close(read_fd)
-        for fd in close_in_child:
+        for fd in job.close_in_child:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        _child.run_forked(fn, rank, args, write_fd, parent, from_main, title, stacks_channel)
+        _child.run_forked(
+            job.fn, rank, job.args, write_fd, parent, from_main, job.title, stacks_channel
+        )
     os.close(write_fd)
     try:
         os.setpgid(pid, pid)
@@ -286,3 +266,35 @@ def _stop_unsupervised(children: Sequence[Tuple[int, int]]) -> None:
             os.waitpid(pid, 0)
         except OSError:
             pass  # already reaped (SIGCHLD ignored)
+
+
+#: The start methods, the one list of them: ``START_METHODS``, the tests' ``start_method``
+#: fixture, the docstrings (``with_start_methods``) and the README's table follow it.
+STARTERS: Dict[str, Starter] = {
+    "forkserver": Starter(_start_forkserver, "a fork of tether's warm zygote", fresh=True),
+    "spawn": Starter(_start_spawn, "a fresh interpreter", fresh=True),
+    "fork": Starter(_start_fork, "a copy of this process", fresh=False),
+}
+START_METHODS = tuple(STARTERS)
+DEFAULT_START_METHOD = "forkserver"
+FRESH_START_METHODS = tuple(name for name, starter in STARTERS.items() if starter.fresh)
+
+
+def named(methods: Sequence[str], details: bool = False, quote: str = '"') -> str:
+    """``"a" (the default: what a child is), "b" (...) or "c" (...)``: the start methods
+    ``methods`` in words, with what each one's child is when ``details``."""
+    words = []
+    for name in methods:
+        notes = ["the default"] if name == DEFAULT_START_METHOD else []
+        notes += [STARTERS[name].child] if details else []
+        words.append(f"{quote}{name}{quote}" + (f" ({': '.join(notes)})" if notes else ""))
+    return " or ".join(filter(None, [", ".join(words[:-1]), words[-1]]))
+
+
+def with_start_methods(obj: _T) -> _T:
+    """``obj`` with ``{start_methods}`` in its docstring replaced by the start methods
+    (each with what its child is) and ``{fresh_start_methods}`` by those of fresh
+    processes."""
+    doc = (obj.__doc__ or "").replace("{start_methods}", named(START_METHODS, details=True))
+    obj.__doc__ = doc.replace("{fresh_start_methods}", named(FRESH_START_METHODS))
+    return obj

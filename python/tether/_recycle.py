@@ -401,7 +401,7 @@ def _start_receiving() -> None:
 
     import torch
 
-    from . import _channel
+    from . import _pickling
 
     reducers = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     reduce_storage = reducers[torch.UntypedStorage]
@@ -410,7 +410,7 @@ def _start_receiving() -> None:
         unwatch(storage)
         return reduce_storage(storage)
 
-    _channel.register(torch.UntypedStorage, reduce)
+    _pickling.register(torch.UntypedStorage, reduce)
 
 
 os.register_at_fork(

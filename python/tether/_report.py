@@ -14,7 +14,7 @@ import traceback
 from types import TracebackType
 from typing import Optional, Tuple
 
-from . import _channel, _native
+from . import _native, _pickling
 
 
 def _user_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:
@@ -33,9 +33,9 @@ def _pickled(exc: BaseException) -> bytes:
         return pickle.dumps(exc)
     except BaseException:  # noqa: BLE001 - the text must get through whatever happens here
         pass
-    if _channel.main_without_file():
+    if _pickling.main_without_file():
         try:
-            return _channel.dumps(exc, _channel._FdCollector())
+            return _pickling.dumps(exc, _pickling.FdCollector())
         except BaseException:  # noqa: BLE001
             pass
     return b""

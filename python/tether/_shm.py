@@ -23,7 +23,7 @@ from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any, Callable, Tuple
 
-from . import _channel, _recycle
+from . import _pickling, _recycle
 
 __all__ = ["install", "memfd", "memfd_storage"]
 
@@ -99,7 +99,7 @@ def install() -> None:
     registered = ForkingPickler._extra_reducers.get(  # type: ignore[attr-defined]
         storage, reductions.reduce_storage
     )
-    _channel.register(storage, _worker_reducer(torch, registered, reductions.rebuild_storage_fd))
+    _pickling.register(storage, _worker_reducer(torch, registered, reductions.rebuild_storage_fd))
 
 
 def _worker_reducer(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Status:
 
     def __str__(self) -> str:
         lines = [f"tether in pid {self.pid}"]
-        from ._zygote import preload_summary
+        from ._zygote_server import preload_summary
 
         for z in self.zygotes:
             lines.append(f"  zygote {z.pid} (preload: {preload_summary(z.preload)})")
@@ -67,12 +67,20 @@ class Status:
         return "\n".join(lines)
 
 
+#: What lists the pools of this process, once the pool's module is imported (this module
+#: never imports it: a process that made no pool has none).
+_pool_sources: List[Callable[[], List[Pool]]] = []
+
+
+def add_pools(source: Callable[[], List[Pool]]) -> None:
+    """``source`` lists pools for ``status()``."""
+    _pool_sources.append(source)
+
+
 def status() -> Status:
     """What tether runs now in this interpreter: its zygotes (pid, preload, the children
     they keep ready), its pools and their workers, and the groups of processes started by
     ``start_processes`` that are still running or not yet joined."""
-    import sys
-
     from . import _zygote
     from .spawn import live_contexts
 
@@ -81,9 +89,8 @@ def status() -> Status:
         pids = zygote.pids()
         if pids:
             found.zygotes.append(Zygote(pids[0], list(zygote.preload), pids[1:]))
-    pool = sys.modules.get("tether.pool")
-    if pool is not None:
-        found.pools = pool.status()
+    for pools in _pool_sources:
+        found.pools += pools()
     for ctx in live_contexts():
         ranks = [
             Child(p.pid, f"rank {i}", "running" if p.status is None else str(p.status))

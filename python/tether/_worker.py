@@ -38,7 +38,7 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Final, List, Literal, Optional, Sequence, Tuple
 
-from . import _channel, _child, _native, _recycle, _shm
+from . import _channel, _child, _native, _pickling, _recycle, _shm
 
 #: What a task's bytes hold (see the module's documentation).
 CALL = 0
@@ -68,7 +68,7 @@ def describe(exc: BaseException) -> ErrorInfo:
     except Exception:  # noqa: BLE001 - a broken __str__ must not lose the error
         message = "<message unavailable>"
     try:
-        pickled: Optional[bytes] = _channel.dumps(exc, _channel._FdCollector())
+        pickled: Optional[bytes] = _pickling.dumps(exc, _pickling.FdCollector())
     except BaseException:  # noqa: BLE001 - SystemExit in a __reduce__ included
         pickled = None
     return type(exc).__qualname__, message, text, pickled
@@ -90,19 +90,19 @@ def _run_chunk(end: _native.WorkerEnd, fn: Callable[..., Any], calls: Sequence[A
     return out
 
 
-def _dump(value: Any, collector: _channel._FdCollector) -> bytes:
-    return _channel.dumps(value, collector)
+def _dump(value: Any, collector: _pickling.FdCollector) -> bytes:
+    return _pickling.dumps(value, collector)
 
 
-def _dump_entries(entries: List[Any]) -> Tuple[bytes, _channel._FdCollector]:
+def _dump_entries(entries: List[Any]) -> Tuple[bytes, _pickling.FdCollector]:
     """A chunk's entries, pickled whole, or else one by one (an entry that does not pickle
     becomes its pickling error)."""
-    collector = _channel._FdCollector()
+    collector = _pickling.FdCollector()
     try:
         return _dump(entries, collector), collector
     except BaseException:  # noqa: BLE001 - SystemExit in a __reduce__ included
         pass
-    collector = _channel._FdCollector()
+    collector = _pickling.FdCollector()
     single = []
     for ok, value in entries:
         try:
@@ -120,20 +120,20 @@ def _run_task(
     before anything of the task is freed (a finalizer that kills the worker loses no
     result)."""
     try:
-        task = _channel.loads(blob, fds)
+        task = _pickling.loads(blob, fds)
     except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling included
-        return ERROR, _dump(describe(exc), _channel._FdCollector()), [], None
+        return ERROR, _dump(describe(exc), _pickling.FdCollector()), [], None
     _shm.install()
     if task[0] == CHUNK:
         entries = _run_chunk(end, task[1], task[2])
         data, collector = _dump_entries(entries)
         return OK, data, collector.fds, (task, entries, collector.owners)
     ok, value = _call(task[1], task[2], task[3])
-    collector = _channel._FdCollector()
+    collector = _pickling.FdCollector()
     try:
         data = _dump(value, collector)
     except BaseException as exc:  # noqa: BLE001 - SystemExit in a __reduce__ included
-        return ERROR, _dump(describe(exc), _channel._FdCollector()), [], (task, value)
+        return ERROR, _dump(describe(exc), _pickling.FdCollector()), [], (task, value)
     return (OK if ok else ERROR), data, collector.fds, (task, value, collector.owners)
 
 
@@ -150,7 +150,7 @@ def _run_batch(
         while tasks and (left is None or ran < left):
             task_id, seq, blob, fds = tasks.pop(0)
             if not end.start(seq, task_id):
-                _channel._close_all(fds)
+                _pickling.close_all(fds)
                 end.send_results([(task_id, SKIPPED, b"", [])])
                 continue
             ran += 1
@@ -162,7 +162,7 @@ def _run_batch(
         end.idle()
         _channel.end_task_scope()
     for _, _, _, fds in tasks:
-        _channel._close_all(fds)
+        _pickling.close_all(fds)
     return ran
 
 
@@ -177,7 +177,7 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
     code = 0
     try:
         call: Optional[Tuple[None, Callable[..., Any], Tuple[Any, ...], Dict[str, Any], bool]]
-        call = _channel.loads(blob, fds)
+        call = _pickling.loads(blob, fds)
         del blob
         _, target, args, kwargs, seeds = call
         call = None
@@ -265,7 +265,7 @@ def serve(rank: int, links: Dict[int, Tuple[int, int]], config: Dict[str, Any]) 
     gc.freeze()
     for slot, fds in links.items():
         if slot != rank:
-            _channel._close_all(fds)
+            _pickling.close_all(fds)
     end = _native.WorkerEnd(*links[rank], config.get("spin", 0.0))
     _initialize(config)
     end.hello(os.getpid())

@@ -288,7 +288,7 @@ class PoolContext(multiprocessing.context.BaseContext):
         return _channel.Event()
 
     def get_start_method(self, allow_none: bool = False) -> str:
-        """The pool's start method ("forkserver", "spawn" or "fork")."""
+        """The pool's start method (the ``start_method`` it was made with)."""
         return self._leaser.start_method
 
     def get_context(self, method: Optional[str] = None) -> Any:

@@ -1,12 +1,14 @@
 """The exceptions a failed child raises in its parent, with torch's names, messages and
-attributes (so code written against ``torch.multiprocessing`` keeps working)."""
+attributes (so code written against ``torch.multiprocessing`` keeps working), and those of
+``tether.Pool`` (``BrokenProcessPool``s, as ``concurrent.futures`` reports the same events)."""
 
 from __future__ import annotations
 
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Dict, Optional, Tuple
 
 
-class ProcessException(Exception):
+class ProcessException(Exception):  # noqa: N818 - torch.multiprocessing's name
     """A child process failed. ``error_index`` is its rank; ``error_pid`` (and ``pid``, the
     same) its process id. The constructor takes torch's arguments."""
 
@@ -70,3 +72,43 @@ class ProcessTimeoutError(TimeoutError):
 
     def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
         return type(self), (self.msg, self.stacks, self.timeout)
+
+
+class WorkerCrashedError(BrokenProcessPool):
+    """A pool worker died while it ran (or had just run) a task; the pool started a new
+    worker and keeps running. ``pid`` is the worker's, ``exitcode`` its exit code (minus the
+    signal number when killed), ``signal_name`` the signal's name (``SIGSEGV``) or None.
+    A ``BrokenProcessPool``, as ``ProcessPoolExecutor`` reports the same event."""
+
+    def __init__(
+        self, message: str, pid: int, exitcode: int, signal_name: Optional[str] = None
+    ) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.exitcode = exitcode
+        self.signal_name = signal_name
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        return type(self), (self.args[0], self.pid, self.exitcode, self.signal_name)
+
+
+class BrokenPool(BrokenProcessPool):
+    """The pool cannot run tasks: a worker failed to start (its error is in the message)."""
+
+
+class NoFreeWorkerError(RuntimeError):
+    """No worker is free for a leased process (a RuntimeError for the caller)."""
+
+
+class RemoteError(Exception):
+    """An exception raised in a worker that could not be rebuilt here (its class does not
+    pickle or unpickle): its type's name, its message and the worker's traceback text."""
+
+    def __init__(self, type_name: str, message: str, traceback: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        return type(self), (self.type_name, self.message, self.traceback)

@@ -10,9 +10,7 @@ runs, so a report of any size arrives whole and never blocks the child."""
 from __future__ import annotations
 
 import atexit
-import math
 import multiprocessing.process
-import numbers
 import signal
 import sys
 import threading
@@ -21,9 +19,10 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from . import _launch, _native, _report, _stacks
+from . import _launch, _native, _process, _report, _stacks
 from ._launch import DEFAULT_START_METHOD
 from ._log import logger
+from ._process import Process
 from .errors import (
     ProcessException,
     ProcessExitedException,
@@ -47,87 +46,6 @@ DEFAULT_GRACE = 30.0
 
 #: How long the children have after a forwarded Ctrl-C (SIGINT) before they get SIGTERM.
 INT_TO_TERM = 3.0
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"<Unknown signal {signum}>"
-
-
-class Process:
-    """One child of a ``ProcessContext``, with the attributes of ``multiprocessing.Process``
-    that torch's users rely on."""
-
-    def __init__(self, group: _native.Group, index: int, daemon: bool) -> None:
-        self._group = group
-        self._index = index
-        self.daemon = daemon
-        self.pid: int = group.pid(index)
-        self.name = f"TetherProcess-{index}"
-
-    @property
-    def status(self) -> Optional[_native.ExitStatus]:
-        """None while running; then how the process ended."""
-        return self._group.exit(self._index)
-
-    @property
-    def exitcode(self) -> Optional[int]:
-        """None while running; the exit code, or minus the signal number. Also None once
-        exited when the status is unavailable (something else reaped the process)."""
-        status = self.status
-        return None if status is None else status.exitcode
-
-    @property
-    def sentinel(self) -> int:
-        """An fd that becomes readable when the process ends (its pidfd)."""
-        return self._group.sentinel(self._index)
-
-    @property
-    def ident(self) -> int:
-        return self.pid
-
-    def is_alive(self) -> bool:
-        return self.status is None
-
-    def join(self, timeout: Optional[float] = None) -> None:
-        self._group.wait([self._index], "all", _seconds(timeout, "timeout"))
-
-    def close(self) -> None:
-        """As ``multiprocessing.Process.close``: an error while the process runs (its pidfd
-        and report are released with its context)."""
-        if self.is_alive():
-            raise ValueError("Cannot close a process while it is still running.")
-
-    def terminate(self) -> None:
-        """SIGTERM to the process and its process group."""
-        self._group.signal(self._index, signal.SIGTERM)
-
-    def kill(self) -> None:
-        """SIGKILL to the process and its process group."""
-        self._group.signal(self._index, signal.SIGKILL)
-
-    def __repr__(self) -> str:
-        status = self.status
-        state = "alive" if status is None else str(status)
-        return f"<{type(self).__name__} {self.name} pid={self.pid} {state}>"
-
-
-def _seconds(value: Any, name: str) -> Optional[float]:
-    """A timeout or grace period as ``join`` takes it: None, or a number of seconds (NaN and
-    non-numbers are errors; a negative one means "do not wait", a huge one "for ever")."""
-    if value is None:
-        return None
-    if not isinstance(value, numbers.Real):  # a bool is 0 or 1 second, as for torch
-        raise TypeError(f"{name} must be a number of seconds or None, not {type(value).__name__}")
-    try:
-        seconds = float(value)
-    except OverflowError:
-        return math.inf
-    if math.isnan(seconds):
-        raise ValueError(f"{name} must be a number of seconds or None, not NaN")
-    return seconds
 
 
 _live: "weakref.WeakSet[ProcessContext]" = weakref.WeakSet()
@@ -192,8 +110,8 @@ class ProcessContext:
         ``start_processes``), takes every rank's stack, stops them the same way and raises
         ``ProcessTimeoutError``. Bad arguments raise before anything else happens, and never
         stop the children."""
-        wait = _seconds(timeout, "timeout")
-        grace = _seconds(grace_period, "grace_period")
+        wait = _process.seconds(timeout, "timeout")
+        grace = _process.seconds(grace_period, "grace_period")
         if self._done:
             return True
         try:
@@ -276,7 +194,7 @@ class ProcessContext:
             else:
                 _say(
                     f"tether: {count} process(es) still running {after:g} s after SIGINT: "
-                    f"{_signal_name(signum)}; SIGKILL in {grace - after:g} s"
+                    f"{_process.signal_name(signum)}; SIGKILL in {grace - after:g} s"
                 )
 
         try:
@@ -312,7 +230,7 @@ class ProcessContext:
             return error
         assert status is not None and status.exitcode is not None
         if status.signal is not None:
-            name = _signal_name(status.signal)
+            name = _process.signal_name(status.signal)
             msg = f"process {index} terminated with signal {name}"
             error = ProcessExitedException(msg, index, pid, status.exitcode, name)
             note = f"process {index} had pid {pid}"
@@ -370,6 +288,7 @@ def _finish_at_exit() -> None:
         ctx._at_exit(interrupted)
 
 
+@_launch.with_start_methods
 def start_processes(
     fn: Callable[..., Any],
     args: Sequence[Any] = (),
@@ -382,14 +301,13 @@ def start_processes(
     timeout: Optional[float] = None,
 ) -> Optional[ProcessContext]:
     """Starts ``nprocs`` processes running ``fn(i, *args)`` with ``start_method``:
-    "forkserver" (the default: a fork of tether's warm zygote, as clean as "spawn" but
-    without the interpreter start and the heavy imports; ``preload`` names the modules the
-    zygote imports, see ``tether.set_preload``), "spawn" (a fresh interpreter) or "fork" (a
-    copy of this process). With ``join`` (the default) waits for all of them and raises on
-    the first failure; otherwise returns the ``ProcessContext``. A ``timeout`` (seconds,
-    counted from the start of the processes) bounds the whole job: once it has passed,
-    ``join`` takes every rank's stack, stops them all and raises ``ProcessTimeoutError``
-    (a ``TimeoutError``) whose ``stacks`` shows where each rank was."""
+    {start_methods}. A fork of the zygote is as clean as a fresh interpreter, without the
+    interpreter start and the heavy imports; ``preload`` names the modules the zygote
+    imports (see ``tether.set_preload``). With ``join`` (the default) waits for all of them
+    and raises on the first failure; otherwise returns the ``ProcessContext``. A ``timeout``
+    (seconds, counted from the start of the processes) bounds the whole job: once it has
+    passed, ``join`` takes every rank's stack, stops them all and raises
+    ``ProcessTimeoutError`` (a ``TimeoutError``) whose ``stacks`` shows where each rank was."""
     _launch.check_start_method(start_method, "tether")
     if timeout is not None:
         timeout = _stacks.check_timeout(timeout)
@@ -418,6 +336,7 @@ def start_processes(
 SpawnContext = ProcessContext
 
 
+@_launch.with_start_methods
 def spawn(
     fn: Callable[..., Any],
     args: Sequence[Any] = (),
@@ -429,14 +348,14 @@ def spawn(
     preload: Optional[Sequence[str]] = None,
     timeout: Optional[float] = None,
 ) -> Optional[ProcessContext]:
-    """Like ``start_processes``, for a fresh-process start method: "forkserver" (the
-    default) or "spawn". As in torch, another ``start_method`` ("fork") gives a
+    """Like ``start_processes``, for a fresh-process start method: {fresh_start_methods}.
+    As in torch, another ``start_method`` (one that copies this process) gives a
     FutureWarning and the default is used instead."""
-    if start_method == "fork":
+    if start_method in _launch.STARTERS and not _launch.STARTERS[start_method].fresh:
         warnings.warn(
-            "spawn() starts fresh processes and does not use start_method='fork'; "
+            f"spawn() starts fresh processes and does not use start_method={start_method!r}; "
             f"using {DEFAULT_START_METHOD!r}. Use tether.start_processes(..., "
-            "start_method='fork') to fork this process.",
+            f"start_method={start_method!r}) to fork this process.",
             FutureWarning,
             stacklevel=2,
         )

@@ -9,6 +9,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import adversary  # noqa: E402
+import adversary
 
 adversary.reuse_channel(int(os.environ["RANK"]), sys.argv[1], sys.argv[2])

@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn, optim
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parallel import DistributedDataParallel
 
 
 class ToyModel(nn.Module):
@@ -30,7 +30,7 @@ class ToyModel(nn.Module):
 def train(epochs: int, fail_rank: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DDP(ToyModel())
+    model = DistributedDataParallel(ToyModel())
     loss_fn = nn.MSELoss()
     optimizer = optim.SGD(model.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(1000 + rank)

@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import stuck  # noqa: E402
+import stuck
 
 rank = int(os.environ["RANK"])
 kinds = stuck.KINDS if "--only" not in sys.argv else (sys.argv[sys.argv.index("--only") + 1],)

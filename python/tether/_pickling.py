@@ -1,0 +1,290 @@
+"""The one pickling of tether: what carries fds with a message or a process start.
+
+Objects are pickled with ``multiprocessing.reduction.ForkingPickler``'s reductions (so
+torch's apply: a tensor's storage moves to shared memory) while an ``FdCollector`` stands in
+for multiprocessing's "spawning popen": every fd that a reduction passes through
+``multiprocessing.reduction.DupFd`` (a shared-memory storage, a connection, a tether queue)
+is collected. For a channel message it travels with the message as ``SCM_RIGHTS``
+ancillary data and comes back in the receiver from ``detach()``; for a process start
+(``inherit``) the child inherits it under the same number. Nothing goes through
+``resource_sharer`` and nothing is copied more than with torch's own queues.
+
+Functions and classes of a ``__main__`` that has no file (a notebook, the REPL, ``python -c``,
+stdin) cannot be found by name in another process: those travel by value, pickled by
+cloudpickle (an optional dependency, imported only when such an object travels), and so do
+the instances of such classes. Everything else still travels by reference."""
+
+from __future__ import annotations
+
+import copyreg
+import importlib
+import io
+import multiprocessing.context
+import os
+import pickle
+import sys
+import threading
+from collections import ChainMap
+from multiprocessing.reduction import ForkingPickler
+from types import FunctionType, ModuleType
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+__all__ = ["FdCollector", "dump", "dumps", "loads", "main_without_file", "register"]
+
+
+class _FdRef:
+    """What ``DupFd`` returns while an ``FdCollector`` is active: the position of an fd in
+    the message's fd list. It pickles as a call that claims that fd in the receiver."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> Tuple[Callable[[int], "_ReceivedFd"], Tuple[int]]:
+        return _received_fd, (self.index,)
+
+
+class _Inherited:
+    """What ``DupFd`` returns for a process start: an fd the child inherits under the same
+    number (multiprocessing's protocol: ``detach()`` returns it)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def detach(self) -> int:
+        return self.fd
+
+
+class FdCollector:
+    """Stands in for multiprocessing's "spawning popen" while an object is pickled, so that
+    multiprocessing primitives and shared tensors can name the fds that must travel with
+    it. For a channel message, ``duplicate_for_child`` collects the fd and returns its
+    position in the message, ``DupFd`` wraps that position; with ``dup``, the fds are
+    duplicates owned by the collector (for a message sent later, after the pickled objects
+    may be gone). For a process start (``inherit``), the fd keeps its number: the child
+    inherits it."""
+
+    def __init__(self, dup: bool = False, inherit: bool = False) -> None:
+        self.fds: List[int] = []
+        self.dup = dup
+        self.inherit = inherit
+        #: The tether queues pickled into the message (a pool process watches them).
+        self.channels: List[Any] = []
+        #: What owns fds of the message that nothing else keeps alive until it is sent.
+        self.owners: List[Any] = []
+
+    def duplicate_for_child(self, fd: int) -> int:
+        if self.inherit:
+            self.fds.append(fd)
+            return fd
+        self.fds.append(os.dup(fd) if self.dup else fd)
+        return len(self.fds) - 1
+
+    def DupFd(self, fd: int) -> Union[_FdRef, _Inherited]:  # noqa: N802 (multiprocessing's name)
+        """What pickles as the fd ``duplicate_for_child`` named ``fd`` (a position in the
+        message, or the inherited number)."""
+        return _Inherited(fd) if self.inherit else _FdRef(fd)
+
+    def close(self) -> None:
+        """Closes the duplicates (only those made with ``dup``)."""
+        if self.dup:
+            close_all(self.fds)
+            self.fds = []
+
+
+class _Incoming:
+    """The fds of a message being unpickled; those nobody claims are closed afterwards."""
+
+    __slots__ = ("fds", "claimed")
+
+    def __init__(self, fds: Sequence[int]) -> None:
+        self.fds = list(fds)
+        self.claimed = [False] * len(self.fds)
+
+    def take(self, index: int) -> int:
+        if self.claimed[index]:
+            return os.dup(self.fds[index])
+        self.claimed[index] = True
+        return self.fds[index]
+
+    def close_unclaimed(self) -> None:
+        close_all(fd for fd, taken in zip(self.fds, self.claimed) if not taken)
+
+
+class _ReceivedFd:
+    """An fd that arrived with a message; ``detach()`` hands it over (multiprocessing's
+    protocol, used by torch's ``rebuild_storage_fd`` and by ``rebuild_connection``)."""
+
+    __slots__ = ("_incoming", "_index")
+
+    def __init__(self, incoming: _Incoming, index: int) -> None:
+        self._incoming = incoming
+        self._index = index
+
+    def detach(self) -> int:
+        return self._incoming.take(self._index)
+
+
+_tls = threading.local()
+# multiprocessing's own thread-local "spawning popen" (what get_spawning_popen() reads).
+_popen_tls = multiprocessing.context._tls  # type: ignore[attr-defined]
+
+
+def _received_fd(index: int) -> _ReceivedFd:
+    incoming: Optional[_Incoming] = getattr(_tls, "incoming", None)
+    if incoming is None:
+        raise RuntimeError("a tether fd reference was unpickled outside of a channel message")
+    return _ReceivedFd(incoming, index)
+
+
+def close_all(fds: Any) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class _Pickler(pickle.Pickler):
+    """``ForkingPickler``'s reductions (copyreg's table plus those registered with
+    ``ForkingPickler.register``, e.g. torch's) in a table shared by every instance, rebuilt
+    when a registration is added: ``ForkingPickler`` copies it for each message."""
+
+    dispatch_table: Dict[Any, Any] = {}
+    _sizes = (-1, -1)
+
+
+class _MainByValuePickler(_Pickler):
+    """``_Pickler`` for a process whose ``__main__`` has no file: a function or class of
+    ``__main__`` travels by value (see ``_by_value``)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Called for every object but atoms and strings: as little work as possible.
+        if isinstance(obj, _BY_VALUE_KINDS) and getattr(obj, "__module__", None) == "__main__":
+            return _by_value(obj)
+        return NotImplemented
+
+
+_BY_VALUE_KINDS = (FunctionType, type)
+
+
+def main_without_file() -> bool:
+    """Whether this process's ``__main__`` has no file another process could import it from
+    (a notebook or IPython, the REPL, ``python -c``, stdin: no ``__file__``, or a name such
+    as ``<stdin>``), and is no module run with ``-m``."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return False
+    path = getattr(main, "__file__", None)
+    return not isinstance(path, str) or path.startswith("<")
+
+
+def _pickler_class() -> "type[_Pickler]":
+    # The reducers registered with ForkingPickler.register (torch's tensors and storages);
+    # private to multiprocessing and not in its type stubs.
+    extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    sizes = (len(copyreg.dispatch_table), len(extra))
+    if _Pickler._sizes != sizes:
+        table = dict(copyreg.dispatch_table)
+        table.update(extra)
+        _Pickler.dispatch_table = table
+        _Pickler._sizes = sizes
+    # Only then does every object pickled pass through a Python call (reducer_override).
+    return _MainByValuePickler if main_without_file() else _Pickler
+
+
+def _cloudpickle(obj: Any) -> ModuleType:
+    """cloudpickle, or a PicklingError that says why ``obj`` needs it and how to get it."""
+    try:
+        return importlib.import_module("cloudpickle")
+    except ImportError:
+        kind = "class" if isinstance(obj, type) else "function"
+        raise pickle.PicklingError(
+            f"the {kind} {obj.__qualname__} cannot travel to another process: it is defined "
+            "in a __main__ without a file (a notebook, the REPL, python -c or stdin), whose "
+            "functions and classes tether sends by value with cloudpickle, which is not "
+            "installed: pip install cloudpickle"
+        ) from None
+
+
+def _by_value(obj: Union[FunctionType, type]) -> Tuple[Callable[[bytes], Any], Tuple[bytes]]:
+    """The reduction of a function or class of a ``__main__`` without a file: cloudpickle's
+    pickle of it (code, closure, the globals it uses, a class's body) with the reductions of
+    ``ForkingPickler`` (so a tensor it refers to moves to shared memory, an fd travels with
+    the message), unpickled where the message is. cloudpickle gives a class an id that
+    follows it: the same class pickled in several messages, or sent back, is one class."""
+    pickler = _by_value_pickler(_cloudpickle(obj))
+    buf = io.BytesIO()
+    pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return _from_main, (buf.getvalue(),)
+
+
+#: ``(ForkingPickler's table, the pickler class made with it)``.
+_by_value_class: Optional[Tuple[Any, type]] = None
+
+
+def _by_value_pickler(cloudpickle: ModuleType) -> type:
+    """cloudpickle's Pickler, with ``ForkingPickler``'s reductions under its own."""
+    global _by_value_class
+    table = _pickler_class().dispatch_table
+    if _by_value_class is None or _by_value_class[0] is not table:
+        base = cloudpickle.Pickler
+        made = type(
+            "_ByValuePickler", (base,), {"dispatch_table": ChainMap(base.dispatch_table, table)}
+        )
+        _by_value_class = (table, made)
+    return _by_value_class[1]
+
+
+def _from_main(data: bytes) -> Any:
+    """A function or class of the sender's ``__main__``, rebuilt from cloudpickle's bytes."""
+    return pickle.loads(data)
+
+
+def register(cls: type, reducer: Callable[[Any], Any]) -> None:
+    """Registers (or replaces) ``ForkingPickler``'s reduction of ``cls``, here too."""
+    ForkingPickler.register(cls, reducer)
+    _Pickler._sizes = (-1, -1)
+
+
+def dump(
+    obj: Any,
+    collector: FdCollector,
+    file: Any,
+    buffer_callback: Optional[Callable[[pickle.PickleBuffer], Any]] = None,
+) -> None:
+    """Pickles ``obj`` into ``file`` as ``ForkingPickler`` would (protocol 5, so that
+    ``buffer_callback`` may take large buffers out of band); the fds it names go to
+    ``collector.fds``."""
+    previous = getattr(_popen_tls, "spawning_popen", None)
+    _popen_tls.spawning_popen = collector
+    try:
+        _pickler_class()(file, pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback).dump(obj)
+    finally:
+        _popen_tls.spawning_popen = previous
+
+
+def dumps(obj: Any, collector: FdCollector) -> bytes:
+    """``dump`` into bytes."""
+    buf = io.BytesIO()
+    dump(obj, collector, buf)
+    return buf.getvalue()
+
+
+def loads(data: Any, fds: Sequence[int], buffers: Optional[Sequence[Any]] = None) -> Any:
+    """Unpickles a message (any bytes-like object) whose fds arrived as ``fds`` (this
+    process owns them), with its out-of-band ``buffers``: the fds its objects claim are
+    theirs, the rest are closed."""
+    if not fds:
+        return pickle.loads(data, buffers=buffers)  # nothing in it can claim an fd
+    previous = getattr(_tls, "incoming", None)
+    incoming = _Incoming(fds)
+    _tls.incoming = incoming
+    try:
+        return pickle.loads(data, buffers=buffers)
+    finally:
+        _tls.incoming = previous
+        incoming.close_unclaimed()

@@ -1,0 +1,349 @@
+"""The life of a ``tether.Pool``: its workers' start, the hub thread that takes the worker
+set's events (results, ended leases, deaths) and hands them on, the healing of a dead
+worker, and the states running -> shutdown -> closed.
+
+Each worker is a direct child of this process, started by tether's launch layer (so it
+leads its own process group and dies with this process). The worker set lives in Rust
+(``_native.WorkerSet``): the table of workers, the tasks queued and in flight, which
+worker runs which task, batch sizes, leases, and deaths seen on each worker's pidfd. A
+worker that dies fails the task it was running (``WorkerCrashedError``, a
+``BrokenProcessPool``); the tasks it never started run elsewhere, and a replacement starts
+on a thread of its own, so the other workers' results keep flowing meanwhile.
+
+As ``concurrent.futures.ProcessPoolExecutor``: work submitted before shutdown finishes
+before the interpreter exits (unless ``shutdown(cancel_futures=True)``), whether or not the
+pool was shut down or garbage collected."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import sys
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
+
+from . import _launch, _native, _report, _status, _worker
+from ._log import logger
+from ._pool_leases import Leases, worker_state
+from ._pool_tasks import Tasks, delivery, status_text
+from .context import Leased
+from .errors import BrokenPool
+
+#: Messages of executor tasks in flight per worker (one running, one waiting in its socket).
+WINDOW = 2
+#: The most tasks one message carries.
+MAX_BATCH = 256
+#: The most a wait (the hub's, a waiting caller's, a worker's) polls before it sleeps: a
+#: sleeping thread costs a wake-up when its message comes. Polling stops for a while when
+#: it keeps finding nothing (a busy machine), where it would only take a core from the
+#: process that answers.
+SPIN = 0.0001
+#: How long closing waits for workers to exit after closing their links, before SIGKILL.
+EXIT_GRACE = 2.0
+
+State = Literal["running", "shutdown", "closed"]
+
+
+class Core:
+    """The pool's state, shared by the ``Pool`` façade, its contexts, the hub thread and the
+    replacement threads (none of which keeps the façade alive)."""
+
+    def __init__(
+        self,
+        processes: int,
+        start_method: str,
+        preload: Sequence[str],
+        initializer: Optional[Callable[..., Any]],
+        initargs: Sequence[Any],
+        max_tasks_per_child: Optional[int] = None,
+    ) -> None:
+        self.size = processes
+        self.number = next(_numbers)
+        #: The process that made the pool (a copy inherited through a fork does nothing).
+        self.pid = os.getpid()
+        self.start_method = start_method
+        self.preload = list(preload)
+        self.config = {
+            "preload": self.preload,
+            "initializer": initializer,
+            "initargs": tuple(initargs),
+            "spin": SPIN,
+            "max_tasks": max_tasks_per_child,
+        }
+        self.workers = _native.WorkerSet(WINDOW, MAX_BATCH, SPIN)
+        self.lock = threading.Lock()
+        ids = itertools.count(1)
+        self.tasks = Tasks(self.workers, ids, processes, max_tasks_per_child, self)
+        self.leases = Leases(self.workers, ids, processes, self)
+        self.replacing: "set[threading.Thread]" = set()
+        self.state: State = "running"
+        self.broken: Optional[str] = None
+        #: Notified by the hub when a worker becomes ready or dies.
+        self.changed = threading.Condition(self.lock)
+        self.hub: Optional[threading.Thread] = None
+        try:
+            self._start_workers(list(range(processes)))
+            self.hub = threading.Thread(target=self._hub, name="tether-pool-hub", daemon=True)
+            self.hub.start()
+            self._wait_ready()
+        except BaseException:
+            self._close(kill=True)
+            raise
+
+    def _wait_ready(self) -> None:
+        """Waits until every worker is ready; raises ``BrokenPool`` with the error of a
+        worker that died first (its initializer failed, its start did)."""
+        with self.changed:
+            while self.broken is None and self.state != "closed":
+                workers = self.workers.workers()
+                if len(workers) == self.size and all(w[2] for w in workers):
+                    return
+                self.changed.wait()
+            if self.broken is not None:
+                raise BrokenPool(self.broken)
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def _start_workers(self, slots: List[int]) -> None:
+        """Starts the workers of ``slots`` in one launch, each linked to the set."""
+        links = [self.workers.link() for _ in slots]
+        fds = {slot: link.child_fds() for slot, link in zip(slots, links)}
+        # A fork child closes what it inherits of the pool: every worker's socket.
+        inherited = self.workers.parent_fds() + [link.parent_fd() for link in links]
+        logger.info("pool %d: starting worker(s) %s", self.number, slots)
+        group = _launch.start(
+            _worker.serve,
+            (fds, self.config),
+            slots,
+            self.start_method,
+            preload=self.preload or None,
+            keep_fds=[fd for pair in fds.values() for fd in pair],
+            close_in_child=inherited,
+            title=(
+                f"tether pool {self.number} worker {{rank}} [{self.start_method}, "
+                f"parent {os.getpid()}]",
+                f"tether:p{self.number}w{{rank}}",
+            ),
+        )
+        for member, (slot, link) in enumerate(zip(slots, links)):
+            try:
+                self.workers.add(slot, link, group, member)
+            except (RuntimeError, OSError):
+                # Closed meanwhile (or it cannot be watched): it must not outlive the pool.
+                group.signal(member, signal.SIGKILL)
+                group.wait([member], "all", 5.0)
+
+    def pids(self) -> List[int]:
+        return self.workers.pids()
+
+    def status(self) -> _status.Pool:
+        """This pool and its workers, for ``tether.status()``."""
+        leased = dict(self.leases.running)
+        workers = [
+            _status.Child(
+                pid,
+                f"worker {slot}",
+                worker_state(ready, leased.get(lease) if lease is not None else None, reserved),
+            )
+            for slot, pid, ready, lease, reserved in self.workers.workers()
+        ]
+        return _status.Pool(self.number, self.start_method, workers)
+
+    # -- what the tasks and the leases ask -------------------------------------------------
+
+    def check_open(self) -> None:
+        if self.broken is not None:
+            raise BrokenPool(self.broken)
+        if self.state != "running":
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+    def free_held_workers(self) -> None:
+        self.leases.free_held_workers(self.hub)
+
+    def taken(self) -> None:
+        if self.state != "running":
+            self.workers.wake()  # the hub closes the pool once no work is left
+
+    def lease(
+        self,
+        target: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Dict[str, Any],
+        keep_datasets: bool = True,
+    ) -> Leased:
+        return self.leases.lease(target, args, kwargs, keep_datasets)
+
+    def signal(self, lease: _native.Lease, signum: int) -> None:
+        self.leases.signal(lease, signum)
+
+    # -- the hub ---------------------------------------------------------------------------
+
+    def _hub(self) -> None:
+        """Takes the worker set's events and delivers them, until the pool is closed."""
+        delivery.active = True
+        while True:
+            events = self.workers.poll(None)
+            if events is None:
+                return
+            try:
+                self._handle(events)
+            except Exception:  # noqa: BLE001 - the hub must outlive any bug of ours
+                threading.excepthook(
+                    threading.ExceptHookArgs((*sys.exc_info(), threading.current_thread()))
+                )
+            del events
+            if self.state != "running" and not self.workers.busy():
+                self._close(kill=False)
+                return
+
+    def _handle(self, events: List[Any]) -> None:
+        for event in events:
+            kind = event[0]
+            if kind == "results":
+                self.tasks.on_results(event[3])
+            elif kind == "lease":
+                self.leases.ended(event[1], event[2])
+            elif kind == "died":
+                self._on_death(*event[1:])
+            if kind in ("ready", "died"):
+                with self.changed:
+                    self.changed.notify_all()
+
+    # -- healing ---------------------------------------------------------------------------
+
+    def _on_death(
+        self,
+        slot: int,
+        pid: int,
+        status: _native.ExitStatus,
+        ready: bool,
+        crashed: Optional[Tuple[int, int]],
+        lost: List[int],
+        lease: Optional[_native.Lease],
+        report: bytes,
+    ) -> None:
+        """A worker died: fail what it was running, and the results it never sent; start a
+        replacement (or, when it died before it was ready, mark the pool broken)."""
+        # 255 stands for a status something else took (a SIGCHLD set to SIG_IGN).
+        exitcode = 255 if status.exitcode is None else status.exitcode
+        logger.info("pool %d: worker %d (pid %d) died with %s", self.number, slot, pid, status)
+        if lease is not None:
+            self.leases.running.pop(lease.id, None)
+        self.tasks.on_death(pid, exitcode, crashed, lost)
+        if not ready and self.state != "closed" and self.broken is None:
+            self._break(self._startup_failure(pid, exitcode, report))
+        elif self.state != "closed" and self.broken is None:
+            thread = threading.Thread(
+                target=self._replace, args=(slot,), name="tether-pool-replace", daemon=True
+            )
+            with self.lock:
+                self.replacing.add(thread)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # interpreter shutting down
+                with self.lock:
+                    self.replacing.discard(thread)
+                self._break(f"could not start a replacement worker: {exc!r}")
+
+    def _replace(self, slot: int) -> None:
+        try:
+            self._start_workers([slot])
+            logger.info("pool %d: worker %d replaced", self.number, slot)
+        except BaseException as exc:  # noqa: BLE001 - a pool that cannot heal is broken
+            self._break(f"could not start a replacement worker: {exc!r}")
+        finally:
+            with self.lock:
+                self.replacing.discard(threading.current_thread())
+            self.workers.wake()
+
+    def _break(self, message: str) -> None:
+        """Marks the pool broken: every task not started fails with ``BrokenPool``."""
+        self.broken = message
+        self.tasks.fail(self.workers.cancel_all(), BrokenPool(message))
+
+    def _startup_failure(self, pid: int, exitcode: int, raw_report: bytes) -> str:
+        report = _report.decode(raw_report)
+        text, _, _ = status_text(exitcode)
+        message = f"a tether.Pool worker (pid {pid}) {text} before it was ready"
+        if report is not None:
+            message += ":\n" + report[0]
+        return message
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    def shutdown(self, wait: bool, cancel_futures: bool) -> None:
+        with self.lock:
+            if self.state == "running":
+                self.state = "shutdown"
+        if cancel_futures:
+            self.tasks.cancel(self.workers.cancel_all())
+        self.workers.wake()
+        if wait:
+            self.join()
+
+    def join(self) -> None:
+        """Waits for the hub (which closes the pool once its work is done) and for the
+        replacements being started."""
+        hub = self.hub
+        if hub is not None and hub is not threading.current_thread():
+            hub.join()
+        self.join_replacements()
+
+    def join_replacements(self) -> None:
+        """Waits until the workers being started to replace dead ones are in the set."""
+        with self.lock:
+            starting = list(self.replacing)
+        for thread in starting:
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def _close(self, kill: bool) -> None:
+        """Stops every worker; tasks never answered fail; leases end with their workers'
+        status. With ``kill``, workers get SIGKILL at once."""
+        with self.lock:
+            if self.state == "closed":
+                return
+            self.state = "closed"
+            self.changed.notify_all()
+        left = self.workers.close(kill, 0.0 if kill else EXIT_GRACE)
+        error = RuntimeError("the tether.Pool was shut down before this task ran")
+        self.tasks.fail(left, error)
+        self.tasks.fail_all(error)
+        self.leases.running.clear()
+        _live.discard(self)
+
+
+_live: "weakref.WeakSet[Core]" = weakref.WeakSet()
+#: Numbers the pools of this process (as they show in ``ps`` and ``tether.status()``).
+_numbers = itertools.count(1)
+
+
+def track(core: Core) -> None:
+    """Counts ``core`` among the live pools (``tether.status()``, the interpreter's exit)."""
+    _live.add(core)
+
+
+def status() -> List[_status.Pool]:
+    """The pools of this process and their workers (see ``tether.status()``)."""
+    return [core.status() for core in sorted(_live, key=lambda c: c.number)]
+
+
+def _python_exit() -> None:
+    """At interpreter exit, before threads are joined: every pool finishes the work it was
+    given (as ``ProcessPoolExecutor`` does), then stops."""
+    for core in list(_live):
+        if core.pid == os.getpid():
+            core.free_held_workers()
+            core.shutdown(wait=True, cancel_futures=False)
+
+
+_status.add_pools(status)
+
+try:
+    # What concurrent.futures registers its own exit hook with (private to threading, not in
+    # its type stubs): it runs before non-daemon threads are joined.
+    threading._register_atexit(_python_exit)  # type: ignore[attr-defined]
+except RuntimeError:  # imported while the interpreter shuts down
+    pass

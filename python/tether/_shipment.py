@@ -1,0 +1,242 @@
+"""How a DataLoader's dataset, ``collate_fn`` and ``worker_init_fn`` cross to the pool's
+workers, and what a worker keeps of them (``_kept``, keyed by the parent's object; the
+parent's record of it is ``_datasets.Kept``).
+
+When an object must cross, the loader's three objects are pickled together (what they share
+stays shared, as in torch's one pickle of a worker's arguments), once per loader, not once
+per worker: a ``Shipment`` is one pickle stream (inline when small, else in a sealed memfd)
+whose large buffers (numpy arrays, anything offering protocol 5's out-of-band buffers) lie
+page-aligned in a second sealed memfd. Every worker of the loader maps both and unpickles
+at the same time as the others; the buffers are not copied into any worker (a worker
+maps them copy-on-write, as a fork would share them). An object a worker holds already
+travels as a ``Held`` reference of a few bytes."""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import mmap
+import os
+import pickle
+import weakref
+from multiprocessing.reduction import DupFd
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import _pickling, _shm
+
+__all__ = ["Forgetting", "Held", "Shipment"]
+
+#: A pickle stream up to this size travels inside the lease's message.
+INLINE = 1 << 20
+#: Buffers at least this large travel out of band.
+OUT_OF_BAND = 1 << 16
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+_PAGE = mmap.PAGESIZE
+
+
+# -- the worker's side ------------------------------------------------------------------------
+
+#: What this worker holds: key -> object.
+_kept: Dict[int, Any] = {}
+
+
+def _forget(keys: Sequence[int]) -> None:
+    """Drops the objects the parent no longer holds."""
+    for key in keys:
+        _kept.pop(key, None)
+
+
+def _held(key: int, method: Optional[str] = None) -> Any:
+    """An object this worker received in an earlier lease (or its bound ``method``)."""
+    try:
+        obj = _kept[key]
+    except KeyError:
+        raise LookupError(
+            f"tether.Pool worker (pid {os.getpid()}) was sent a reference to object {key}, "
+            "which it does not hold"
+        ) from None
+    return obj if method is None else getattr(obj, method)
+
+
+def _part(bundle: Tuple[Any, ...], index: int) -> Any:
+    return bundle[index]
+
+
+def _map(fd: int, size: int, writable: bool) -> mmap.mmap:
+    try:
+        if writable:  # copy-on-write: what the worker writes stays its own, as after a fork
+            return mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def _received(
+    keys: Sequence[Tuple[Optional[int], Optional[str]]],
+    stream: Any,
+    size: int,
+    buffers: Any,
+    layout: Sequence[Tuple[int, int]],
+    fds: Sequence[Any],
+) -> Tuple[Any, ...]:
+    """Unpickles a shipment (see ``Shipment``): the loader's objects, one pickle, so that
+    what they share stays shared; keeps each that has a key (a bound method: its object)."""
+    owned = [ref.detach() for ref in fds]
+    data: Any = stream
+    mapped = None
+    if not isinstance(stream, bytes):
+        mapped = _map(stream.detach(), size, writable=False)
+        data = memoryview(mapped)
+    views: List[memoryview] = []
+    if buffers is not None:
+        whole = memoryview(_map(buffers.detach(), layout[-1][0] + layout[-1][1], writable=True))
+        views = [whole[offset : offset + length] for offset, length in layout]
+        del whole
+    try:
+        bundle: Tuple[Any, ...] = _pickling.loads(data, owned, views)
+    finally:
+        if mapped is not None:
+            data.release()
+            mapped.close()
+    for (key, method), obj in zip(keys, bundle):
+        if key is not None:
+            _kept[key] = obj if method is None else obj.__self__
+    return bundle
+
+
+# -- the parent's side ------------------------------------------------------------------------
+
+
+def _sealed_memfd(name: str, size: int, parts: Sequence[Tuple[int, memoryview]]) -> int:
+    """A sealed memfd of ``size`` bytes holding each ``(offset, bytes)`` of ``parts``. The
+    pages are allocated first, so that running out of memory is an error, not a SIGBUS."""
+    fd = _shm.memfd("tether.Pool", name, size, sealing=True)
+    try:
+        for offset, part in parts:
+            done = 0
+            while done < part.nbytes:
+                done += os.pwrite(fd, part[done:], offset + done)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Shipment:
+    """One pickle of a loader's objects (dataset, ``collate_fn``, ``worker_init_fn``,
+    together, so that what they share stays shared, as in torch's one pickle of a worker's
+    arguments) for every worker of the loader: the stream (bytes, or a sealed memfd when
+    large), the out-of-band buffers (one sealed memfd, page-aligned), and the fds the
+    objects' reductions named (duplicates owned here). ``keys`` says under which key the
+    worker keeps each (none: it keeps nothing; a method name: it keeps the method's
+    object). It pickles, inside a lease's message, as the call that rebuilds the objects in
+    the worker; ``part(i)`` as the i-th of them."""
+
+    def __init__(
+        self, bundle: Tuple[Any, ...], keys: Sequence[Tuple[Optional[int], Optional[str]]]
+    ) -> None:
+        self.keys = list(keys)
+        collector = _pickling.FdCollector(dup=True)
+        self._closer = weakref.finalize(self, _pickling.close_all, collector.fds)
+        views: List[memoryview] = []
+
+        def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+            try:
+                view = buffer.raw()
+            except BufferError:  # neither C- nor Fortran-contiguous
+                return True
+            if view.nbytes < OUT_OF_BAND:
+                return True
+            views.append(view)
+            return False
+
+        what = f"a {type(bundle[0]).__name__}"
+        stream = io.BytesIO()
+        _pickling.dump(bundle, collector, stream, out_of_band)
+        self.fds = collector.fds
+        self.size = stream.getbuffer().nbytes
+        self.stream: Any = None
+        self.stream_fd: Optional[int] = None
+        self.buffers_fd: Optional[int] = None
+        self.layout: List[Tuple[int, int]] = []
+        if self.size <= INLINE:
+            self.stream = stream.getvalue()
+        else:
+            with stream.getbuffer() as view:
+                self.stream_fd = self._own(_sealed_memfd(what, self.size, [(0, view)]))
+        del stream
+        if views:
+            offset = 0
+            for view in views:
+                self.layout.append((offset, view.nbytes))
+                offset += -(-view.nbytes // _PAGE) * _PAGE
+            end = self.layout[-1][0] + self.layout[-1][1]
+            fd = _sealed_memfd(
+                f"the buffers of {what}", end, list(zip((o for o, _ in self.layout), views))
+            )
+            self.buffers_fd = self._own(fd)
+        for view in views:
+            view.release()
+
+    def _own(self, fd: int) -> int:
+        self.fds.append(fd)  # closed with the others (it never travels as one of them)
+        return fd
+
+    def close(self) -> None:
+        self._closer()
+
+    def part(self, index: int) -> "_Part":
+        return _Part(self, index)
+
+    def __reduce__(self) -> Tuple[Callable[..., Any], Tuple[Any, ...]]:
+        carried = [fd for fd in self.fds if fd not in (self.stream_fd, self.buffers_fd)]
+        return _received, (
+            self.keys,
+            self.stream if self.stream_fd is None else DupFd(self.stream_fd),
+            self.size,
+            None if self.buffers_fd is None else DupFd(self.buffers_fd),
+            self.layout,
+            [DupFd(fd) for fd in carried],
+        )
+
+
+class Held:
+    """A reference to an object the worker holds (or to its bound method): pickles as the
+    lookup."""
+
+    __slots__ = ("key", "method")
+
+    def __init__(self, key: int, method: Optional[str]) -> None:
+        self.key = key
+        self.method = method
+
+    def __reduce__(self) -> Tuple[Callable[..., Any], Tuple[int, Optional[str]]]:
+        return _held, (self.key, self.method)
+
+
+class _Part:
+    """One object of a shipment: the lease's message holds the shipment once (the pickler
+    keeps it in its memo), and each part takes its object from it."""
+
+    __slots__ = ("shipment", "index")
+
+    def __init__(self, shipment: Shipment, index: int) -> None:
+        self.shipment = shipment
+        self.index = index
+
+    def __reduce__(self) -> Tuple[Callable[..., Any], Tuple[Shipment, int]]:
+        return _part, (self.shipment, self.index)
+
+
+class Forgetting:
+    """The keys a worker drops: the first item of a lease's message, so that the worker
+    drops them while it unpickles the message, before any new object arrives."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: Sequence[int]) -> None:
+        self.keys = list(keys)
+
+    def __reduce__(self) -> Tuple[Callable[[Sequence[int]], None], Tuple[List[int]]]:
+        return _forget, (self.keys,)

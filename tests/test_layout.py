@@ -1,0 +1,127 @@
+"""The layout rules (tools/layout.py): short modules and functions, no circle of imports."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The Rust crates (names under crates/) held to the rules, as the Python package is.
+RUST_CRATES: tuple[str, ...] = ()
+
+
+def _layout() -> Any:
+    spec = importlib.util.spec_from_file_location("layout", ROOT / "tools" / "layout.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("layout", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+layout = _layout()
+
+
+def test_the_python_package_keeps_the_layout_rules():
+    assert layout.check_python() == []
+
+
+def test_the_held_rust_crates_keep_the_layout_rules():
+    assert {crate: layout.check_rust(crate) for crate in RUST_CRATES} == {
+        crate: [] for crate in RUST_CRATES
+    }
+
+
+def test_the_checker_runs_as_a_script_and_names_every_crate():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "layout.py")], capture_output=True, text=True
+    )
+    assert result.returncode in (0, 1), result.stderr
+    assert result.stdout.strip().splitlines()[-1].endswith(("problem(s)", "is clean"))
+    assert set(layout.rust_crates()) >= {"tether-core", "tether-cli", "tether-py"}
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+def test_the_checker_finds_long_python_modules_functions_and_lazy_import_cycles(tmp_path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(61))
+    _write(
+        tmp_path / "python" / "tether",
+        {
+            "__init__.py": "from . import a\n",
+            "a.py": "from . import _native\n\ndef f():\n    from .b import g\n",
+            "b.py": "import tether.a\n" + "\n" * 400,
+            "c.py": f"class C:\n    def long(self):\n{body}\n",
+        },
+    )
+    problems = layout.check_python(tmp_path)
+    assert problems == [
+        "python/tether/b.py: 401 lines (at most 400)",
+        "python/tether/c.py:2: C.long has 62 lines (at most 60)",
+        "python/tether: import cycle among a, b (e.g. a -> b -> a)",
+    ]
+
+
+def test_the_checker_reads_rust_without_its_tests_strings_and_comments(tmp_path):
+    long_fn = "fn long() {\n" + "    let _ = 1;\n" * 60 + "}\n"
+    _write(
+        tmp_path / "crates" / "k" / "src",
+        {
+            "lib.rs": "pub mod a;\npub mod b;\npub mod w;\npub use a::Thing;\n",
+            "a.rs": """
+                use crate::b::helper;
+                pub struct Thing;
+                // crate::w::never, in a comment
+                const S: &str = "crate::w::never { in a string";
+                const C: char = '{';
+                fn f<'a>(x: &'a str) -> &'a str { helper(); x }
+            """,
+            "b.rs": "pub fn helper() { let _ = crate::Thing; }\n" + long_fn,
+            "w/mod.rs": """
+                mod inner;
+                pub fn never() { inner::go() }
+                #[cfg(test)]
+                mod tests;
+            """,
+            "w/inner.rs": "pub fn go() {}\n" + "\n" * 600,
+            "w/tests.rs": "use super::*;\n" + "\n" * 700,
+        },
+    )
+    (tmp_path / "crates" / "k" / "src" / "w" / "inner.rs").write_text(
+        "pub fn go() {}\n#[cfg(test)]\nmod tests {\n" + "\n" * 700 + "}\n"
+    )
+    assert layout.check_rust("k", tmp_path) == [
+        "crates/k/src/b.rs:2: fn long has 62 lines (at most 60)",
+        "crates/k/src: import cycle among a.rs, b.rs (e.g. a.rs -> b.rs -> a.rs)",
+    ]
+    layout.ALLOWED_CYCLES["k"] = [({"a.rs", "b.rs"}, "a handle and its thread")]
+    try:
+        assert layout.check_rust("k", tmp_path) == [
+            "crates/k/src/b.rs:2: fn long has 62 lines (at most 60)"
+        ]
+    finally:
+        del layout.ALLOWED_CYCLES["k"]
+
+
+def test_the_readme_lists_the_start_methods_of_the_one_table():
+    import tether
+    from tether import _launch
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| start method |") :].split("\n\n")[0].splitlines()[2:]
+    names = [row.split("`")[1].strip('"') for row in table]
+    assert tuple(names) == _launch.START_METHODS
+    assert [row for row in table if "(default)" in row] == [
+        row for row in table if f'`"{_launch.DEFAULT_START_METHOD}"`' in row
+    ]
+    assert all(f'"{method}"' in tether.start_processes.__doc__ for method in names)
