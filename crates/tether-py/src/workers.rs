@@ -238,11 +238,6 @@ impl WorkerSet {
         self.inner.busy()
     }
 
-    #[getter]
-    fn closed(&self) -> bool {
-        self.inner.is_closed()
-    }
-
     fn pids(&self) -> Vec<i32> {
         self.inner.pids()
     }
