@@ -5,8 +5,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::SystemTime;
 
-use tether_core::status::signal_hint;
-use tether_core::{signal_name, ExitStatus};
+use tether_core::ExitStatus;
 
 use crate::clock;
 
@@ -121,21 +120,6 @@ pub struct Failure {
     pub log_dir: Option<String>,
 }
 
-fn describe(status: ExitStatus) -> String {
-    match status {
-        ExitStatus::Exited(code) => format!("exit code {code}"),
-        ExitStatus::Signaled {
-            signal,
-            core_dumped,
-        } => format!(
-            "signal {} ({signal}){}",
-            signal_name(signal),
-            if core_dumped { ", core dumped" } else { "" }
-        ),
-        ExitStatus::Unknown => "an unknown status".to_string(),
-    }
-}
-
 const RULE: &str = "==============================================================================";
 
 impl Failure {
@@ -151,7 +135,7 @@ impl Failure {
             r.local_rank, self.node_rank
         );
         let _ = writeln!(s, "  pid        : {}", r.pid);
-        let _ = writeln!(s, "  exit       : {}", describe(r.status));
+        let _ = writeln!(s, "  exit       : {}", r.status);
         let _ = writeln!(s, "  attempt    : {}", self.attempt);
         let _ = writeln!(s, "  time       : {}", clock::local_iso(self.ended_at));
         if let Some(hint) = self.hint() {
@@ -168,19 +152,7 @@ impl Failure {
 
     /// What a signal death may mean; for SIGKILL, the OOM evidence.
     fn hint(&self) -> Option<String> {
-        let signal = self.root.status.signal()?;
-        if signal != libc::SIGKILL {
-            return signal_hint(signal).map(str::to_string);
-        }
-        Some(match self.oom {
-            Some((before, after)) if after > before => format!(
-                "the kernel OOM killer killed it: this cgroup's oom_kill count rose from \
-                 {before} to {after}"
-            ),
-            _ => "SIGKILL may come from the kernel OOM killer (check `dmesg` or the job's \
-                  memory limit)"
-                .to_string(),
-        })
+        self.root.status.hint(self.oom)
     }
 
     /// The error file's message and traceback, else the rank's last lines.
@@ -227,7 +199,7 @@ impl Failure {
                 o.rank,
                 o.local_rank,
                 o.pid,
-                describe(o.status)
+                o.status
             );
         }
     }
