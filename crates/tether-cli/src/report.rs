@@ -196,10 +196,7 @@ impl Failure {
             let _ = writeln!(
                 s,
                 "  rank {} (local rank {}, pid {}): {}{note}",
-                o.rank,
-                o.local_rank,
-                o.pid,
-                o.status
+                o.rank, o.local_rank, o.pid, o.status
             );
         }
     }

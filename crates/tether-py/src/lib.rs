@@ -1,56 +1,20 @@
 //! `tether._native`: thin glue between Python and tether-core. It converts types and
 //! releases the GIL around every wait; the Python semantics live in `python/tether`.
 
-use std::time::Duration;
-
-use pyo3::create_exception;
-use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::error::os_error;
+
 mod channel;
 mod cli;
+mod convert;
+mod error;
 mod group;
 mod stacks;
+mod wait;
 mod workers;
 mod zygote;
-
-create_exception!(
-    _native,
-    ZygoteError,
-    PyRuntimeError,
-    "The zygote died, stopped answering, or broke its protocol while starting processes."
-);
-
-/// An `OSError` (of the subclass its errno selects, e.g. `FileNotFoundError`) for a system
-/// error, with the errno kept.
-fn os_error(err: std::io::Error) -> PyErr {
-    core_error(tether_core::Error::from(err))
-}
-
-/// The Python exception for an error of tether-core: an `OSError` subclass with its errno
-/// for system errors, `ZygoteError` for a zygote that failed.
-fn core_error(err: tether_core::Error) -> PyErr {
-    match (&err, err.raw_os_error()) {
-        (tether_core::Error::Zygote(_), _) => ZygoteError::new_err(err.to_string()),
-        (tether_core::Error::SupervisorGone, _) => PyRuntimeError::new_err(err.to_string()),
-        (_, Some(errno)) => PyOSError::new_err((errno, err.to_string())),
-        (_, None) => PyOSError::new_err(err.to_string()),
-    }
-}
-
-/// A timeout in seconds as Python callers give it: None, inf or beyond what a deadline
-/// can hold waits for ever; a negative one is zero (poll once); NaN is an error.
-fn timeout_of(timeout: Option<f64>) -> PyResult<Option<Duration>> {
-    match timeout {
-        None => Ok(None),
-        Some(t) if t.is_nan() => Err(PyValueError::new_err("timeout must be a number, not NaN")),
-        Some(t) if t <= 0.0 => Ok(Some(Duration::ZERO)),
-        // About 30 years: a deadline further out than that is "never".
-        Some(t) if t >= 1e9 => Ok(None),
-        Some(t) => Ok(Some(Duration::from_secs_f64(t))),
-    }
-}
 
 /// Run in a child made by `os.fork()` of `parent_pid`: lead a new process group and die with
 /// the parent (through the parent-death signal when forked from the main thread, a watcher
@@ -120,8 +84,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<group::ExitStatus>()?;
     m.add_class::<zygote::Zygote>()?;
     m.add_class::<zygote::Job>()?;
+    m.add_class::<zygote::ZygoteFailure>()?;
+    m.add_class::<zygote::ZygoteFailureKind>()?;
+    m.add_class::<convert::WaitFor>()?;
     channel::register(m)?;
-    m.add("ZygoteError", m.py().get_type::<ZygoteError>())?;
+    error::register(m)?;
     m.add("REPORT_LIMIT", tether_core::report::REPORT_LIMIT)?;
     m.add(
         "ANSWER_TIMEOUT",

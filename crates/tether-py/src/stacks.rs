@@ -9,8 +9,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use tether_core::stacks::{self as core_stacks, Request};
 
+use crate::convert::Timeout;
+use crate::error::{core_error, os_error};
 use crate::group::Group;
-use crate::{core_error, os_error, timeout_of};
 
 /// In a child: makes this process answer its parent's requests for its stacks through `fd`
 /// (the sending end of the parent's stacks channel; when `inode` is given, that very
@@ -230,17 +231,19 @@ type PyAnswer = (i32, bool, String);
 fn stacks(
     py: Python<'_>,
     targets: Vec<(PyRef<'_, Group>, usize)>,
-    timeout: f64,
+    timeout: Timeout,
     py_spy: Option<PathBuf>,
-    dump_after: Option<f64>,
+    dump_after: Option<Timeout>,
 ) -> PyResult<Vec<PyAnswer>> {
-    let timeout = timeout_of(Some(timeout))?.unwrap_or(std::time::Duration::from_secs(1 << 30));
+    let timeout = timeout
+        .duration()
+        .unwrap_or(std::time::Duration::from_secs(1 << 30));
     let groups: Vec<(tether_core::Group, usize)> = targets
         .iter()
         .map(|(group, index)| (group.inner.clone(), *index))
         .collect();
     let mut request = Request::new(timeout, py_spy);
-    if let Some(after) = timeout_of(dump_after)? {
+    if let Some(after) = dump_after.and_then(Timeout::duration) {
         request.dump_after = after;
     }
     let answers = py

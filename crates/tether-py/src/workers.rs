@@ -2,60 +2,144 @@
 //! and `Lease`) and a worker's `WorkerEnd`. Every wait releases the GIL; waits a main
 //! thread may make (a lease's, a worker's receive) also run Python's signal handlers.
 
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pyo3::exceptions::{PyEOFError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyEOFError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::PyBytes;
 use tether_core::workers::{self, wire::Kind, Event, Incoming, Waited, WorkersError};
 
-use crate::channel::{deadline, into_raw, os_error, sliced};
+use crate::convert::{borrowed, into_raw, owned, Fd, Timeout};
+use crate::error::{os_error, workers_error, workers_io};
 use crate::group::{ExitStatus, Group};
+use crate::wait;
 
-fn workers_error(err: WorkersError) -> PyErr {
-    match err {
-        WorkersError::Io(io) => os_error(io),
-        WorkersError::Closed => PyRuntimeError::new_err("the worker set is closed"),
-        other => PyRuntimeError::new_err(other.to_string()),
+/// The kind of a task's result a worker sends.
+#[pyclass(module = "tether._native", eq, eq_int, frozen, hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ResultKind {
+    /// The bytes are the result.
+    #[pyo3(name = "OK")]
+    Ok,
+    /// The bytes describe an exception.
+    #[pyo3(name = "ERROR")]
+    Error,
+    /// The task was cancelled before it started: nothing to deliver.
+    #[pyo3(name = "SKIPPED")]
+    Skipped,
+}
+
+impl From<ResultKind> for Kind {
+    fn from(kind: ResultKind) -> Kind {
+        match kind {
+            ResultKind::Ok => Kind::Ok,
+            ResultKind::Error => Kind::Error,
+            ResultKind::Skipped => Kind::Skipped,
+        }
     }
 }
 
-/// Takes ownership of fds handed over by Python.
-fn owned(fds: Vec<RawFd>) -> PyResult<Vec<OwnedFd>> {
-    if fds.iter().any(|&fd| fd < 0) {
-        return Err(PyValueError::new_err("invalid fd"));
-    }
-    // SAFETY: the caller hands these fds over; nothing else closes them afterwards.
-    Ok(fds
-        .into_iter()
-        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
-        .collect())
+/// A task's result as its worker sent it.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct TaskResult {
+    id: u64,
+    /// False when `data` describes an exception.
+    ok: bool,
+    data: Py<PyBytes>,
+    /// Fds that came with it, the caller's to close.
+    fds: Vec<RawFd>,
 }
 
-/// Borrows fds Python keeps open for the duration of a call.
-fn borrowed(fds: &[RawFd]) -> PyResult<Vec<BorrowedFd<'_>>> {
-    if fds.iter().any(|&fd| fd < 0) {
-        return Err(PyValueError::new_err("invalid fd"));
-    }
-    // SAFETY: the caller keeps these fds open for the duration of the call.
-    Ok(fds
-        .iter()
-        .map(|&fd| unsafe { BorrowedFd::borrow_raw(fd) })
-        .collect())
-}
-
-fn seconds(value: Option<f64>) -> PyResult<Option<Duration>> {
-    match value {
-        Some(t) if t.is_nan() => Err(PyValueError::new_err("timeout must be a number")),
-        Some(t) => Ok(Some(Duration::from_secs_f64(t.clamp(0.0, 1e9)))),
-        None => Ok(None),
+impl TaskResult {
+    fn new(py: Python<'_>, outcome: workers::Outcome) -> TaskResult {
+        TaskResult {
+            id: outcome.id,
+            ok: outcome.kind == Kind::Ok,
+            data: PyBytes::new(py, &outcome.data).unbind(),
+            fds: into_raw(outcome.fds),
+        }
     }
 }
 
-/// A task's result as Python gets it: `(ok, data, fds)`.
-type PyOutcome = (bool, Py<PyBytes>, Vec<RawFd>);
+/// How a leased process ended: its exit code (minus the signal number when its worker was
+/// killed), and whether its worker died.
+#[pyclass(module = "tether._native", frozen, get_all)]
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseEnd {
+    code: i32,
+    died: bool,
+}
+
+impl From<workers::LeaseEnd> for LeaseEnd {
+    fn from(end: workers::LeaseEnd) -> LeaseEnd {
+        LeaseEnd {
+            code: end.code,
+            died: end.died,
+        }
+    }
+}
+
+/// A worker as `WorkerSet.workers` shows it.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct WorkerInfo {
+    slot: usize,
+    pid: i32,
+    /// It said it is ready.
+    ready: bool,
+    /// The id of the process it is leased to, or None.
+    lease: Option<u64>,
+    reserved: bool,
+}
+
+/// A worker said it is ready.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct WorkerReady {
+    slot: usize,
+    pid: i32,
+}
+
+/// Results a worker sent.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct WorkerResults {
+    slot: usize,
+    pid: i32,
+    results: Vec<Py<TaskResult>>,
+}
+
+/// A leased process ended (its worker lives on).
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct LeaseEnded {
+    slot: usize,
+    lease: Py<Lease>,
+}
+
+/// The task a worker died in, and the item within it it had reached.
+#[pyclass(module = "tether._native", frozen, get_all)]
+#[derive(Debug, Clone, Copy)]
+pub struct Crash {
+    id: u64,
+    item: u64,
+}
+
+/// A worker died.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct WorkerDied {
+    slot: usize,
+    pid: i32,
+    status: Py<ExitStatus>,
+    /// Whether it had said it was ready (one that dies before cannot start).
+    ready: bool,
+    /// The task it was running, or None.
+    crashed: Option<Crash>,
+    /// Tasks it ran without sending their results.
+    lost: Vec<u64>,
+    /// The lease it held (now ended with its status), or None.
+    lease: Option<Py<Lease>>,
+    /// What it wrote to its report pipe.
+    report: Py<PyBytes>,
+}
 
 /// The link of a worker about to start: pass `child_fds()` to it, then `WorkerSet.add`.
 #[pyclass(module = "tether._native", frozen)]
@@ -112,21 +196,20 @@ impl Lease {
         self.inner.done_fd().as_raw_fd()
     }
 
-    /// None while the target runs; then `(exitcode, died)`.
-    fn end(&self) -> Option<(i32, bool)> {
-        self.inner.end().map(|e| (e.code, e.died))
+    /// None while the target runs; then how it ended.
+    fn end(&self) -> Option<LeaseEnd> {
+        self.inner.end().map(LeaseEnd::from)
     }
 
     /// Waits up to `timeout` seconds (for ever when None) for the lease to end.
     #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<(i32, bool)>> {
+    fn wait(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<Option<LeaseEnd>> {
         if let Some(end) = self.end() {
             return Ok(Some(end));
         }
-        let until = deadline(timeout)?;
         let lease = self.inner.clone();
-        sliced(py, until, move |slice| {
-            Ok(lease.wait(Some(slice)).map(|e| (e.code, e.died)))
+        wait::until(py, Timeout::of(timeout), move |slice| {
+            Ok(lease.wait(Some(slice)).map(LeaseEnd::from))
         })
     }
 }
@@ -137,35 +220,45 @@ pub struct WorkerSet {
     inner: Arc<workers::WorkerSet>,
 }
 
-fn event<'py>(py: Python<'py>, event: Event) -> PyResult<Bound<'py, PyTuple>> {
-    match event {
-        Event::Ready { slot, pid } => ("ready", slot, pid).into_pyobject(py),
+/// An event of the worker set as its Python class.
+fn event(py: Python<'_>, event: Event) -> PyResult<PyObject> {
+    Ok(match event {
+        Event::Ready { slot, pid } => Py::new(py, WorkerReady { slot, pid })?.into_any(),
         Event::Results {
             slot,
             pid,
             outcomes,
         } => {
-            let items = PyList::empty(py);
-            for o in outcomes {
-                let data = PyBytes::new(py, &o.data);
-                items.append((o.id, o.kind == Kind::Ok, data, into_raw(o.fds)))?;
-            }
-            ("results", slot, pid, items).into_pyobject(py)
+            let results = outcomes
+                .into_iter()
+                .map(|o| Py::new(py, TaskResult::new(py, o)))
+                .collect::<PyResult<_>>()?;
+            Py::new(py, WorkerResults { slot, pid, results })?.into_any()
         }
         Event::LeaseEnded { slot, lease } => {
-            ("lease", slot, Lease { inner: lease }).into_pyobject(py)
+            let lease = Py::new(py, Lease { inner: lease })?;
+            Py::new(py, LeaseEnded { slot, lease })?.into_any()
         }
         Event::Died(d) => {
-            let status = ExitStatus::now(d.status);
-            let crashed = d.crashed.map(|c| (c.id, c.item));
-            let lease = d.lease.map(|inner| Lease { inner });
-            let report = PyBytes::new(py, &d.report);
-            let died = (
-                "died", d.slot, d.pid, status, d.ready, crashed, d.lost, lease, report,
-            );
-            died.into_pyobject(py)
+            let died = WorkerDied {
+                slot: d.slot,
+                pid: d.pid,
+                status: Py::new(py, ExitStatus::now(d.status))?,
+                ready: d.ready,
+                crashed: d.crashed.map(|c| Crash {
+                    id: c.id,
+                    item: c.item,
+                }),
+                lost: d.lost,
+                lease: d
+                    .lease
+                    .map(|inner| Py::new(py, Lease { inner }))
+                    .transpose()?,
+                report: PyBytes::new(py, &d.report).unbind(),
+            };
+            Py::new(py, died)?.into_any()
         }
-    }
+    })
 }
 
 #[pymethods]
@@ -173,7 +266,7 @@ impl WorkerSet {
     #[new]
     #[pyo3(signature = (window=2, max_batch=256, spin=0.0001))]
     fn new(window: usize, max_batch: usize, spin: f64) -> PyResult<WorkerSet> {
-        let spin = seconds(Some(spin))?.unwrap_or_default();
+        let spin = Timeout::from_secs(spin)?.or_max();
         let config = workers::Config {
             window,
             max_batch,
@@ -204,17 +297,15 @@ impl WorkerSet {
     }
 
     /// Queues `(id, data, fds)` tasks; the set owns the fds from now on.
-    fn submit(&self, tasks: Vec<(u64, Vec<u8>, Vec<RawFd>)>) -> PyResult<()> {
+    fn submit(&self, tasks: Vec<(u64, Vec<u8>, Vec<Fd>)>) -> PyResult<()> {
         let tasks = tasks
             .into_iter()
-            .map(|(id, data, fds)| {
-                Ok(workers::Task {
-                    id,
-                    data,
-                    fds: owned(fds)?,
-                })
+            .map(|(id, data, fds)| workers::Task {
+                id,
+                data,
+                fds: owned(fds),
             })
-            .collect::<PyResult<Vec<_>>>()?;
+            .collect();
         self.inner.submit(tasks).map_err(workers_error)
     }
 
@@ -251,12 +342,18 @@ impl WorkerSet {
             .collect()
     }
 
-    /// `(slot, pid, ready, lease id or None, reserved)` per worker.
-    fn workers(&self) -> Vec<(usize, i32, bool, Option<u64>, bool)> {
+    /// Every worker in the table.
+    fn workers(&self) -> Vec<WorkerInfo> {
         self.inner
             .workers()
             .into_iter()
-            .map(|w| (w.slot, w.pid, w.ready, w.lease, w.reserved))
+            .map(|w| WorkerInfo {
+                slot: w.slot,
+                pid: w.pid,
+                ready: w.ready,
+                lease: w.lease,
+                reserved: w.reserved,
+            })
             .collect()
     }
 
@@ -276,8 +373,8 @@ impl WorkerSet {
 
     /// Leases the worker in `slot` to process `id` whose call is `data` (with `fds`, which
     /// stay the caller's).
-    fn lease(&self, slot: usize, id: u64, data: &[u8], fds: Vec<RawFd>) -> PyResult<Lease> {
-        let fds = borrowed(&fds)?;
+    fn lease(&self, slot: usize, id: u64, data: &[u8], fds: Vec<Fd>) -> PyResult<Lease> {
+        let fds = borrowed(&fds);
         let inner = self
             .inner
             .lease(slot, id, data, &fds)
@@ -295,12 +392,8 @@ impl WorkerSet {
     /// Waits (without the GIL) up to `timeout` seconds and returns the events; None once
     /// the set is closed.
     #[pyo3(signature = (timeout=None))]
-    fn poll<'py>(
-        &self,
-        py: Python<'py>,
-        timeout: Option<f64>,
-    ) -> PyResult<Option<Vec<Bound<'py, PyTuple>>>> {
-        let timeout = seconds(timeout)?;
+    fn poll(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<Option<Vec<PyObject>>> {
+        let timeout = Timeout::of(timeout).duration();
         let set = self.inner.clone();
         match py.allow_threads(move || set.poll(timeout)) {
             Ok(events) => Ok(Some(
@@ -314,7 +407,7 @@ impl WorkerSet {
         }
     }
 
-    /// Waits up to `timeout` seconds for task `id`'s result `(ok, data, fds)`, taken from
+    /// Waits up to `timeout` seconds for task `id`'s result, taken from
     /// its worker by this thread; None when the timeout passed or the result comes through
     /// `poll` instead. Ctrl-C raises here in the main thread.
     #[pyo3(signature = (id, timeout=None))]
@@ -322,21 +415,18 @@ impl WorkerSet {
         &self,
         py: Python<'_>,
         id: u64,
-        timeout: Option<f64>,
-    ) -> PyResult<Option<PyOutcome>> {
-        let until = deadline(timeout)?;
+        timeout: Option<Timeout>,
+    ) -> PyResult<Option<TaskResult>> {
         let set = self.inner.clone();
-        let got = sliced(py, until, |slice| match set.wait_for(id, Some(slice)) {
-            Ok(Waited::Outcome(outcome)) => Ok(Some(Some(outcome))),
-            Ok(Waited::Timeout) => Ok(None),
-            Ok(Waited::Elsewhere) | Err(WorkersError::Closed) => Ok(Some(None)),
-            Err(WorkersError::Io(io)) => Err(io),
-            Err(other) => Err(std::io::Error::other(other.to_string())),
+        let got = wait::until(py, Timeout::of(timeout), |slice| {
+            match set.wait_for(id, Some(slice)) {
+                Ok(Waited::Outcome(outcome)) => Ok(Some(Some(outcome))),
+                Ok(Waited::Timeout) => Ok(None),
+                Ok(Waited::Elsewhere) | Err(WorkersError::Closed) => Ok(Some(None)),
+                Err(err) => Err(workers_io(err)),
+            }
         })?;
-        Ok(got.flatten().map(|o| {
-            let data = PyBytes::new(py, &o.data).unbind();
-            (o.kind == Kind::Ok, data, into_raw(o.fds))
-        }))
+        Ok(got.flatten().map(|o| TaskResult::new(py, o)))
     }
 
     /// Makes the current or next `poll` return at once.
@@ -346,8 +436,8 @@ impl WorkerSet {
 
     /// Closes the set (see tether-core's `WorkerSet::close`); returns the ids of the tasks
     /// never answered. Leases end with their workers' status.
-    fn close(&self, py: Python<'_>, kill: bool, grace: f64) -> Vec<u64> {
-        let grace = Duration::from_secs_f64(grace.clamp(0.0, 3600.0));
+    fn close(&self, py: Python<'_>, kill: bool, grace: Timeout) -> Vec<u64> {
+        let grace = grace.or_max().min(Duration::from_secs(3600));
         let set = self.inner.clone();
         py.allow_threads(move || set.close(kill, grace)).tasks
     }
@@ -365,13 +455,10 @@ impl WorkerEnd {
     /// seconds before it sleeps (less when polling does not pay).
     #[new]
     #[pyo3(signature = (ctl_fd, gate_fd, spin=0.0001))]
-    fn new(ctl_fd: RawFd, gate_fd: RawFd, spin: f64) -> PyResult<WorkerEnd> {
-        let spin = seconds(Some(spin))?.unwrap_or_default();
-        let mut fds = owned(vec![ctl_fd, gate_fd])?.into_iter();
-        let (Some(ctl), Some(gate)) = (fds.next(), fds.next()) else {
-            return Err(PyValueError::new_err("invalid fds"));
-        };
-        let inner = workers::WorkerEnd::new(ctl, gate, spin).map_err(os_error)?;
+    fn new(ctl_fd: Fd, gate_fd: Fd, spin: f64) -> PyResult<WorkerEnd> {
+        let spin = Timeout::from_secs(spin)?.or_max();
+        let inner =
+            workers::WorkerEnd::new(ctl_fd.take(), gate_fd.take(), spin).map_err(os_error)?;
         Ok(WorkerEnd {
             inner: Arc::new(inner),
         })
@@ -381,16 +468,11 @@ impl WorkerEnd {
         self.inner.hello(pid).map_err(os_error)
     }
 
-    /// The next message: `("batch", [(id, seq, data, fds)])` or `("lease", id, data, fds)`,
-    /// or None after `timeout` seconds (for ever when None). Raises EOFError once the pool
-    /// closed the link.
+    /// The next message (a `TaskBatch` or a `LeaseCall`), or None after `timeout` seconds
+    /// (for ever when None). Raises EOFError once the pool closed the link.
     #[pyo3(signature = (timeout=None))]
-    fn recv<'py>(
-        &self,
-        py: Python<'py>,
-        timeout: Option<f64>,
-    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        let until = deadline(timeout)?;
+    fn recv(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<Option<PyObject>> {
+        let until = Timeout::of(timeout).deadline();
         let end = self.inner.clone();
         let mut got = end.recv(Some(Duration::ZERO)).map_err(workers_error)?;
         let waiting = |got: &Incoming| {
@@ -403,11 +485,10 @@ impl WorkerEnd {
                 .map_err(workers_error)?;
         }
         if waiting(&got) {
-            let waited = sliced(py, until, |slice| match end.recv(Some(slice)) {
+            let waited = wait::until_deadline(py, until, |slice| match end.recv(Some(slice)) {
                 Ok(Incoming::Timeout) => Ok(None),
                 Ok(other) => Ok(Some(other)),
-                Err(WorkersError::Io(io)) => Err(io),
-                Err(other) => Err(std::io::Error::other(other.to_string())),
+                Err(err) => Err(workers_io(err)),
             })?;
             got = waited.unwrap_or(Incoming::Timeout);
         }
@@ -429,23 +510,16 @@ impl WorkerEnd {
         self.inner.idle()
     }
 
-    /// Sends `(id, kind, data, fds)` results, kind 0 (ok), 1 (error) or 2 (skipped); the
-    /// fds stay the caller's.
+    /// Sends `(id, kind, data, fds)` results; the fds stay the caller's.
     fn send_results(
         &self,
         py: Python<'_>,
-        results: Vec<(u64, u8, Vec<u8>, Vec<RawFd>)>,
+        results: Vec<(u64, ResultKind, Vec<u8>, Vec<Fd>)>,
     ) -> PyResult<()> {
-        let mut records = Vec::with_capacity(results.len());
-        for (id, kind, data, fds) in &results {
-            let kind = match kind {
-                0 => Kind::Ok,
-                1 => Kind::Error,
-                2 => Kind::Skipped,
-                _ => return Err(PyValueError::new_err("kind must be 0, 1 or 2")),
-            };
-            records.push((*id, kind, data.as_slice(), borrowed(fds)?));
-        }
+        let records: Vec<_> = results
+            .iter()
+            .map(|(id, kind, data, fds)| (*id, Kind::from(*kind), data.as_slice(), borrowed(fds)))
+            .collect();
         let end = self.inner.clone();
         py.allow_threads(move || end.send_results(&records))
             .map_err(os_error)
@@ -456,27 +530,57 @@ impl WorkerEnd {
     }
 }
 
-fn incoming<'py>(py: Python<'py>, got: Incoming) -> PyResult<Option<Bound<'py, PyTuple>>> {
+/// A task as a worker receives it.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct IncomingTask {
+    id: u64,
+    /// Its sequence number on the link (to claim it, see `WorkerEnd.start`).
+    seq: u32,
+    data: Py<PyBytes>,
+    /// Fds that came with it, the worker's to close.
+    fds: Vec<RawFd>,
+}
+
+/// Tasks for a worker to run in order.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct TaskBatch {
+    tasks: Vec<Py<IncomingTask>>,
+}
+
+/// A leased process for a worker to run: its id, its call, and fds (the worker's to close).
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct LeaseCall {
+    id: u64,
+    data: Py<PyBytes>,
+    fds: Vec<RawFd>,
+}
+
+fn incoming(py: Python<'_>, got: Incoming) -> PyResult<Option<PyObject>> {
     match got {
         Incoming::Timeout => Ok(None),
         Incoming::Closed => Err(PyEOFError::new_err("the pool closed the link")),
         Incoming::Batch(tasks) => {
-            let items = PyList::empty(py);
-            for t in tasks {
-                let fds: Vec<RawFd> = t
-                    .fds
-                    .into_iter()
-                    .map(std::os::fd::IntoRawFd::into_raw_fd)
-                    .collect();
-                items.append((t.id, t.seq, PyBytes::new(py, &t.data), fds))?;
-            }
-            Ok(Some(("batch", items).into_pyobject(py)?))
+            let tasks = tasks
+                .into_iter()
+                .map(|t| {
+                    let task = IncomingTask {
+                        id: t.id,
+                        seq: t.seq,
+                        data: PyBytes::new(py, &t.data).unbind(),
+                        fds: into_raw(t.fds),
+                    };
+                    Py::new(py, task)
+                })
+                .collect::<PyResult<_>>()?;
+            Ok(Some(Py::new(py, TaskBatch { tasks })?.into_any()))
         }
         Incoming::Lease { id, data, fds } => {
-            let fds = into_raw(fds);
-            Ok(Some(
-                ("lease", id, PyBytes::new(py, &data), fds).into_pyobject(py)?,
-            ))
+            let call = LeaseCall {
+                id,
+                data: PyBytes::new(py, &data).unbind(),
+                fds: into_raw(fds),
+            };
+            Ok(Some(Py::new(py, call)?.into_any()))
         }
     }
 }
@@ -486,5 +590,17 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WorkerLink>()?;
     m.add_class::<Lease>()?;
     m.add_class::<WorkerEnd>()?;
+    m.add_class::<ResultKind>()?;
+    m.add_class::<TaskResult>()?;
+    m.add_class::<LeaseEnd>()?;
+    m.add_class::<WorkerInfo>()?;
+    m.add_class::<WorkerReady>()?;
+    m.add_class::<WorkerResults>()?;
+    m.add_class::<LeaseEnded>()?;
+    m.add_class::<Crash>()?;
+    m.add_class::<WorkerDied>()?;
+    m.add_class::<IncomingTask>()?;
+    m.add_class::<TaskBatch>()?;
+    m.add_class::<LeaseCall>()?;
     Ok(())
 }

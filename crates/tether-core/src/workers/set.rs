@@ -48,7 +48,6 @@ impl Poller {
     }
 }
 
-
 impl WorkerSet {
     pub fn new(config: Config) -> Result<WorkerSet, WorkersError> {
         let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
