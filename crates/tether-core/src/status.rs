@@ -63,6 +63,11 @@ impl ExitStatus {
         }
     }
 
+    /// "`who` died with signal SIGKILL": a process that ended on its own, unasked.
+    pub fn died(self, who: &str) -> String {
+        format!("{who} died with {self}")
+    }
+
     /// What a death by signal may mean: for SIGKILL, the kernel OOM killer, named as the
     /// cause when the cgroup's `oom_kill` count (`oom_kills`, before and after) rose.
     pub fn hint(self, oom_kills: Option<(u64, u64)>) -> Option<String> {
@@ -312,6 +317,19 @@ mod tests {
             "signal SIGBUS (core dumped); SIGBUS often means /dev/shm is too small for shared \
              memory"
         );
+    }
+
+    #[test]
+    fn a_process_that_ended_unasked_died_with_its_status() {
+        let killed = ExitStatus::Signaled {
+            signal: libc::SIGKILL,
+            core_dumped: false,
+        };
+        assert_eq!(
+            killed.died("the tether zygote (pid 7)"),
+            "the tether zygote (pid 7) died with signal SIGKILL"
+        );
+        assert_eq!(ExitStatus::Exited(1).died("it"), "it died with exit code 1");
     }
 
     #[test]
