@@ -98,7 +98,7 @@ class ProcessContext:
         py-spy installed, py-spy's native frames follow each stack."""
         ranks = range(len(self.processes))
         answers = _stacks.ask([(self._group, i) for i in ranks], timeout, native)
-        return {rank: text for rank, (_, _, text) in zip(ranks, answers)}
+        return {rank: answer.text for rank, answer in zip(ranks, answers)}
 
     def join(self, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> bool:
         """Waits for the children. Returns True once all of them have exited 0 (and on every

@@ -68,13 +68,28 @@ fn encode_report<'py>(
     PyBytes::new(py, &tether_core::report::encode(type_name, text, pickled))
 }
 
-/// A report read back: `(type_name, text, pickled or None, missing bytes)`.
-type PyReport = (String, Vec<u8>, Option<Vec<u8>>, u64);
+/// A failure report read back.
+#[pyclass(module = "tether._native", frozen, get_all)]
+struct Report {
+    /// The exception's type name.
+    type_name: String,
+    /// Its traceback text.
+    text: Py<PyBytes>,
+    /// The pickled exception, or None.
+    pickled: Option<Py<PyBytes>>,
+    /// How many bytes of the report never arrived (cut at the limit, or never written).
+    missing: u64,
+}
 
 /// A report read back, or None when not even the type name arrived.
 #[pyfunction]
-fn decode_report(data: &[u8]) -> Option<PyReport> {
-    tether_core::report::decode(data).map(|d| (d.type_name, d.text, d.pickled, d.missing))
+fn decode_report(py: Python<'_>, data: &[u8]) -> Option<Report> {
+    tether_core::report::decode(data).map(|d| Report {
+        type_name: d.type_name,
+        text: PyBytes::new(py, &d.text).unbind(),
+        pickled: d.pickled.map(|p| PyBytes::new(py, &p).unbind()),
+        missing: d.missing,
+    })
 }
 
 #[pymodule]
@@ -87,6 +102,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<zygote::ZygoteFailure>()?;
     m.add_class::<zygote::ZygoteFailureKind>()?;
     m.add_class::<convert::WaitFor>()?;
+    m.add_class::<Report>()?;
     channel::register(m)?;
     error::register(m)?;
     m.add("REPORT_LIMIT", tether_core::report::REPORT_LIMIT)?;

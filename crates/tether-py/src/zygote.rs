@@ -127,11 +127,9 @@ impl Zygote {
         };
         let message = match (zygote.broken(), zygote.exit()) {
             (Some(why), _) => why.to_string(),
-            (None, exit) => format!(
-                "the tether zygote (pid {}) died with {}",
-                self.pid,
-                exit.map_or(tether_core::ExitStatus::Unknown, |e| e.status)
-            ),
+            (None, exit) => exit
+                .map_or(tether_core::ExitStatus::Unknown, |e| e.status)
+                .died(&format!("the tether zygote (pid {})", self.pid)),
         };
         Some(ZygoteFailure { kind, message })
     }
@@ -199,7 +197,7 @@ pub struct Job {
     label: String,
     payload: Option<OwnedFd>,
     report: Option<OwnedFd>,
-    error: Option<(i32, String)>,
+    error: Option<PyErr>,
 }
 
 #[pymethods]
@@ -222,10 +220,13 @@ impl Job {
             .ok_or_else(|| PyValueError::new_err("the report fd was already taken"))
     }
 
-    /// `(errno, message)` when the caller's attributes could not all be applied, else None.
+    /// The `OSError` to raise when the caller's attributes could not all be applied, else
+    /// None.
     #[getter]
-    fn error(&self) -> Option<(i32, String)> {
-        self.error.clone()
+    fn error(&self, py: Python<'_>) -> Option<PyObject> {
+        self.error
+            .as_ref()
+            .map(|err| err.value(py).clone().into_any().unbind())
     }
 }
 
@@ -258,9 +259,7 @@ pub fn zygote_serve(
                 rank: job.rank,
                 env: job.env,
                 label: String::from_utf8_lossy(&job.label).into_owned(),
-                error: job
-                    .error
-                    .map(|e| (e.raw_os_error().unwrap_or(0), e.to_string())),
+                error: job.error.map(os_error),
                 payload: Some(job.payload),
                 report: Some(job.report),
             };
