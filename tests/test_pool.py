@@ -45,7 +45,7 @@ def test_arguments_are_checked():
     "how, method, said",
     [
         ("exit 3", "spawn", "exited with code 3"),
-        ("SIGKILL", "forkserver", r"killed by signal SIGKILL \(Killed\)"),
+        ("SIGKILL", "forkserver", r"was killed by signal SIGKILL \(Killed\)"),
     ],
 )
 def test_a_pool_whose_worker_dies_while_starting_raises_that_workers_error(

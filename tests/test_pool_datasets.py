@@ -229,7 +229,7 @@ def test_shared_memory_that_runs_out_is_an_error_naming_the_worker_and_the_size(
     # The error's traceback holds this frame, which holds the error: without the collector
     # the iterator would keep its workers leased until the pool shuts down (and kills them).
     del info, it
-    assert all(lease is None for _, _, _, lease, _ in pool._core.workers.workers())
+    assert all(w.lease is None for w in pool._core.workers.workers())
     assert "in DataLoader worker process 0" in text
     pids = "|".join(map(str, pool.pids()))
     assert re.search(
@@ -250,7 +250,7 @@ def test_an_iterator_that_raised_and_was_dropped_gives_its_workers_back_at_once(
                 multiprocessing_context=pool.context(),
             ):
                 pass
-        leased = [lease for _, _, _, lease, _ in pool._core.workers.workers()]
+        leased = [w.lease for w in pool._core.workers.workers()]
         assert leased == [None, None]
         assert pool.submit(helpers.square, 3).result(timeout=10) == 9
     finally:
@@ -272,7 +272,7 @@ def test_an_executor_task_never_waits_on_workers_a_garbage_iterator_holds(pool):
         cycle = [it]
         cycle.append(cycle)
         del it, cycle
-        assert all(lease is not None for _, _, _, lease, _ in pool._core.workers.workers())
+        assert all(w.lease is not None for w in pool._core.workers.workers())
         assert pool.submit(helpers.square, 3).result(timeout=10) == 9
     finally:
         gc.enable()

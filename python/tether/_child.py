@@ -141,15 +141,15 @@ def run_payload(
     work: bytes,
     rank: int,
     report_fd: int,
-    setup_error: Optional[Tuple[int, str]] = None,
+    setup_error: Optional[OSError] = None,
 ) -> int:
     """Rebuilds the parent's ``__main__`` from ``prep``, unpickles ``(fn, args)`` from ``work``
     and runs ``fn(rank, *args)``; returns the exit status (see ``run_rank``). A
-    ``setup_error`` (errno, message) from setting the child up is reported instead."""
+    ``setup_error`` from setting the child up is reported instead."""
 
     def call() -> None:
         if setup_error is not None:
-            raise OSError(*setup_error)
+            raise setup_error
         data = pickle.loads(prep)
         set_title(data.pop("tether_title", None), rank)
         install_stacks(data.pop("tether_stacks_channel", None))

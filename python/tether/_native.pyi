@@ -1,6 +1,6 @@
 """Type stubs for ``tether._native``, the compiled glue over tether-core."""
 
-from typing import Callable, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Callable, ClassVar, List, Optional, Sequence, Tuple, Union
 
 from typing_extensions import Self, final
 
@@ -9,6 +9,9 @@ __all__ = [
     "ExitStatus",
     "Zygote",
     "Job",
+    "ZygoteFailure",
+    "ZygoteFailureKind",
+    "WaitFor",
     "Endpoint",
     "SharedFlag",
     "Poller",
@@ -30,6 +33,18 @@ __all__ = [
     "WorkerLink",
     "Lease",
     "WorkerEnd",
+    "ResultKind",
+    "TaskResult",
+    "LeaseEnd",
+    "WorkerInfo",
+    "WorkerReady",
+    "WorkerResults",
+    "LeaseEnded",
+    "Crash",
+    "WorkerDied",
+    "IncomingTask",
+    "TaskBatch",
+    "LeaseCall",
     "setup_forked_child",
     "signal_name",
     "signal_hint",
@@ -38,13 +53,22 @@ __all__ = [
     "set_title",
     "log_level",
     "decode_report",
+    "Report",
+    "StackAnswer",
     "zygote_serve",
     "__version__",
 ]
 
 __version__: str
 
-_WaitFor = Literal["all", "all_or_failure", "any"]
+@final
+class WaitFor:
+    """The condition a wait on a group's members waits for."""
+
+    ALL: ClassVar[WaitFor]
+    ALL_OR_FAILURE: ClassVar[WaitFor]
+    ANY: ClassVar[WaitFor]
+    def __int__(self) -> int: ...
 
 class ZygoteError(RuntimeError):
     """The zygote died, stopped answering, or broke its protocol while starting processes."""
@@ -107,7 +131,7 @@ class Group:
     def wait(
         self,
         which: Optional[Sequence[int]] = None,
-        until: _WaitFor = "all",
+        until: WaitFor = ...,
         timeout: Optional[float] = None,
     ) -> bool: ...
     def terminate(
@@ -130,8 +154,7 @@ class Zygote:
     def blanks(self) -> List[int]: ...
     def exit(self) -> Optional[ExitStatus]: ...
     def usable(self) -> bool: ...
-    def broken(self) -> Optional[str]: ...
-    def vanished(self) -> bool: ...
+    def failure(self) -> Optional[ZygoteFailure]: ...
     def wait_ready(self) -> bytes: ...
     def fork(
         self,
@@ -144,6 +167,24 @@ class Zygote:
     def close(self, grace: float = 1.0) -> None: ...
 
 @final
+class ZygoteFailureKind:
+    """Why a zygote stopped serving."""
+
+    DIED: ClassVar[ZygoteFailureKind]
+    STOPPED: ClassVar[ZygoteFailureKind]
+    CLOSED: ClassVar[ZygoteFailureKind]
+    def __int__(self) -> int: ...
+
+@final
+class ZygoteFailure:
+    """Why a zygote stopped serving, and the error's words for it."""
+
+    @property
+    def kind(self) -> ZygoteFailureKind: ...
+    @property
+    def message(self) -> str: ...
+
+@final
 class Job:
     """What a child of the zygote runs."""
 
@@ -154,7 +195,7 @@ class Job:
     @property
     def label(self) -> str: ...
     @property
-    def error(self) -> Optional[Tuple[int, str]]: ...
+    def error(self) -> Optional[OSError]: ...
     def take_payload(self) -> bytes: ...
     def take_report_fd(self) -> int: ...
 
@@ -168,7 +209,21 @@ def limit_hint(errno: int) -> str: ...
 def set_title(title: str, comm: str) -> None: ...
 def log_level() -> str: ...
 def encode_report(type_name: str, text: bytes, pickled: bytes) -> bytes: ...
-def decode_report(data: bytes) -> Optional[Tuple[str, bytes, Optional[bytes], int]]: ...
+@final
+class Report:
+    """A failure report read back: the exception's type name, its traceback text, the
+    pickled exception (or None), and how many bytes never arrived."""
+
+    @property
+    def type_name(self) -> str: ...
+    @property
+    def text(self) -> bytes: ...
+    @property
+    def pickled(self) -> Optional[bytes]: ...
+    @property
+    def missing(self) -> int: ...
+
+def decode_report(data: bytes) -> Optional[Report]: ...
 
 @final
 class SignalGuard:
@@ -185,7 +240,19 @@ def stacks(
     timeout: float,
     py_spy: Optional[str] = None,
     dump_after: Optional[float] = None,
-) -> List[Tuple[int, bool, str]]: ...
+) -> List[StackAnswer]: ...
+
+@final
+class StackAnswer:
+    """A process's answer to a request for its stacks (``answered`` False: ``text`` says
+    why it did not)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def answered(self) -> bool: ...
+    @property
+    def text(self) -> str: ...
 def cli_main(
     argv: List[str],
     python: Optional[str] = None,
@@ -259,29 +326,118 @@ class Lease:
     def pid(self) -> int: ...
     def sentinel(self) -> int: ...
     def fileno(self) -> int: ...
-    def end(self) -> Optional[Tuple[int, bool]]: ...
-    def wait(self, timeout: Optional[float] = None) -> Optional[Tuple[int, bool]]: ...
+    def end(self) -> Optional[LeaseEnd]: ...
+    def wait(self, timeout: Optional[float] = None) -> Optional[LeaseEnd]: ...
 
-#: ``("ready", slot, pid)``
-_ReadyEvent = Tuple[Literal["ready"], int, int]
-#: ``("results", slot, pid, [(task id, ok, data, fds)])``
-_ResultsEvent = Tuple[Literal["results"], int, int, List[Tuple[int, bool, bytes, List[int]]]]
-#: ``("lease", slot, lease)``: a leased process ended.
-_LeaseEvent = Tuple[Literal["lease"], int, Lease]
-#: ``("died", slot, pid, exit status, ready, (task id, item) or None, lost task ids, lease
-#: or None, report)``
-_DiedEvent = Tuple[
-    Literal["died"],
-    int,
-    int,
-    ExitStatus,
-    bool,
-    Optional[Tuple[int, int]],
-    List[int],
-    Optional[Lease],
-    bytes,
-]
-_WorkerEvent = Union[_ReadyEvent, _ResultsEvent, _LeaseEvent, _DiedEvent]
+@final
+class LeaseEnd:
+    """How a leased process ended: its exit code (minus the signal number when its worker
+    was killed), and whether its worker died."""
+
+    @property
+    def code(self) -> int: ...
+    @property
+    def died(self) -> bool: ...
+
+@final
+class ResultKind:
+    """The kind of a task's result a worker sends."""
+
+    OK: ClassVar[ResultKind]
+    ERROR: ClassVar[ResultKind]
+    SKIPPED: ClassVar[ResultKind]
+    def __int__(self) -> int: ...
+
+@final
+class TaskResult:
+    """A task's result as its worker sent it (``ok`` False: ``data`` describes an
+    exception); the fds are the caller's to close."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def data(self) -> bytes: ...
+    @property
+    def fds(self) -> List[int]: ...
+
+@final
+class WorkerInfo:
+    """A worker as ``WorkerSet.workers`` shows it."""
+
+    @property
+    def slot(self) -> int: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def lease(self) -> Optional[int]: ...
+    @property
+    def reserved(self) -> bool: ...
+
+@final
+class WorkerReady:
+    """A worker said it is ready."""
+
+    @property
+    def slot(self) -> int: ...
+    @property
+    def pid(self) -> int: ...
+
+@final
+class WorkerResults:
+    """Results a worker sent."""
+
+    @property
+    def slot(self) -> int: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def results(self) -> List[TaskResult]: ...
+
+@final
+class LeaseEnded:
+    """A leased process ended (its worker lives on)."""
+
+    @property
+    def slot(self) -> int: ...
+    @property
+    def lease(self) -> Lease: ...
+
+@final
+class Crash:
+    """The task a worker died in, and the item within it it had reached."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def item(self) -> int: ...
+
+@final
+class WorkerDied:
+    """A worker died: how, what it held (the task it ran, results it never sent, its
+    lease) and what it wrote to its report pipe."""
+
+    @property
+    def slot(self) -> int: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def status(self) -> ExitStatus: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def crashed(self) -> Optional[Crash]: ...
+    @property
+    def lost(self) -> List[int]: ...
+    @property
+    def lease(self) -> Optional[Lease]: ...
+    @property
+    def report(self) -> bytes: ...
+
+_WorkerEvent = Union[WorkerReady, WorkerResults, LeaseEnded, WorkerDied]
 
 @final
 class WorkerSet:
@@ -296,27 +452,49 @@ class WorkerSet:
     def cancel_all(self) -> List[int]: ...
     def started(self, id: int) -> bool: ...
     def busy(self) -> bool: ...
-    @property
-    def closed(self) -> bool: ...
     def pids(self) -> List[int]: ...
     def members(self) -> List[Tuple[Group, int]]: ...
-    def workers(self) -> List[Tuple[int, int, bool, Optional[int], bool]]: ...
+    def workers(self) -> List[WorkerInfo]: ...
     def parent_fds(self) -> List[int]: ...
     def reserve(self, n: int) -> List[int]: ...
     def unreserve(self, slots: Sequence[int]) -> None: ...
     def lease(self, slot: int, id: int, data: bytes, fds: Sequence[int]) -> Lease: ...
     def signal_lease(self, lease: Lease, signal: int) -> bool: ...
     def poll(self, timeout: Optional[float] = None) -> Optional[List[_WorkerEvent]]: ...
-    def wait_for(
-        self, id: int, timeout: Optional[float] = None
-    ) -> Optional[Tuple[bool, bytes, List[int]]]: ...
+    def wait_for(self, id: int, timeout: Optional[float] = None) -> Optional[TaskResult]: ...
     def wake(self) -> None: ...
     def close(self, kill: bool, grace: float) -> List[int]: ...
 
-#: ``("batch", [(task id, seq, data, fds)])``
-_BatchMessage = Tuple[Literal["batch"], List[Tuple[int, int, bytes, List[int]]]]
-#: ``("lease", lease id, data, fds)``
-_LeaseMessage = Tuple[Literal["lease"], int, bytes, List[int]]
+@final
+class IncomingTask:
+    """A task as a worker receives it; ``seq`` claims it (``WorkerEnd.start``)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def data(self) -> bytes: ...
+    @property
+    def fds(self) -> List[int]: ...
+
+@final
+class TaskBatch:
+    """Tasks for a worker to run in order."""
+
+    @property
+    def tasks(self) -> List[IncomingTask]: ...
+
+@final
+class LeaseCall:
+    """A leased process for a worker to run."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def data(self) -> bytes: ...
+    @property
+    def fds(self) -> List[int]: ...
 
 @final
 class WorkerEnd:
@@ -324,13 +502,11 @@ class WorkerEnd:
 
     def __new__(cls, ctl_fd: int, gate_fd: int, spin: float = 0.0001) -> Self: ...
     def hello(self, pid: int) -> None: ...
-    def recv(
-        self, timeout: Optional[float] = None
-    ) -> Union[_BatchMessage, _LeaseMessage, None]: ...
+    def recv(self, timeout: Optional[float] = None) -> Union[TaskBatch, LeaseCall, None]: ...
     def start(self, seq: int, id: int) -> bool: ...
     def step(self, item: int) -> None: ...
     def idle(self) -> None: ...
     def send_results(
-        self, results: Sequence[Tuple[int, Literal[0, 1, 2], bytes, Sequence[int]]]
+        self, results: Sequence[Tuple[int, ResultKind, bytes, Sequence[int]]]
     ) -> None: ...
     def send_done(self, id: int, code: int) -> None: ...

@@ -22,12 +22,12 @@ import signal
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
 
-from . import _launch, _native, _report, _status, _worker
+from . import _launch, _native, _report, _status, _words, _worker
 from ._log import logger
 from ._pool_leases import Leases, worker_state
-from ._pool_tasks import Tasks, delivery, status_text
+from ._pool_tasks import Tasks, delivery
 from .context import Leased
 from .errors import BrokenPool
 
@@ -98,7 +98,7 @@ class Core:
         with self.changed:
             while self.broken is None and self.state != "closed":
                 workers = self.workers.workers()
-                if len(workers) == self.size and all(w[2] for w in workers):
+                if len(workers) == self.size and all(w.ready for w in workers):
                     return
                 self.changed.wait()
             if self.broken is not None:
@@ -133,7 +133,7 @@ class Core:
             except (RuntimeError, OSError):
                 # Closed meanwhile (or it cannot be watched): it must not outlive the pool.
                 group.signal(member, signal.SIGKILL)
-                group.wait([member], "all", 5.0)
+                group.wait([member], _native.WaitFor.ALL, 5.0)
 
     def pids(self) -> List[int]:
         return self.workers.pids()
@@ -143,11 +143,13 @@ class Core:
         leased = dict(self.leases.running)
         workers = [
             _status.Child(
-                pid,
-                f"worker {slot}",
-                worker_state(ready, leased.get(lease) if lease is not None else None, reserved),
+                w.pid,
+                f"worker {w.slot}",
+                worker_state(
+                    w.ready, leased.get(w.lease) if w.lease is not None else None, w.reserved
+                ),
             )
-            for slot, pid, ready, lease, reserved in self.workers.workers()
+            for w in self.workers.workers()
         ]
         return _status.Pool(self.number, self.start_method, workers)
 
@@ -198,42 +200,34 @@ class Core:
                 self._close(kill=False)
                 return
 
-    def _handle(self, events: List[Any]) -> None:
+    def _handle(self, events: List[_native._WorkerEvent]) -> None:
         for event in events:
-            kind = event[0]
-            if kind == "results":
-                self.tasks.on_results(event[3])
-            elif kind == "lease":
-                self.leases.ended(event[1], event[2])
-            elif kind == "died":
-                self._on_death(*event[1:])
-            if kind in ("ready", "died"):
+            if isinstance(event, _native.WorkerResults):
+                self.tasks.on_results(event.results)
+            elif isinstance(event, _native.LeaseEnded):
+                self.leases.ended(event.slot, event.lease)
+            elif isinstance(event, _native.WorkerDied):
+                self._on_death(event)
+            if isinstance(event, (_native.WorkerReady, _native.WorkerDied)):
                 with self.changed:
                     self.changed.notify_all()
 
     # -- healing ---------------------------------------------------------------------------
 
-    def _on_death(
-        self,
-        slot: int,
-        pid: int,
-        status: _native.ExitStatus,
-        ready: bool,
-        crashed: Optional[Tuple[int, int]],
-        lost: List[int],
-        lease: Optional[_native.Lease],
-        report: bytes,
-    ) -> None:
+    def _on_death(self, death: _native.WorkerDied) -> None:
         """A worker died: fail what it was running, and the results it never sent; start a
         replacement (or, when it died before it was ready, mark the pool broken)."""
+        slot, pid, status = death.slot, death.pid, death.status
         # 255 stands for a status something else took (a SIGCHLD set to SIG_IGN).
         exitcode = 255 if status.exitcode is None else status.exitcode
         logger.info("pool %d: worker %d (pid %d) died with %s", self.number, slot, pid, status)
-        if lease is not None:
-            self.leases.running.pop(lease.id, None)
-        self.tasks.on_death(pid, exitcode, crashed, lost)
-        if not ready and self.state != "closed" and self.broken is None:
-            self._break(self._startup_failure(pid, exitcode, report))
+        if death.lease is not None:
+            self.leases.running.pop(death.lease.id, None)
+        self.tasks.on_death(pid, exitcode, death.crashed, death.lost)
+        if not death.ready and self.state != "closed" and self.broken is None:
+            report = _report.decode(death.report)
+            text = None if report is None else report[0]
+            self._break(_words.worker_not_started(pid, exitcode, text))
         elif self.state != "closed" and self.broken is None:
             thread = threading.Thread(
                 target=self._replace, args=(slot,), name="tether-pool-replace", daemon=True
@@ -262,14 +256,6 @@ class Core:
         """Marks the pool broken: every task not started fails with ``BrokenPool``."""
         self.broken = message
         self.tasks.fail(self.workers.cancel_all(), BrokenPool(message))
-
-    def _startup_failure(self, pid: int, exitcode: int, raw_report: bytes) -> str:
-        report = _report.decode(raw_report)
-        text, _, _ = status_text(exitcode)
-        message = f"a tether.Pool worker (pid {pid}) {text} before it was ready"
-        if report is not None:
-            message += ":\n" + report[0]
-        return message
 
     # -- shutdown --------------------------------------------------------------------------
 

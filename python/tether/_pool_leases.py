@@ -152,9 +152,9 @@ class Leases:
         return Leased(lease, loader is not None, collector.channels)
 
     def _pid_in(self, slot: int) -> int:
-        for worker_slot, pid, *_ in self.workers.workers():
-            if worker_slot == slot:
-                return pid
+        for worker in self.workers.workers():
+            if worker.slot == slot:
+                return worker.pid
         return 0
 
     def _take_slot(self, loader: Optional[Dict[str, Any]]) -> int:
@@ -187,10 +187,12 @@ class Leases:
         )
         holders: Dict[str, List[int]] = {}
         reserved = free = 0
-        for _slot, pid, _ready, lease_id, is_reserved in self.workers.workers():
-            if lease_id is not None:
-                holders.setdefault(self.running.get(lease_id, "a process"), []).append(pid)
-            elif is_reserved:
+        for worker in self.workers.workers():
+            if worker.lease is not None:
+                holders.setdefault(self.running.get(worker.lease, "a process"), []).append(
+                    worker.pid
+                )
+            elif worker.reserved:
                 reserved += 1
             else:
                 free += 1
@@ -217,7 +219,7 @@ class Leases:
         """A lease ended (its process returned, or its worker died)."""
         self.running.pop(lease.id, None)
         end = lease.end()
-        if end is not None and end[0] != 0:
+        if end is not None and end.code != 0:
             self.kept.lost(slot)
 
     def free_held_workers(self, hub: Optional[threading.Thread]) -> None:
@@ -228,8 +230,8 @@ class Leases:
         if now - self.collected < 1.0 or threading.current_thread() is hub:
             return
         workers = self.workers.workers()
-        if any(lease is None and not reserved for _, _, _, lease, reserved in workers):
+        if any(w.lease is None and not w.reserved for w in workers):
             return
-        if any(lease is not None for _, _, _, lease, _ in workers):
+        if any(w.lease is not None for w in workers):
             self.collected = now
             gc.collect()

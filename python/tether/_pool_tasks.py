@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import signal
 import time
 from typing import (
     Any,
@@ -22,7 +21,7 @@ from typing import (
     Tuple,
 )
 
-from . import _native, _pickling, _worker
+from . import _native, _pickling, _words, _worker
 from ._pool_futures import (
     Chunk,
     MapRun,
@@ -42,35 +41,9 @@ MAX_CHUNK = 256
 Task = Tuple[int, bytes, List[int]]
 
 
-def status_text(exitcode: int) -> Tuple[str, Optional[str], Optional[str]]:
-    """("killed by signal SIGSEGV (Segmentation fault)" or "exited with code 3", the
-    signal's name, a hint)."""
-    if exitcode < 0:
-        name = _native.signal_name(-exitcode)
-        try:
-            description = signal.strsignal(-exitcode)
-        except ValueError:
-            description = None
-        text = f"killed by signal {name}" + (f" ({description})" if description else "")
-        return text, name, _native.signal_hint(-exitcode)
-    return f"exited with code {exitcode}", None, None
-
-
 def crash_error(pid: int, exitcode: int, lost: bool) -> WorkerCrashedError:
-    text, name, hint = status_text(exitcode)
-    when = (
-        "after running this task, before its result was sent back"
-        if lost
-        else "while running this task"
-    )
-    return WorkerCrashedError(
-        f"tether.Pool worker (pid {pid}) {text} {when}"
-        + (f" ({hint})" if hint else "")
-        + "; the pool started a new worker",
-        pid,
-        exitcode,
-        name,
-    )
+    name = _native.signal_name(-exitcode) if exitcode < 0 else None
+    return WorkerCrashedError(_words.worker_crashed(pid, exitcode, lost), pid, exitcode, name)
 
 
 def _dumps(obj: Any, collector: _pickling.FdCollector) -> Tuple[Optional[bytes], Any]:
@@ -248,26 +221,25 @@ class Tasks:
         got = self.workers.wait_for(future._tether_id, timeout)
         if got is None:
             return
-        ok, data, fds = got
         sink = self.sinks.pop(future._tether_id, None)
         if sink is None:
-            _pickling.close_all(fds)
+            _pickling.close_all(got.fds)
             return
         was = getattr(delivery, "active", False)
         delivery.active = True
         try:
-            self._deliver(sink, ok, data, fds)
+            self._deliver(sink, got.ok, got.data, got.fds)
         finally:
             delivery.active = was
         self.lifecycle.taken()
 
-    def on_results(self, outcomes: List[Tuple[int, bool, bytes, List[int]]]) -> None:
-        for task_id, ok, data, fds in outcomes:
-            sink = self.sinks.pop(task_id, None)
+    def on_results(self, results: List[_native.TaskResult]) -> None:
+        for result in results:
+            sink = self.sinks.pop(result.id, None)
             if sink is None:
-                _pickling.close_all(fds)
+                _pickling.close_all(result.fds)
             else:
-                self._deliver(sink, ok, data, fds)
+                self._deliver(sink, result.ok, result.data, result.fds)
 
     def _deliver(self, sink: Sink, ok: bool, data: bytes, fds: List[int]) -> None:
         """Unpickles a task's outcome and hands it to its future or map."""
@@ -318,12 +290,12 @@ class Tasks:
     # -- crashes -----------------------------------------------------------------------------
 
     def on_death(
-        self, pid: int, exitcode: int, crashed: Optional[Tuple[int, int]], lost: List[int]
+        self, pid: int, exitcode: int, crashed: Optional[_native.Crash], lost: List[int]
     ) -> None:
         """A worker died: fails the item it was running (``crashed``: the task and the
         item) and the results it never sent (``lost``)."""
         if crashed is not None:
-            self._on_crash(crashed[0], crashed[1], pid, exitcode)
+            self._on_crash(crashed.id, crashed.item, pid, exitcode)
         for task_id in lost:
             sink = self.sinks.pop(task_id, None)
             if sink is not None:

@@ -11,13 +11,6 @@ from typing import Any, Optional
 from . import _native
 
 
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"<Unknown signal {signum}>"
-
-
 class Process:
     """One child of a ``ProcessContext``, with the attributes of ``multiprocessing.Process``
     that torch's users rely on."""
@@ -54,7 +47,7 @@ class Process:
         return self.status is None
 
     def join(self, timeout: Optional[float] = None) -> None:
-        self._group.wait([self._index], "all", seconds(timeout, "timeout"))
+        self._group.wait([self._index], _native.WaitFor.ALL, seconds(timeout, "timeout"))
 
     def close(self) -> None:
         """As ``multiprocessing.Process.close``: an error while the process runs (its pidfd

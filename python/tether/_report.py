@@ -65,15 +65,15 @@ def decode(data: bytes) -> Optional[Tuple[str, Optional[BaseException]]]:
     decoded = _native.decode_report(data)
     if decoded is None:
         return None
-    type_name, raw_text, pickled, missing = decoded
-    text = raw_text.decode(errors="replace")
-    if missing:
+    text = decoded.text.decode(errors="replace")
+    if decoded.missing:
         text += (
-            f"\n[tether: this {type_name} report is incomplete: its last {missing} bytes "
+            f"\n[tether: this {decoded.type_name} report is incomplete: its last "
+            f"{decoded.missing} bytes "
             f"were cut (reports are kept up to {_native.REPORT_LIMIT >> 20} MiB) or never "
             "written]\n"
         )
-    return text, unpickle_exception(pickled)
+    return text, unpickle_exception(decoded.pickled)
 
 
 def unpickle_exception(pickled: Optional[bytes]) -> Optional[BaseException]:

@@ -42,8 +42,8 @@ def ask(
     timeout: Any,
     native: bool,
     dump_after: Optional[float] = None,
-) -> List[Tuple[int, bool, str]]:
-    """Asks every ``(group, index)`` at once; ``(pid, answered, text)`` for each, in order.
+) -> List[_native.StackAnswer]:
+    """Asks every ``(group, index)`` at once; the answer of each, in order.
     With ``native``, py-spy's view is added when py-spy is installed (and silently left
     out when it is not). ``dump_after`` (seconds) is how long a process may take to begin
     answering from its interpreter before its main thread is dumped from a signal handler

@@ -36,7 +36,7 @@ import os
 import random
 import sys
 import traceback
-from typing import Any, Callable, Dict, Final, List, Literal, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Final, List, Optional, Sequence, Tuple
 
 from . import _channel, _child, _native, _pickling, _recycle, _shm
 
@@ -44,10 +44,10 @@ from . import _channel, _child, _native, _pickling, _recycle, _shm
 CALL = 0
 CHUNK = 1
 #: Result kinds of ``WorkerEnd.send_results``.
-ResultKind = Literal[0, 1, 2]
-OK: Final = 0
-ERROR: Final = 1
-SKIPPED: Final = 2
+ResultKind = _native.ResultKind
+OK: Final = ResultKind.OK
+ERROR: Final = ResultKind.ERROR
+SKIPPED: Final = ResultKind.SKIPPED
 #: After a leased process ends, the garbage collector runs once the worker is this idle.
 IDLE_GC = 0.2
 
@@ -138,7 +138,7 @@ def _run_task(
 
 
 def _run_batch(
-    end: _native.WorkerEnd, tasks: List[Tuple[int, int, bytes, List[int]]], left: Optional[int]
+    end: _native.WorkerEnd, tasks: List[_native.IncomingTask], left: Optional[int]
 ) -> int:
     """Runs a batch, at most ``left`` tasks of it when that is not None (the tasks not
     started go back to the pool when this worker exits); each result goes back before the
@@ -148,7 +148,9 @@ def _run_batch(
     ran = 0
     try:
         while tasks and (left is None or ran < left):
-            task_id, seq, blob, fds = tasks.pop(0)
+            task = tasks.pop(0)
+            task_id, seq, blob, fds = task.id, task.seq, task.data, task.fds
+            del task
             if not end.start(seq, task_id):
                 _pickling.close_all(fds)
                 end.send_results([(task_id, SKIPPED, b"", [])])
@@ -161,8 +163,8 @@ def _run_batch(
     finally:
         end.idle()
         _channel.end_task_scope()
-    for _, _, _, fds in tasks:
-        _pickling.close_all(fds)
+    for left_over in tasks:
+        _pickling.close_all(left_over.fds)
     return ran
 
 
@@ -281,10 +283,13 @@ def serve(rank: int, links: Dict[int, Tuple[int, int]], config: Dict[str, Any]) 
             _reseed_if_needed()
             idle_gc = False
             continue
-        if got[0] == "batch":
-            ran = _run_batch(end, got[1], left)
+        if isinstance(got, _native.TaskBatch):
+            tasks = got.tasks
+            del got  # each task's bytes go as soon as it ran
+            ran = _run_batch(end, tasks, left)
             left = None if left is None else left - ran
+            del tasks
         else:
-            _run_lease(end, got[1], got[2], got[3])
+            _run_lease(end, got.id, got.data, got.fds)
             idle_gc = True
-        del got
+            del got

@@ -128,11 +128,9 @@ class Zygote:
         if process is not None and process.usable():
             return process
         if process is not None:
-            broken = process.broken()
-            if broken is None and process.exit() is not None:
-                broken = f"the tether zygote (pid {process.pid}) died with {process.exit()}"
-            if broken is not None and not broken.endswith("was closed"):
-                warnings.warn(f"{broken}; starting a new one", RuntimeWarning, 4)
+            failure = process.failure()
+            if failure is not None and failure.kind != _native.ZygoteFailureKind.CLOSED:
+                warnings.warn(f"{failure.message}; starting a new one", RuntimeWarning, 4)
             process.close(0.0)
         config = {"preload": self.preload, "sys_path": list(sys.path), "reserve": reserve}
         argv = _child.python_argv(_zygote_server.ENTRY)
@@ -198,7 +196,9 @@ class Zygote:
                 except ZygoteError:
                     # Once more only for a zygote that had died before it started anything;
                     # one stopped for not answering fails this start.
-                    if attempt == 2 or len(group) != before or not process.vanished():
+                    failure = process.failure()
+                    died = failure is not None and failure.kind == _native.ZygoteFailureKind.DIED
+                    if attempt == 2 or len(group) != before or not died:
                         raise
 
     def close(self) -> None:

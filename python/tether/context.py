@@ -24,7 +24,7 @@ import signal
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
-from . import _channel, _native
+from . import _channel, _native, _words
 
 __all__ = ["Leased", "Leaser", "PoolContext", "PoolProcess"]
 
@@ -128,7 +128,7 @@ class PoolProcess:
     def exitcode(self) -> Optional[int]:
         """None while the target runs; then its exit code, or the dead worker's status."""
         end = None if self._lease is None else self._lease.end()
-        return None if end is None else end[0]
+        return None if end is None else end.code
 
     def _ours(self) -> Optional[_native.Lease]:
         """The lease when started, and by this process (a copy inherited through a fork
@@ -193,37 +193,12 @@ class PoolProcess:
         if end is None:
             return None
         self._reported = True
-        code = end[0]
-        if code == 0:
+        if end.code == 0:
             return None
-        return RuntimeError(self._failure_message(code))
-
-    def _failure_message(self, code: int) -> str:
-        pid = self.pid
-        if code < 0:
-            try:
-                description = signal.strsignal(-code) or f"signal {-code}"
-            except ValueError:
-                description = f"signal {-code}"
-            if not self._dataloader:
-                return (
-                    f"tether.Pool process {self.name} (pid {pid}) was killed by signal "
-                    f"{_native.signal_name(-code)} ({description})"
-                )
-            message = f"DataLoader worker (pid {pid}) is killed by signal: {description}. "
-            if -code == signal.SIGBUS:
-                message += (
-                    "It is possible that dataloader's workers are out of shared memory. "
-                    "Please try to raise your shared memory limit."
-                )
-            return message
+        pid = self._lease.pid
         if self._dataloader:
-            return (
-                f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. "
-                "Details are lost due to multiprocessing. Rerunning with num_workers=0 may "
-                "give better error trace."
-            )
-        return f"tether.Pool process {self.name} (pid {pid}) exited with code {code}"
+            return RuntimeError(_words.dataloader_worker_ended(pid, end.code))
+        return RuntimeError(_words.pool_process_ended(self.name, pid, end.code))
 
     def __repr__(self) -> str:
         if self._lease is None:

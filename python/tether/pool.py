@@ -127,7 +127,7 @@ class Pool(concurrent.futures.Executor):
         """Where every worker is: ``{pid: text}``, the Python stack of each of its threads
         (see ``ProcessContext.stacks``); a worker that cannot answer says why."""
         targets = self._core.workers.members()
-        return {pid: text for pid, _, text in _stacks.ask(targets, timeout, native)}
+        return {a.pid: a.text for a in _stacks.ask(targets, timeout, native)}
 
     def submit(
         self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any

@@ -19,7 +19,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from . import _launch, _native, _process, _report, _stacks
+from . import _launch, _native, _process, _report, _stacks, _words
 from ._launch import DEFAULT_START_METHOD
 from ._log import logger
 from ._process import Process
@@ -98,7 +98,7 @@ class ProcessContext:
         py-spy installed, py-spy's native frames follow each stack."""
         ranks = range(len(self.processes))
         answers = _stacks.ask([(self._group, i) for i in ranks], timeout, native)
-        return {rank: text for rank, (_, _, text) in zip(ranks, answers)}
+        return {rank: answer.text for rank, answer in zip(ranks, answers)}
 
     def join(self, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> bool:
         """Waits for the children. Returns True once all of them have exited 0 (and on every
@@ -115,7 +115,7 @@ class ProcessContext:
         if self._done:
             return True
         try:
-            settled = self._group.wait(None, "all_or_failure", self._bounded(wait))
+            settled = self._group.wait(None, _native.WaitFor.ALL_OR_FAILURE, self._bounded(wait))
         except KeyboardInterrupt:
             # Ctrl-C: the children, in process groups of their own, did not get it.
             self._stop_interrupted(grace)
@@ -133,7 +133,7 @@ class ProcessContext:
                 raise self._time_out(grace)
             return settled
         if grace is not None:
-            self._group.wait(None, "all", grace)
+            self._group.wait(None, _native.WaitFor.ALL, grace)
         self._stop(grace)
         self._done = True
         # Those stopped now fail later in time: the first failure stays the root cause.
@@ -194,7 +194,7 @@ class ProcessContext:
             else:
                 _say(
                     f"tether: {count} process(es) still running {after:g} s after SIGINT: "
-                    f"{_process.signal_name(signum)}; SIGKILL in {grace - after:g} s"
+                    f"{_words.signal_name(signum)}; SIGKILL in {grace - after:g} s"
                 )
 
         try:
@@ -208,10 +208,7 @@ class ProcessContext:
             status = process.status
             if status is not None and status.unavailable:
                 warnings.warn(
-                    f"process {index} (pid {process.pid}): {status}; it counts as neither a "
-                    "success nor a failure",
-                    RuntimeWarning,
-                    3,
+                    _words.status_unavailable(index, process.pid, status), RuntimeWarning, 3
                 )
 
     def _error(self, index: int) -> ProcessException:
@@ -221,33 +218,23 @@ class ProcessContext:
         error: ProcessException
         if report is not None:
             text, cause = report
-            msg = f"\n\n-- Process {index} terminated with the following error:\n{text}"
-            error = ProcessRaisedException(msg, index, pid)
+            error = ProcessRaisedException(_words.spawn_raised(index, text), index, pid)
             # The message already shows the child's traceback: the rebuilt exception is kept
             # as the context, out of the printed traceback, so that each line prints once.
             error.__context__ = cause
             error.__suppress_context__ = True
             return error
         assert status is not None and status.exitcode is not None
-        if status.signal is not None:
-            name = _process.signal_name(status.signal)
-            msg = f"process {index} terminated with signal {name}"
-            error = ProcessExitedException(msg, index, pid, status.exitcode, name)
-            note = f"process {index} had pid {pid}"
-            if status.core_dumped:
-                note += " and dumped core"
-            hint = _native.signal_hint(status.signal)
-            _add_note(error, f"{note}; {hint}" if hint else note)
-        else:
-            msg = f"process {index} terminated with exit code {status.exitcode}"
-            error = ProcessExitedException(msg, index, pid, status.exitcode)
-            _add_note(error, f"process {index} had pid {pid}")
+        name = None if status.signal is None else _words.signal_name(status.signal)
+        message = _words.spawn_ended(index, status)
+        error = ProcessExitedException(message, index, pid, status.exitcode, name)
+        _add_note(error, _words.spawn_note(index, pid, status))
         return error
 
     def _at_exit(self, interrupted: bool) -> None:
         if self._daemon or interrupted:
             self._stop(1.0)
-        elif not self._group.wait(None, "all", self._bounded(None)):
+        elif not self._group.wait(None, _native.WaitFor.ALL, self._bounded(None)):
             # Past the job's timeout: nobody is left to raise to.
             print(f"tether: {self._time_out(None)}", file=sys.stderr)
 

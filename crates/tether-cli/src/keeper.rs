@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tether_core::signal_name;
+use tether_core::ExitStatus;
 
 use crate::config::Config;
 use crate::output::message;
@@ -138,10 +138,13 @@ fn exit_code(pid: i32, status: i32) -> i32 {
         return libc::WEXITSTATUS(status);
     }
     let sig = libc::WTERMSIG(status);
+    let ended = ExitStatus::Signaled {
+        signal: sig,
+        core_dumped: libc::WCOREDUMP(status),
+    };
+    let died = ended.died(&format!("tether: the supervisor (pid {pid})"));
     message(&format!(
-        "tether: the supervisor (pid {pid}) was killed by {}; every rank and what they \
-         started are stopped",
-        signal_name(sig)
+        "{died}; every rank and what they started are stopped"
     ));
     128 + sig
 }

@@ -5,8 +5,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::SystemTime;
 
-use tether_core::status::signal_hint;
-use tether_core::{signal_name, ExitStatus};
+use tether_core::ExitStatus;
 
 use crate::clock;
 
@@ -123,32 +122,18 @@ pub struct Failure {
     pub log_dir: Option<String>,
 }
 
-fn describe(status: ExitStatus) -> String {
-    match status {
-        ExitStatus::Exited(code) => format!("exit code {code}"),
-        ExitStatus::Signaled {
-            signal,
-            core_dumped,
-        } => format!(
-            "signal {} ({signal}){}",
-            signal_name(signal),
-            if core_dumped { ", core dumped" } else { "" }
-        ),
-        ExitStatus::Unknown => "an unknown status".to_string(),
-    }
-}
-
-/// How a process that `std::process` waited for ended, in the report's words.
+/// How a process that `std::process` waited for ended, in the exit status's own words.
 pub fn describe_std(status: std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(code), _) => describe(ExitStatus::Exited(code)),
-        (None, Some(signal)) => describe(ExitStatus::Signaled {
+    let status = match (status.code(), status.signal()) {
+        (Some(code), _) => ExitStatus::Exited(code),
+        (None, Some(signal)) => ExitStatus::Signaled {
             signal,
             core_dumped: status.core_dumped(),
-        }),
-        _ => describe(ExitStatus::Unknown),
-    }
+        },
+        _ => ExitStatus::Unknown,
+    };
+    status.to_string()
 }
 
 const RULE: &str = "==============================================================================";
@@ -166,7 +151,7 @@ impl Failure {
             r.local_rank, self.node_rank, self.host
         );
         let _ = writeln!(s, "  pid        : {}", r.pid);
-        let _ = writeln!(s, "  exit       : {}", describe(r.status));
+        let _ = writeln!(s, "  exit       : {}", r.status);
         let _ = writeln!(s, "  attempt    : {}", self.attempt);
         let _ = writeln!(s, "  time       : {}", clock::local_iso(self.ended_at));
         if let Some(hint) = self.hint() {
@@ -193,7 +178,7 @@ impl Failure {
             "rank": r.rank,
             "local_rank": r.local_rank,
             "pid": r.pid,
-            "exit": describe(r.status),
+            "exit": r.status.to_string(),
             "code": r.status.as_shell_code(),
             "time": unix,
             "attempt": self.attempt,
@@ -207,19 +192,7 @@ impl Failure {
 
     /// What a signal death may mean; for SIGKILL, the OOM evidence.
     fn hint(&self) -> Option<String> {
-        let signal = self.root.status.signal()?;
-        if signal != libc::SIGKILL {
-            return signal_hint(signal).map(str::to_string);
-        }
-        Some(match self.oom {
-            Some((before, after)) if after > before => format!(
-                "the kernel OOM killer killed it: this cgroup's oom_kill count rose from \
-                 {before} to {after}"
-            ),
-            _ => "SIGKILL may come from the kernel OOM killer (check `dmesg` or the job's \
-                  memory limit)"
-                .to_string(),
-        })
+        self.root.status.hint(self.oom)
     }
 
     /// The error file's message and traceback, else the rank's last lines.
@@ -263,10 +236,7 @@ impl Failure {
             let _ = writeln!(
                 s,
                 "  rank {} (local rank {}, pid {}): {}{note}",
-                o.rank,
-                o.local_rank,
-                o.pid,
-                describe(o.status)
+                o.rank, o.local_rank, o.pid, o.status
             );
         }
     }

@@ -1,4 +1,7 @@
-//! How a process ended: an exit code, or a signal (with its name and whether it dumped core).
+//! How a process ended: an exit code, or a signal (with its name and whether it dumped core),
+//! and every sentence Rust says about it: the status in words (its `Display`), with a hint
+//! where one helps ([`ExitStatus::describe`], [`ExitStatus::hint`]). Python's sentences, fed by
+//! the same facts, live in `python/tether/_words.py`.
 
 use std::fmt;
 
@@ -57,6 +60,24 @@ impl ExitStatus {
         match self.signal().and_then(signal_hint) {
             Some(hint) => format!("{self}; {hint}"),
             None => self.to_string(),
+        }
+    }
+
+    /// "`who` died with signal SIGKILL": a process that ended on its own, unasked.
+    pub fn died(self, who: &str) -> String {
+        format!("{who} died with {self}")
+    }
+
+    /// What a death by signal may mean: for SIGKILL, the kernel OOM killer, named as the
+    /// cause when the cgroup's `oom_kill` count (`oom_kills`, before and after) rose.
+    pub fn hint(self, oom_kills: Option<(u64, u64)>) -> Option<String> {
+        let signal = self.signal()?;
+        match oom_kills {
+            Some((before, after)) if signal == libc::SIGKILL && after > before => Some(format!(
+                "the kernel OOM killer killed it: this cgroup's oom_kill count rose from \
+                 {before} to {after}"
+            )),
+            _ => signal_hint(signal).map(str::to_string),
         }
     }
 
@@ -182,7 +203,10 @@ pub fn signal_from_name(name: &str) -> Option<i32> {
 /// A hint that helps the reader of an error about a process killed by `signal`.
 pub fn signal_hint(signal: i32) -> Option<&'static str> {
     match signal {
-        libc::SIGKILL => Some("SIGKILL often means the kernel's OOM killer ended the process"),
+        libc::SIGKILL => Some(
+            "SIGKILL often means the kernel's OOM killer ended the process (check `dmesg` or \
+             the memory limit)",
+        ),
         libc::SIGBUS => Some("SIGBUS often means /dev/shm is too small for shared memory"),
         libc::SIGSEGV => Some("SIGSEGV is a crash in native code"),
         _ => None,
@@ -284,5 +308,53 @@ mod tests {
         assert!(killed.describe().starts_with("signal SIGKILL; "));
         assert!(killed.describe().contains("OOM"));
         assert_eq!(ExitStatus::Exited(2).describe(), "exit code 2");
+        let bus = ExitStatus::Signaled {
+            signal: libc::SIGBUS,
+            core_dumped: true,
+        };
+        assert_eq!(
+            bus.describe(),
+            "signal SIGBUS (core dumped); SIGBUS often means /dev/shm is too small for shared \
+             memory"
+        );
+    }
+
+    #[test]
+    fn a_process_that_ended_unasked_died_with_its_status() {
+        let killed = ExitStatus::Signaled {
+            signal: libc::SIGKILL,
+            core_dumped: false,
+        };
+        assert_eq!(
+            killed.died("the tether zygote (pid 7)"),
+            "the tether zygote (pid 7) died with signal SIGKILL"
+        );
+        assert_eq!(ExitStatus::Exited(1).died("it"), "it died with exit code 1");
+    }
+
+    #[test]
+    fn a_sigkill_hint_names_the_oom_killer_when_its_count_rose() {
+        let killed = ExitStatus::Signaled {
+            signal: libc::SIGKILL,
+            core_dumped: false,
+        };
+        assert_eq!(
+            killed.hint(Some((1, 2))).as_deref(),
+            Some("the kernel OOM killer killed it: this cgroup's oom_kill count rose from 1 to 2")
+        );
+        assert_eq!(
+            killed.hint(Some((2, 2))).as_deref(),
+            Some(
+                "SIGKILL often means the kernel's OOM killer ended the process (check `dmesg` \
+                 or the memory limit)"
+            )
+        );
+        assert_eq!(killed.hint(None), killed.hint(Some((2, 2))));
+        assert_eq!(ExitStatus::Exited(1).hint(Some((1, 2))), None);
+        let term = ExitStatus::Signaled {
+            signal: libc::SIGTERM,
+            core_dumped: false,
+        };
+        assert_eq!(term.hint(None), None);
     }
 }

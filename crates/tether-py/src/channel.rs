@@ -1,22 +1,18 @@
 //! Python classes over `tether_core::channel`: `Endpoint`, `SharedFlag` and `Poller`.
-//! Every wait releases the GIL and wakes every [`SIGNAL_CHECK`] to run Python's signal
-//! handlers (in the main thread; elsewhere that check does nothing).
+//! Every wait is [`crate::wait`]'s: without the GIL, Ctrl-C-aware.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, IntoRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pyo3::exceptions::{PyEOFError, PyOSError, PyValueError};
+use pyo3::exceptions::{PyEOFError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tether_core::channel::{self, Recv};
 
-/// How often a wait wakes to let Python run its signal handlers (Ctrl-C).
-const SIGNAL_CHECK: Duration = Duration::from_millis(50);
-
-pub(crate) fn os_error(err: std::io::Error) -> PyErr {
-    PyOSError::new_err((err.raw_os_error().unwrap_or(0), err.to_string()))
-}
+use crate::convert::{borrowed, into_raw, Fd, Timeout};
+use crate::error::os_error;
+use crate::wait;
 
 fn closed() -> PyErr {
     PyValueError::new_err("operation on a closed tether channel")
@@ -48,49 +44,8 @@ impl<T> Closable<T> {
     }
 }
 
-/// A timeout in seconds as a deadline; `None` waits for ever.
-pub(crate) fn deadline(timeout: Option<f64>) -> PyResult<Option<Instant>> {
-    match timeout {
-        Some(t) if t.is_nan() => Err(PyValueError::new_err("timeout must be a number")),
-        Some(t) if t <= 0.0 => Ok(Some(Instant::now())),
-        Some(t) if t > 1e9 => Ok(None),
-        Some(t) => Ok(Some(Instant::now() + Duration::from_secs_f64(t))),
-        None => Ok(None),
-    }
-}
-
-/// Runs `step` with the GIL released in slices of at most [`SIGNAL_CHECK`] until it returns
-/// `Some` or the deadline passes, checking Python signals between slices.
-pub(crate) fn sliced<T, F>(
-    py: Python<'_>,
-    until: Option<Instant>,
-    mut step: F,
-) -> PyResult<Option<T>>
-where
-    F: FnMut(Duration) -> std::io::Result<Option<T>> + Send,
-    T: Send,
-{
-    loop {
-        let slice = match until {
-            None => SIGNAL_CHECK,
-            Some(d) => d
-                .saturating_duration_since(Instant::now())
-                .min(SIGNAL_CHECK),
-        };
-        if let Some(found) = py.allow_threads(|| step(slice)).map_err(os_error)? {
-            return Ok(Some(found));
-        }
-        if until.is_some_and(|d| Instant::now() >= d) {
-            return Ok(None);
-        }
-        py.check_signals()?;
-    }
-}
-
-/// Takes ownership of the raw fds (ints) of a message.
-pub(crate) fn into_raw(fds: Vec<OwnedFd>) -> Vec<RawFd> {
-    fds.into_iter().map(IntoRawFd::into_raw_fd).collect()
-}
+/// The longest an empty channel is polled before a wait sleeps.
+const MAX_SPIN: Duration = Duration::from_millis(10);
 
 /// One end of a message channel (a `SOCK_SEQPACKET` socket pair): messages are sent and
 /// received whole, with fds, by any number of processes and threads.
@@ -118,13 +73,8 @@ impl Endpoint {
 
     /// Takes ownership of `fd`, one end of a pair (received from another process).
     #[staticmethod]
-    fn from_fd(fd: RawFd) -> PyResult<Endpoint> {
-        if fd < 0 {
-            return Err(PyValueError::new_err("invalid fd"));
-        }
-        // SAFETY: the caller hands over an open fd it no longer uses.
-        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(Endpoint::wrap(channel::Endpoint::from_fd(owned)))
+    fn from_fd(fd: Fd) -> Endpoint {
+        Endpoint::wrap(channel::Endpoint::from_fd(fd.take()))
     }
 
     fn fileno(&self) -> PyResult<RawFd> {
@@ -159,19 +109,12 @@ impl Endpoint {
         &self,
         py: Python<'_>,
         data: &[u8],
-        fds: Vec<RawFd>,
-        timeout: Option<f64>,
+        fds: Vec<Fd>,
+        timeout: Option<Timeout>,
     ) -> PyResult<bool> {
         let ep = self.inner.get()?;
-        let until = deadline(timeout)?;
-        if fds.iter().any(|&fd| fd < 0) {
-            return Err(PyValueError::new_err("invalid fd"));
-        }
-        // SAFETY: the caller keeps these fds open for the duration of the call.
-        let borrowed: Vec<BorrowedFd<'_>> = fds
-            .iter()
-            .map(|&fd| unsafe { BorrowedFd::borrow_raw(fd) })
-            .collect();
+        let until = Timeout::of(timeout).deadline();
+        let borrowed = borrowed(&fds);
         // Fast path: room in the socket buffer, no GIL release needed for a short syscall.
         if ep
             .send(data, &borrowed, Some(Duration::ZERO))
@@ -182,7 +125,7 @@ impl Endpoint {
         if until.is_some_and(|d| d <= Instant::now()) {
             return Ok(false);
         }
-        let sent = sliced(py, until, |slice| {
+        let sent = wait::until_deadline(py, until, |slice| {
             Ok(ep.send(data, &borrowed, Some(slice))?.then_some(()))
         })?;
         Ok(sent.is_some())
@@ -199,17 +142,17 @@ impl Endpoint {
     fn recv<'py>(
         &self,
         py: Python<'py>,
-        timeout: Option<f64>,
+        timeout: Option<Timeout>,
         spin: f64,
     ) -> PyResult<Option<(Bound<'py, PyBytes>, Vec<RawFd>)>> {
         let ep = self.inner.get()?;
-        let until = deadline(timeout)?;
+        let until = Timeout::of(timeout).deadline();
         let mut first = ep.recv(Some(Duration::ZERO)).map_err(os_error)?;
+        let spin = Timeout::from_secs(spin)?.or_max().min(MAX_SPIN);
         if matches!(first, Recv::Timeout)
-            && spin > 0.0
+            && !spin.is_zero()
             && !until.is_some_and(|d| d <= Instant::now())
         {
-            let spin = Duration::from_secs_f64(spin.min(0.01));
             first = py
                 .allow_threads(|| {
                     let start = Instant::now();
@@ -225,10 +168,12 @@ impl Endpoint {
         }
         let got = match first {
             Recv::Timeout if until.is_some_and(|d| d <= Instant::now()) => None,
-            Recv::Timeout => sliced(py, until, |slice| match ep.recv(Some(slice))? {
-                Recv::Timeout => Ok(None),
-                other => Ok(Some(other)),
-            })?,
+            Recv::Timeout => {
+                wait::until_deadline(py, until, |slice| match ep.recv(Some(slice))? {
+                    Recv::Timeout => Ok(None),
+                    other => Ok(Some(other)),
+                })?
+            }
             other => Some(other),
         };
         match got {
@@ -251,24 +196,16 @@ impl Endpoint {
     fn recv_watching(
         &self,
         py: Python<'_>,
-        timeout: Option<f64>,
-        watch: Vec<RawFd>,
+        timeout: Option<Timeout>,
+        watch: Vec<Fd>,
     ) -> PyResult<Option<PyObject>> {
         let ep = self.inner.get()?;
-        let until = deadline(timeout)?;
-        if watch.iter().any(|&fd| fd < 0) {
-            return Err(PyValueError::new_err("invalid fd"));
-        }
-        let got = sliced(py, until, |slice| {
+        let fds = borrowed(&watch);
+        let got = wait::until(py, Timeout::of(timeout), |slice| {
             match ep.recv(Some(Duration::ZERO))? {
                 Recv::Timeout => {}
                 other => return Ok(Some(Watched::Got(other))),
             }
-            // SAFETY: the caller keeps the watched fds open for the duration of the call.
-            let fds: Vec<BorrowedFd<'_>> = watch
-                .iter()
-                .map(|&fd| unsafe { BorrowedFd::borrow_raw(fd) })
-                .collect();
             Ok(ep.wait_watching(&fds, Some(slice))?.map(Watched::Ready))
         })?;
         match got {
@@ -307,13 +244,8 @@ impl SharedFlag {
 
     /// Takes ownership of `fd` (a flag's memfd received from another process) and maps it.
     #[staticmethod]
-    fn from_fd(fd: RawFd) -> PyResult<SharedFlag> {
-        if fd < 0 {
-            return Err(PyValueError::new_err("invalid fd"));
-        }
-        // SAFETY: the caller hands over an open fd it no longer uses.
-        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-        let flag = channel::SharedFlag::from_fd(owned).map_err(os_error)?;
+    fn from_fd(fd: Fd) -> PyResult<SharedFlag> {
+        let flag = channel::SharedFlag::from_fd(fd.take()).map_err(os_error)?;
         Ok(SharedFlag {
             inner: Closable::new(flag),
         })
@@ -343,13 +275,15 @@ impl SharedFlag {
 
     /// Waits until the flag is set or `timeout` seconds pass; returns whether it is set.
     #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+    fn wait(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<bool> {
         let flag = self.inner.get()?;
         if flag.is_set() {
             return Ok(true);
         }
-        let until = deadline(timeout)?;
-        Ok(sliced(py, until, |slice| Ok(flag.wait(Some(slice)).then_some(())))?.is_some())
+        let set = wait::until(py, Timeout::of(timeout), |slice| {
+            Ok(flag.wait(Some(slice)).then_some(()))
+        })?;
+        Ok(set.is_some())
     }
 }
 
@@ -370,22 +304,16 @@ impl Poller {
     }
 
     /// Watches `fd` (kept open by the caller until `remove`) for readability under `token`.
-    fn add(&self, token: u64, fd: RawFd) -> PyResult<()> {
-        if token == u64::MAX || fd < 0 {
-            return Err(PyValueError::new_err("invalid token or fd"));
+    fn add(&self, token: u64, fd: Fd) -> PyResult<()> {
+        if token == u64::MAX {
+            return Err(PyValueError::new_err("invalid token"));
         }
-        // SAFETY: the caller keeps `fd` open while it is registered.
-        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-        self.inner.get()?.add(token, fd).map_err(os_error)
+        // The epoll set only keeps the fd's number: the caller keeps it open until `remove`.
+        self.inner.get()?.add(token, fd.borrow()).map_err(os_error)
     }
 
-    fn remove(&self, fd: RawFd) -> PyResult<()> {
-        if fd < 0 {
-            return Err(PyValueError::new_err("invalid fd"));
-        }
-        // SAFETY: only used for the duration of the epoll_ctl call.
-        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-        self.inner.get()?.remove(fd).map_err(os_error)
+    fn remove(&self, fd: Fd) -> PyResult<()> {
+        self.inner.get()?.remove(fd.borrow()).map_err(os_error)
     }
 
     /// Makes the current or next `wait` return at once.
@@ -401,13 +329,9 @@ impl Poller {
     /// The tokens that are ready (without the GIL), waiting up to `timeout` seconds; with
     /// `spin`, polling without sleeping that long first (see `Endpoint.recv`).
     #[pyo3(signature = (timeout=None, spin=0.0))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>, spin: f64) -> PyResult<Vec<u64>> {
-        let timeout = match timeout {
-            Some(t) if t.is_nan() => return Err(PyValueError::new_err("timeout must be a number")),
-            Some(t) => Some(Duration::from_secs_f64(t.clamp(0.0, 1e9))),
-            None => None,
-        };
-        let spin = Duration::from_secs_f64(spin.clamp(0.0, 0.01));
+    fn wait(&self, py: Python<'_>, timeout: Option<Timeout>, spin: f64) -> PyResult<Vec<u64>> {
+        let timeout = Timeout::of(timeout).duration();
+        let spin = Timeout::from_secs(spin)?.or_max().min(MAX_SPIN);
         let poller = self.inner.get()?;
         py.allow_threads(|| {
             if !spin.is_zero() {

@@ -1,17 +1,17 @@
 //! `Group` and `ExitStatus`: a set of supervised children, and how each one ended.
 
 use std::ffi::OsString;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStringExt;
-use std::time::Duration;
 
-use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tether_core::attrs::ThreadAttributes;
-use tether_core::{Adoption, Escalation, LaunchSpec, WaitFor};
+use tether_core::{Adoption, Escalation, LaunchSpec};
 
-use crate::{core_error, os_error, timeout_of};
+use crate::convert::{Fd, Timeout, WaitFor};
+use crate::error::{core_error, os_error};
+use crate::wait;
 
 /// A launch as Python gives it: `(argv, env, keep_fds, payload)`, strings as bytes.
 type PySpec = (
@@ -124,17 +124,6 @@ pub struct Group {
     pub inner: tether_core::Group,
 }
 
-fn wait_for(until: &str) -> PyResult<WaitFor> {
-    match until {
-        "all" => Ok(WaitFor::AllExited),
-        "all_or_failure" => Ok(WaitFor::AllExitedOrFailure),
-        "any" => Ok(WaitFor::AnyExited),
-        other => Err(PyValueError::new_err(format!(
-            "unknown wait condition {other:?}"
-        ))),
-    }
-}
-
 #[pymethods]
 impl Group {
     #[new]
@@ -173,18 +162,10 @@ impl Group {
     /// Takes on children this process forked, each `(pid, report_fd)`, in one call; the
     /// group takes ownership of each report fd (the read end of the child's report pipe).
     /// On an error every one of them is killed and reaped.
-    fn adopt_all(
-        &self,
-        py: Python<'_>,
-        children: Vec<(i32, Option<RawFd>)>,
-    ) -> PyResult<Vec<usize>> {
+    fn adopt_all(&self, py: Python<'_>, children: Vec<(i32, Option<Fd>)>) -> PyResult<Vec<usize>> {
         let children = children
             .into_iter()
-            .map(|(pid, fd)| {
-                // SAFETY: the caller hands over each report fd, open and no longer used.
-                let report = fd.map(|fd| unsafe { OwnedFd::from_raw_fd(fd) });
-                Adoption::forked(pid, report)
-            })
+            .map(|(pid, fd)| Adoption::forked(pid, fd.map(Fd::take)))
             .collect();
         py.allow_threads(|| self.inner.adopt_all(children))
             .map_err(core_error)
@@ -250,29 +231,25 @@ impl Group {
     }
 
     /// Waits (without the GIL) until `until` holds for the members in `which` (all when
-    /// None): "all", "all_or_failure" or "any". A negative `timeout` polls once; None, inf
-    /// or a huge one waits for ever; NaN is a ValueError. Returns False on timeout. Python
-    /// signal handlers run meanwhile, so Ctrl-C raises KeyboardInterrupt here.
-    #[pyo3(signature = (which=None, until="all", timeout=None))]
+    /// None). A negative `timeout` polls once; None, inf or a huge one waits for ever; NaN
+    /// is a ValueError. Returns False on timeout. Python signal handlers run meanwhile, so
+    /// Ctrl-C raises KeyboardInterrupt here.
+    #[pyo3(signature = (which=None, until=WaitFor::All, timeout=None))]
     fn wait(
         &self,
         py: Python<'_>,
         which: Option<Vec<usize>>,
-        until: &str,
-        timeout: Option<f64>,
+        until: WaitFor,
+        timeout: Option<Timeout>,
     ) -> PyResult<bool> {
-        let until = wait_for(until)?;
-        let timeout = timeout_of(timeout)?;
-        let mut error = None;
-        let held = py.allow_threads(|| {
-            let mut check = || interrupted(&mut error);
-            self.inner
-                .wait_interruptibly(which.as_deref(), until, timeout, &mut check)
-        });
-        match (held, error) {
-            (_, Some(err)) => Err(err),
-            (held, None) => Ok(held.unwrap_or(false)),
-        }
+        let until = until.into();
+        let group = &self.inner;
+        let held = wait::until(py, Timeout::of(timeout), |slice| {
+            Ok(group
+                .wait(which.as_deref(), until, Some(slice))
+                .then_some(()))
+        })?;
+        Ok(held.is_some())
     }
 
     /// Stops every running member: `signal` (SIGTERM) to its process group after any report
@@ -285,23 +262,20 @@ impl Group {
     fn terminate(
         &self,
         py: Python<'_>,
-        grace: f64,
+        grace: Timeout,
         signal: i32,
-        then: Option<(i32, f64)>,
+        then: Option<(i32, Timeout)>,
         on_signal: Option<PyObject>,
     ) -> PyResult<()> {
-        let grace = timeout_of(Some(grace))?.unwrap_or(Duration::MAX);
-        let then = match then {
-            Some((signal, after)) => Some(Escalation {
-                signal,
-                after: timeout_of(Some(after))?.unwrap_or(Duration::MAX),
-            }),
-            None => None,
-        };
+        let grace = grace.or_max();
+        let then = then.map(|(signal, after)| Escalation {
+            signal,
+            after: after.or_max(),
+        });
         let mut error = None;
         let mut told = None;
         py.allow_threads(|| {
-            let mut check = || interrupted(&mut error);
+            let mut check = || wait::interrupted(&mut error);
             let mut sent = |signal: i32, count: usize| {
                 if let Some(callback) = &on_signal {
                     Python::with_gil(|py| {
@@ -316,18 +290,6 @@ impl Group {
         });
         error.or(told).map_or(Ok(()), Err)
     }
-}
-
-/// Runs Python's signal handlers (in the main thread); true, with the error kept, when one
-/// raised (Ctrl-C).
-fn interrupted(error: &mut Option<PyErr>) -> bool {
-    Python::with_gil(|py| match py.check_signals() {
-        Ok(()) => false,
-        Err(err) => {
-            *error = Some(err);
-            true
-        }
-    })
 }
 
 fn no_member(index: usize) -> PyErr {

@@ -1,56 +1,20 @@
 //! `tether._native`: thin glue between Python and tether-core. It converts types and
 //! releases the GIL around every wait; the Python semantics live in `python/tether`.
 
-use std::time::Duration;
-
-use pyo3::create_exception;
-use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::error::os_error;
+
 mod channel;
 mod cli;
+mod convert;
+mod error;
 mod group;
 mod stacks;
+mod wait;
 mod workers;
 mod zygote;
-
-create_exception!(
-    _native,
-    ZygoteError,
-    PyRuntimeError,
-    "The zygote died, stopped answering, or broke its protocol while starting processes."
-);
-
-/// An `OSError` (of the subclass its errno selects, e.g. `FileNotFoundError`) for a system
-/// error, with the errno kept.
-fn os_error(err: std::io::Error) -> PyErr {
-    core_error(tether_core::Error::from(err))
-}
-
-/// The Python exception for an error of tether-core: an `OSError` subclass with its errno
-/// for system errors, `ZygoteError` for a zygote that failed.
-fn core_error(err: tether_core::Error) -> PyErr {
-    match (&err, err.raw_os_error()) {
-        (tether_core::Error::Zygote(_), _) => ZygoteError::new_err(err.to_string()),
-        (tether_core::Error::SupervisorGone, _) => PyRuntimeError::new_err(err.to_string()),
-        (_, Some(errno)) => PyOSError::new_err((errno, err.to_string())),
-        (_, None) => PyOSError::new_err(err.to_string()),
-    }
-}
-
-/// A timeout in seconds as Python callers give it: None, inf or beyond what a deadline
-/// can hold waits for ever; a negative one is zero (poll once); NaN is an error.
-fn timeout_of(timeout: Option<f64>) -> PyResult<Option<Duration>> {
-    match timeout {
-        None => Ok(None),
-        Some(t) if t.is_nan() => Err(PyValueError::new_err("timeout must be a number, not NaN")),
-        Some(t) if t <= 0.0 => Ok(Some(Duration::ZERO)),
-        // About 30 years: a deadline further out than that is "never".
-        Some(t) if t >= 1e9 => Ok(None),
-        Some(t) => Ok(Some(Duration::from_secs_f64(t))),
-    }
-}
 
 /// Run in a child made by `os.fork()` of `parent_pid`: lead a new process group and die with
 /// the parent (through the parent-death signal when forked from the main thread, a watcher
@@ -104,13 +68,28 @@ fn encode_report<'py>(
     PyBytes::new(py, &tether_core::report::encode(type_name, text, pickled))
 }
 
-/// A report read back: `(type_name, text, pickled or None, missing bytes)`.
-type PyReport = (String, Vec<u8>, Option<Vec<u8>>, u64);
+/// A failure report read back.
+#[pyclass(module = "tether._native", frozen, get_all)]
+struct Report {
+    /// The exception's type name.
+    type_name: String,
+    /// Its traceback text.
+    text: Py<PyBytes>,
+    /// The pickled exception, or None.
+    pickled: Option<Py<PyBytes>>,
+    /// How many bytes of the report never arrived (cut at the limit, or never written).
+    missing: u64,
+}
 
 /// A report read back, or None when not even the type name arrived.
 #[pyfunction]
-fn decode_report(data: &[u8]) -> Option<PyReport> {
-    tether_core::report::decode(data).map(|d| (d.type_name, d.text, d.pickled, d.missing))
+fn decode_report(py: Python<'_>, data: &[u8]) -> Option<Report> {
+    tether_core::report::decode(data).map(|d| Report {
+        type_name: d.type_name,
+        text: PyBytes::new(py, &d.text).unbind(),
+        pickled: d.pickled.map(|p| PyBytes::new(py, &p).unbind()),
+        missing: d.missing,
+    })
 }
 
 #[pymodule]
@@ -120,8 +99,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<group::ExitStatus>()?;
     m.add_class::<zygote::Zygote>()?;
     m.add_class::<zygote::Job>()?;
+    m.add_class::<zygote::ZygoteFailure>()?;
+    m.add_class::<zygote::ZygoteFailureKind>()?;
+    m.add_class::<convert::WaitFor>()?;
+    m.add_class::<Report>()?;
     channel::register(m)?;
-    m.add("ZygoteError", m.py().get_type::<ZygoteError>())?;
+    error::register(m)?;
     m.add("REPORT_LIMIT", tether_core::report::REPORT_LIMIT)?;
     m.add(
         "ANSWER_TIMEOUT",

@@ -9,8 +9,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use tether_core::stacks::{self as core_stacks, Request};
 
+use crate::convert::Timeout;
+use crate::error::{core_error, os_error};
 use crate::group::Group;
-use crate::{core_error, os_error, timeout_of};
 
 /// In a child: makes this process answer its parent's requests for its stacks through `fd`
 /// (the sending end of the parent's stacks channel; when `inode` is given, that very
@@ -218,29 +219,36 @@ fn stacks_fd() -> PyResult<(RawFd, u64)> {
     core_stacks::channel_fd().map_err(core_error)
 }
 
-/// One answer: `(pid, answered, text)`.
-type PyAnswer = (i32, bool, String);
+/// A process's answer to a request for its stacks.
+#[pyclass(module = "tether._native", frozen, get_all)]
+struct StackAnswer {
+    pid: i32,
+    /// Whether it answered; when not, `text` says why.
+    answered: bool,
+    text: String,
+}
 
 /// Asks each `(group, index)` for its stacks at once and waits (without the GIL) up to
-/// `timeout` seconds; with `py_spy`, its native view is added. Returns one
-/// `(pid, answered, text)` per target, in order; the text of one that did not answer says
-/// why.
+/// `timeout` seconds; with `py_spy`, its native view is added. Returns one answer per
+/// target, in order; the text of one that did not answer says why.
 #[pyfunction]
 #[pyo3(signature = (targets, timeout, py_spy=None, dump_after=None))]
 fn stacks(
     py: Python<'_>,
     targets: Vec<(PyRef<'_, Group>, usize)>,
-    timeout: f64,
+    timeout: Timeout,
     py_spy: Option<PathBuf>,
-    dump_after: Option<f64>,
-) -> PyResult<Vec<PyAnswer>> {
-    let timeout = timeout_of(Some(timeout))?.unwrap_or(std::time::Duration::from_secs(1 << 30));
+    dump_after: Option<Timeout>,
+) -> PyResult<Vec<StackAnswer>> {
+    let timeout = timeout
+        .duration()
+        .unwrap_or(std::time::Duration::from_secs(1 << 30));
     let groups: Vec<(tether_core::Group, usize)> = targets
         .iter()
         .map(|(group, index)| (group.inner.clone(), *index))
         .collect();
     let mut request = Request::new(timeout, py_spy);
-    if let Some(after) = timeout_of(dump_after)? {
+    if let Some(after) = dump_after.and_then(Timeout::duration) {
         request.dump_after = after;
     }
     let answers = py
@@ -252,7 +260,11 @@ fn stacks(
         .map_err(core_error)?;
     Ok(answers
         .iter()
-        .map(|a| (a.pid, a.answered(), a.text(timeout)))
+        .map(|a| StackAnswer {
+            pid: a.pid,
+            answered: a.answered(),
+            text: a.text(timeout),
+        })
         .collect())
 }
 
@@ -262,6 +274,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STACKS_FD_ENV", core_stacks::FD_ENV)?;
     m.add("PY_SPY_ENV", core_stacks::PY_SPY_ENV)?;
     m.add_class::<SignalGuard>()?;
+    m.add_class::<StackAnswer>()?;
     m.add_function(wrap_pyfunction!(install_stack_handler, m)?)?;
     m.add_function(wrap_pyfunction!(stacks_fd, m)?)?;
     m.add_function(wrap_pyfunction!(stacks, m)?)?;

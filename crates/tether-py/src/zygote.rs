@@ -4,8 +4,8 @@
 use std::ffi::OsString;
 use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStringExt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -14,14 +14,46 @@ use tether_core::attrs::Attributes;
 use tether_core::zygote::{self, ForkRequest, Served};
 use tether_core::LaunchSpec;
 
+use crate::convert::{Fd, Timeout};
+use crate::error::{core_error, os_error};
 use crate::group::{ExitStatus, Group};
-use crate::{core_error, os_error};
+
+/// Why a zygote stopped serving.
+#[pyclass(module = "tether._native", eq, eq_int, frozen, hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ZygoteFailureKind {
+    /// It died on its own.
+    #[pyo3(name = "DIED")]
+    Died,
+    /// tether stopped it: it stopped answering, or broke its protocol.
+    #[pyo3(name = "STOPPED")]
+    Stopped,
+    /// It was closed.
+    #[pyo3(name = "CLOSED")]
+    Closed,
+}
+
+/// Why a zygote stopped serving, and the error's words for it.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct ZygoteFailure {
+    kind: ZygoteFailureKind,
+    message: String,
+}
+
+#[pymethods]
+impl ZygoteFailure {
+    fn __repr__(&self) -> String {
+        format!("<ZygoteFailure {:?}: {}>", self.kind, self.message)
+    }
+}
 
 /// The parent's handle on a zygote process (see `tether._zygote`).
 #[pyclass(module = "tether._native", frozen)]
 pub struct Zygote {
     inner: Mutex<zygote::Zygote>,
     pid: i32,
+    /// Closed while it still served.
+    closed: AtomicBool,
 }
 
 impl Zygote {
@@ -57,6 +89,7 @@ impl Zygote {
         Ok(Zygote {
             inner: Mutex::new(inner),
             pid,
+            closed: AtomicBool::new(false),
         })
     }
 
@@ -82,14 +115,23 @@ impl Zygote {
         Ok(self.lock().usable(&attrs))
     }
 
-    /// Why it stopped serving (it died, stopped answering, was closed), or None.
-    fn broken(&self) -> Option<String> {
-        self.lock().broken().map(str::to_string)
-    }
-
-    /// Whether it died on its own (not stopped by tether for not answering).
-    fn vanished(&self) -> bool {
-        self.lock().vanished()
+    /// Why it stopped serving (it died, was stopped, was closed), or None while it serves.
+    fn failure(&self) -> Option<ZygoteFailure> {
+        let zygote = self.lock();
+        let kind = match (zygote.broken(), zygote.exit()) {
+            (None, None) => return None,
+            (None, Some(_)) => ZygoteFailureKind::Died,
+            (Some(_), _) if zygote.vanished() => ZygoteFailureKind::Died,
+            (Some(_), _) if self.closed.load(Ordering::Relaxed) => ZygoteFailureKind::Closed,
+            (Some(_), _) => ZygoteFailureKind::Stopped,
+        };
+        let message = match (zygote.broken(), zygote.exit()) {
+            (Some(why), _) => why.to_string(),
+            (None, exit) => exit
+                .map_or(tether_core::ExitStatus::Unknown, |e| e.status)
+                .died(&format!("the tether zygote (pid {})", self.pid)),
+        };
+        Some(ZygoteFailure { kind, message })
     }
 
     /// Waits until its imports are done; returns what it said then.
@@ -109,15 +151,14 @@ impl Zygote {
         py: Python<'_>,
         group: &Group,
         ranks: Vec<u32>,
-        shared: Vec<(RawFd, i32)>,
+        shared: Vec<(Fd, i32)>,
         payload: &[u8],
         label: &str,
     ) -> PyResult<Vec<usize>> {
         let attrs = Attributes::of_caller().map_err(os_error)?;
-        // SAFETY: the caller keeps these fds open for the duration of the call.
         let shared: Vec<(BorrowedFd<'_>, i32)> = shared
             .iter()
-            .map(|&(fd, target)| (unsafe { BorrowedFd::borrow_raw(fd) }, target))
+            .map(|(fd, target)| (fd.borrow(), *target))
             .collect();
         let request = ForkRequest {
             ranks: &ranks,
@@ -132,9 +173,16 @@ impl Zygote {
 
     /// Stops it (its blank children with it), waiting up to `grace` seconds before SIGKILL.
     #[pyo3(signature = (grace=1.0))]
-    fn close(&self, py: Python<'_>, grace: f64) {
-        let grace = Duration::try_from_secs_f64(grace).unwrap_or(Duration::ZERO);
-        py.allow_threads(|| self.lock().close(grace));
+    fn close(&self, py: Python<'_>, grace: f64) -> PyResult<()> {
+        let grace = Timeout::from_secs(grace)?.or_max();
+        py.allow_threads(|| {
+            let mut zygote = self.lock();
+            if zygote.broken().is_none() {
+                self.closed.store(true, Ordering::Relaxed);
+            }
+            zygote.close(grace);
+        });
+        Ok(())
     }
 }
 
@@ -149,7 +197,7 @@ pub struct Job {
     label: String,
     payload: Option<OwnedFd>,
     report: Option<OwnedFd>,
-    error: Option<(i32, String)>,
+    error: Option<PyErr>,
 }
 
 #[pymethods]
@@ -172,10 +220,13 @@ impl Job {
             .ok_or_else(|| PyValueError::new_err("the report fd was already taken"))
     }
 
-    /// `(errno, message)` when the caller's attributes could not all be applied, else None.
+    /// The `OSError` to raise when the caller's attributes could not all be applied, else
+    /// None.
     #[getter]
-    fn error(&self) -> Option<(i32, String)> {
-        self.error.clone()
+    fn error(&self, py: Python<'_>) -> Option<PyObject> {
+        self.error
+            .as_ref()
+            .map(|err| err.value(py).clone().into_any().unbind())
     }
 }
 
@@ -208,9 +259,7 @@ pub fn zygote_serve(
                 rank: job.rank,
                 env: job.env,
                 label: String::from_utf8_lossy(&job.label).into_owned(),
-                error: job
-                    .error
-                    .map(|e| (e.raw_os_error().unwrap_or(0), e.to_string())),
+                error: job.error.map(os_error),
                 payload: Some(job.payload),
                 report: Some(job.report),
             };

@@ -4,7 +4,13 @@
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
+use std::collections::HashSet;
+use std::os::fd::{AsFd, AsRawFd};
+
+use super::set::wait_exit;
+use super::wire::Kind;
 use super::*;
+use crate::group::Group;
 use crate::LaunchSpec;
 
 const WORKER_ENV: &str = "TETHER_TEST_WORKER_FDS";

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{epoll, PollFd, PollFlags, Timespec};
 
-use super::{ctl_token, Event, Outcome, WorkerSet, WorkersError};
+use super::table::ctl_token;
+use super::{Event, Outcome, WorkerSet, WorkersError};
 
 /// What [`WorkerSet::wait_for`] found.
 #[derive(Debug)]
