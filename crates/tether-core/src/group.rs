@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use crate::report::Report;
 use crate::status::ExitStatus;
 use crate::supervisor::{self, Adoption};
-use crate::{Error, LaunchSpec};
+use crate::error::Error;
+use crate::launch::LaunchSpec;
 
 /// When and how a child ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -206,7 +207,7 @@ impl Group {
         if member.exit.is_some() {
             return Ok(false);
         }
-        let name = crate::signal_name(signal);
+        let name = crate::status::signal_name(signal);
         log::info!(target: "tether::supervisor", "sent {name} to pid {}", member.pid);
         Ok(signal_tree(member.pid, signal))
     }
@@ -220,7 +221,7 @@ impl Group {
             .map(|m| m.pid)
             .collect();
         if !sent.is_empty() {
-            let name = crate::signal_name(signal);
+            let name = crate::status::signal_name(signal);
             log::info!(target: "tether::supervisor", "sent {name} to pids {sent:?}");
         }
         sent.len()

@@ -27,7 +27,7 @@ use crate::report::Report;
 use crate::stacks::{self, Channel};
 use crate::status::ExitStatus;
 use crate::zygote::Notice;
-use crate::Error;
+use crate::error::Error;
 
 /// A child of this process started some other way than [`Group::launch`], for
 /// [`Group::adopt_all`].

@@ -37,7 +37,7 @@ use crate::group::{signal_tree, Exit, Group, WaitFor};
 use crate::launch::{self, LaunchSpec};
 use crate::status::{describe_state, process_state};
 use crate::supervisor::{Adoption, Reserve};
-use crate::Error;
+use crate::error::Error;
 
 /// Most blank children a zygote keeps ready.
 pub const MAX_BLANKS: usize = 64;

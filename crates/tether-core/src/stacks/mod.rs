@@ -41,7 +41,8 @@ use std::time::{Duration, Instant};
 pub(crate) use collect::Channel;
 
 use crate::status::{process_state, ExitStatus};
-use crate::{Error, Group};
+use crate::error::Error;
+use crate::group::Group;
 
 /// The environment variable that names, in a child, the fd of its parent's stacks channel.
 pub const FD_ENV: &str = "TETHER_STACKS_FD";
@@ -392,7 +393,7 @@ fn ask_one(channel: &Channel, group: &Group, index: usize, id: u64) -> (i32, Opt
             channel.forget(pid, id);
             match err.raw_os_error() {
                 Some(libc::ESRCH) => (pid, Some(Reply::Exited(None))),
-                _ => (pid, Some(Reply::Unreachable(crate::strerror(&err)))),
+                _ => (pid, Some(Reply::Unreachable(crate::error::strerror(&err)))),
             }
         }
     }
