@@ -163,7 +163,7 @@ def start(
     group = _native.Group()
     shared = [(fd, fd) for fd in dict.fromkeys([0, 1, 2, *passed]) if _is_open(fd)]
     payload = _child.make_payload(0, prep, work)
-    _zygote.get(preload).fork(group, ranks, shared, payload, title[0])
+    _zygote.get(preload).fork(group, ranks, shared, payload)
     return group
 
 

@@ -11,6 +11,8 @@ use std::ffi::OsString;
 use std::io;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 
+use crate::proc::{self, Of};
+
 /// The resources whose limits a child takes (`RLIMIT_CPU` .. `RLIMIT_RTTIME`).
 const RLIMITS: u32 = 16;
 
@@ -160,12 +162,9 @@ impl Attributes {
 
 /// The process's file mode creation mask, read without changing it.
 fn umask() -> io::Result<u32> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Umask:"))
-        .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no Umask in /proc/self/status"))
+    let umask = proc::status(Of::This).and_then(|s| s.radix("Umask", 8));
+    let missing = || io::Error::new(io::ErrorKind::InvalidData, "no Umask in /proc/self/status");
+    umask.map(|u| u as u32).ok_or_else(missing)
 }
 
 fn rlimits() -> io::Result<Vec<Rlimit>> {

@@ -8,14 +8,14 @@
 //!   sealed memfd; more fds than fit one control message travel through a private bundle
 //!   socket. A pair is also a duplex link (a worker's control socket).
 //! - [`SharedFlag`]: a flag in a shared memfd page with futex waits (an `Event`).
-//! - [`Poller`]: epoll over many endpoints, with a wake-up (the pool's hub thread).
+//! - [`Poller`]: epoll over many fds, with a wake-up (the supervisor thread, a worker set).
 //!
 //! Nothing here lives in `/dev/shm`: every segment is a memfd, freed with its last fd or
 //! mapping.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -28,6 +28,8 @@ use rustix::net::{
     RecvFlags, ReturnFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketFlags,
     SocketType,
 };
+
+use crate::wire::{Fixed, Reader, Writer};
 
 /// Messages up to this size (header included) travel inline; larger ones in a memfd.
 pub const INLINE_MAX: usize = 64 * 1024;
@@ -150,12 +152,10 @@ impl Endpoint {
             None
         };
         let mut flags = 0u8;
-        let mut header = [0u8; MEMFD_HEADER];
         let memfd;
         let mut all: Vec<BorrowedFd<'_>> = Vec::with_capacity(fds.len().min(FDS_PER_MESSAGE) + 2);
         let body: &[u8] = if data.len() + HEADER > INLINE_MAX {
             flags |= FLAG_MEMFD;
-            header[1..9].copy_from_slice(&(data.len() as u64).to_le_bytes());
             memfd = Some(payload_memfd(data)?);
             if let Some(fd) = &memfd {
                 all.push(fd.as_fd());
@@ -171,12 +171,12 @@ impl Endpoint {
             }
             None => all.extend_from_slice(fds),
         }
-        header[0] = flags;
-        let head = if flags & FLAG_MEMFD != 0 {
-            &header[..MEMFD_HEADER]
-        } else {
-            &header[..HEADER]
+        let header: Writer<Fixed<MEMFD_HEADER>> = Writer::fixed().u8(flags);
+        let (header, head_len) = match flags & FLAG_MEMFD {
+            0 => (header.array(), HEADER),
+            _ => (header.u64(data.len() as u64).array(), MEMFD_HEADER),
         };
+        let head = &header[..head_len];
         let iov = [IoSlice::new(head), IoSlice::new(body)];
         loop {
             let mut space =
@@ -260,6 +260,12 @@ impl Endpoint {
         wait_ready(self.fd.as_fd(), PollFlags::IN, Some(Instant::now()))
     }
 
+    /// Waits up to `timeout` until a message (or the end of the stream) is waiting; returns
+    /// whether one is.
+    pub fn readable_within(&self, timeout: Duration) -> io::Result<bool> {
+        wait_ready(self.fd.as_fd(), PollFlags::IN, deadline_of(Some(timeout)))
+    }
+
     /// Waits up to `timeout` (for ever when `None`) until this endpoint or one of `watch`
     /// is readable; returns the index in `watch` of a readable fd, or `None` (the endpoint
     /// is readable, or the timeout passed).
@@ -292,15 +298,15 @@ impl AsFd for Endpoint {
 /// Rebuilds a message from its frame.
 fn decode(mut frame: Vec<u8>, mut fds: Vec<OwnedFd>) -> io::Result<Message> {
     let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
-    let flags = *frame.first().ok_or_else(|| bad("empty channel frame"))?;
+    let mut header = Reader::new(&frame, "channel frame");
+    let flags = header.u8().map_err(|_| bad("empty channel frame"))?;
     let data = if flags & FLAG_MEMFD != 0 {
-        if frame.len() < MEMFD_HEADER || fds.is_empty() {
+        let len = header.u64().map_err(|_| bad("bad memfd channel frame"))?;
+        if fds.is_empty() {
             return Err(bad("bad memfd channel frame"));
         }
-        let mut len = [0u8; 8];
-        len.copy_from_slice(&frame[1..9]);
         let memfd = fds.remove(0);
-        read_memfd(&memfd, u64::from_le_bytes(len) as usize)?
+        read_memfd(&memfd, len as usize)?
     } else {
         frame.drain(..HEADER);
         frame
@@ -519,14 +525,16 @@ impl AsFd for SharedFlag {
     }
 }
 
-/// Epoll over many fds (each with a `u64` token) and a wake-up eventfd.
+/// Epoll over many fds (each with a `u64` token) and a wake-up eventfd: the one poller of
+/// tether-core (the supervisor thread's, a worker set's).
 #[derive(Debug)]
 pub struct Poller {
     epoll: OwnedFd,
     wake: OwnedFd,
 }
 
-const WAKE_TOKEN: u64 = u64::MAX;
+/// The token of the wake-up; no fd may be added under it.
+pub const WAKE_TOKEN: u64 = u64::MAX;
 
 impl Poller {
     pub fn new() -> io::Result<Poller> {
@@ -541,14 +549,29 @@ impl Poller {
         Ok(Poller { epoll, wake })
     }
 
-    /// Watches `fd` for readability (or hang-up) under `token` (not `u64::MAX`).
+    fn add_for(&self, token: u64, fd: BorrowedFd<'_>, flags: epoll::EventFlags) -> io::Result<()> {
+        debug_assert_ne!(token, WAKE_TOKEN);
+        epoll::add(&self.epoll, fd, epoll::EventData::new_u64(token), flags)?;
+        Ok(())
+    }
+
+    /// Watches `fd` for readability (or hang-up) under `token` (not [`WAKE_TOKEN`]).
     pub fn add(&self, token: u64, fd: BorrowedFd<'_>) -> io::Result<()> {
-        epoll::add(
-            &self.epoll,
-            fd,
-            epoll::EventData::new_u64(token),
-            epoll::EventFlags::IN,
-        )?;
+        self.add_for(token, fd, epoll::EventFlags::IN)
+    }
+
+    /// Watches `fd` for room to write (or an error) under `token`.
+    pub fn add_writable(&self, token: u64, fd: BorrowedFd<'_>) -> io::Result<()> {
+        self.add_for(token, fd, epoll::EventFlags::OUT)
+    }
+
+    /// Pauses (`readable` false) or resumes the watch of `fd` for readability, under `token`.
+    pub fn set_readable(&self, token: u64, fd: BorrowedFd<'_>, readable: bool) -> io::Result<()> {
+        let flags = match readable {
+            true => epoll::EventFlags::IN,
+            false => epoll::EventFlags::empty(),
+        };
+        epoll::modify(&self.epoll, fd, epoll::EventData::new_u64(token), flags)?;
         Ok(())
     }
 
@@ -564,7 +587,7 @@ impl Poller {
     }
 
     /// The tokens of the fds that are ready, and whether a `wake` came, waiting up to
-    /// `timeout` for either.
+    /// `timeout` for either (for ever when `None`; an interrupted wait returns nothing).
     pub fn wait(&self, timeout: Option<Duration>) -> io::Result<(Vec<u64>, bool)> {
         let timeout = timeout.map(|t| Timespec {
             tv_sec: t.as_secs() as i64,
@@ -593,11 +616,6 @@ impl Poller {
         }
         Ok((ready, woken))
     }
-}
-
-/// The raw fd numbers of `fds` (for logging and tests).
-pub fn raw_fds(fds: &[OwnedFd]) -> Vec<RawFd> {
-    fds.iter().map(|fd| fd.as_raw_fd()).collect()
 }
 
 #[cfg(test)]

@@ -2,8 +2,10 @@
 //! worker, a launcher's ranks), and what is asked of them: wait, signal, the first failure
 //! in time, and termination with a grace period.
 //!
-//! The supervisor thread ([`crate::supervisor`]) fills in each member's exit and report;
-//! everything here only reads that state under the group's lock and waits on its condvar.
+//! The supervisor thread ([`crate::supervisor`]) starts the members ([`Group::launch`] and
+//! [`Group::adopt_all`] are its) and fills in each member's exit and report; everything here
+//! only reads that state under the group's lock and waits on its condvar. Their stacks are
+//! asked for by [`crate::stacks`] ([`Group::stacks`]).
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -12,9 +14,6 @@ use std::time::{Duration, Instant};
 
 use crate::report::Report;
 use crate::status::ExitStatus;
-use crate::supervisor::{self, Adoption};
-use crate::error::Error;
-use crate::launch::LaunchSpec;
 
 /// When and how a child ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,26 +139,6 @@ const INTERRUPT_CHECK: Duration = Duration::from_millis(50);
 impl Group {
     pub fn new() -> Group {
         Group::default()
-    }
-
-    /// Starts one child per spec, all from the supervisor thread, and returns their indices
-    /// in this group. On an error, the children of this call that did start are killed and
-    /// reaped before this returns.
-    pub fn launch(&self, specs: Vec<LaunchSpec>) -> Result<Vec<usize>, Error> {
-        supervisor::launch(self, specs)
-    }
-
-    /// Takes on children of this process started some other way (a fork, the zygote), with
-    /// the read ends of their report pipes, in one call to the supervisor. On an error,
-    /// every child of the call is killed and reaped before this returns.
-    pub fn adopt_all(&self, children: Vec<Adoption>) -> Result<Vec<usize>, Error> {
-        supervisor::adopt(self, children)
-    }
-
-    /// Takes on one child this process forked itself; see [`Group::adopt_all`].
-    pub fn adopt(&self, pid: i32, report: Option<OwnedFd>) -> Result<usize, Error> {
-        let indices = self.adopt_all(vec![Adoption::forked(pid, report)])?;
-        Ok(indices[0])
     }
 
     pub fn len(&self) -> usize {
@@ -346,15 +325,6 @@ impl Group {
         }
         let left = Some(grace.saturating_sub(began.elapsed()));
         self.wait_interruptibly(None, WaitFor::AllExited, left, interrupted)
-    }
-
-    /// Every member's stacks, asked at once (see [`crate::stacks::ask`]), in member order.
-    pub fn stacks(
-        &self,
-        request: &crate::stacks::Request,
-    ) -> Result<Vec<crate::stacks::Answer>, Error> {
-        let members: Vec<(&Group, usize)> = (0..self.len()).map(|i| (self, i)).collect();
-        crate::stacks::ask(&members, request)
     }
 
     /// [`Group::terminate_with`] with no interruption.

@@ -14,7 +14,9 @@
 //! - [`report`]: a child's failure report as it arrives.
 //! - [`stacks`]: every Python child's stacks on demand, through one channel per process.
 //! - [`status`]: exit statuses and signal names.
+//! - [`proc`]: the one reader of `/proc`.
 //! - [`channel`]: message channels with fds between running processes.
+//! - `wire`: the one byte-level codec of every message and frame above.
 //! - [`title`]: a process's title in `ps` and its name in `/proc/PID/comm`.
 //! - [`error`]: [`Error`], and the words that explain an errno.
 //! - [`logging`]: `TETHER_LOG=info|debug` sends the runtime's events to stderr.
@@ -27,16 +29,19 @@ pub mod group;
 pub mod launch;
 pub mod limits;
 pub mod logging;
+pub mod proc;
 pub mod report;
 pub mod stacks;
 pub mod status;
 pub mod supervisor;
 pub mod title;
+mod wire;
 pub mod workers;
 pub mod zygote;
 
+pub use error::{limit_hint, strerror, Error};
 pub use group::{Escalation, Exit, Group, Member, WaitFor};
 pub use launch::LaunchSpec;
 pub use status::{signal_name, ExitStatus};
-pub use error::{limit_hint, strerror, Error};
-pub use supervisor::{Adoption, Reserve};
+pub use supervisor::Adoption;
+pub use zygote::Reserve;

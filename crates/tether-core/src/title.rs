@@ -10,6 +10,8 @@ use std::ffi::{c_char, CString};
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use crate::proc::{self, Of};
+
 extern "C" {
     static mut environ: *mut *mut c_char;
 }
@@ -61,15 +63,11 @@ struct Area {
 
 impl Area {
     fn of_self() -> io::Result<Area> {
-        let stat = std::fs::read_to_string("/proc/self/stat")?;
         let bad = || io::Error::new(io::ErrorKind::InvalidData, "unexpected /proc/self/stat");
-        let after = stat.rfind(')').map(|i| &stat[i + 2..]).ok_or_else(bad)?;
-        // Fields 48 to 51 of proc(5); `after` starts at field 3.
-        let fields: Vec<usize> = after
-            .split_whitespace()
-            .skip(45)
-            .take(4)
-            .map(|f| f.parse().map_err(|_| bad()))
+        let stat = proc::stat(Of::This).ok_or_else(bad)?;
+        // Fields 48 to 51 of proc(5).
+        let fields: Vec<usize> = (48..=51)
+            .map(|n| stat.number(n).map(|v| v as usize).ok_or_else(bad))
             .collect::<io::Result<_>>()?;
         match fields[..] {
             [arg_start, arg_end, env_start, env_end] if arg_start < arg_end => Ok(Area {

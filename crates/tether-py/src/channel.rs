@@ -1,4 +1,4 @@
-//! Python classes over `tether_core::channel`: `Endpoint`, `SharedFlag` and `Poller`.
+//! Python classes over `tether_core::channel`: `Endpoint` and `SharedFlag`.
 //! Every wait releases the GIL and wakes every [`SIGNAL_CHECK`] to run Python's signal
 //! handlers (in the main thread; elsewhere that check does nothing).
 
@@ -129,17 +129,6 @@ impl Endpoint {
 
     fn fileno(&self) -> PyResult<RawFd> {
         Ok(self.inner.get()?.as_fd().as_raw_fd())
-    }
-
-    /// A new fd (close-on-exec) for the same socket, owned by the caller.
-    fn dup(&self) -> PyResult<RawFd> {
-        let fd = self
-            .inner
-            .get()?
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(os_error)?;
-        Ok(fd.into_raw_fd())
     }
 
     /// Closes this process's fd (once no call on another thread still uses it).
@@ -353,85 +342,8 @@ impl SharedFlag {
     }
 }
 
-/// Epoll over fds, each under an int token, with a wake-up.
-#[pyclass(module = "tether._native", frozen)]
-pub struct Poller {
-    inner: Closable<channel::Poller>,
-}
-
-#[pymethods]
-impl Poller {
-    #[new]
-    fn new() -> PyResult<Poller> {
-        let poller = channel::Poller::new().map_err(os_error)?;
-        Ok(Poller {
-            inner: Closable::new(poller),
-        })
-    }
-
-    /// Watches `fd` (kept open by the caller until `remove`) for readability under `token`.
-    fn add(&self, token: u64, fd: RawFd) -> PyResult<()> {
-        if token == u64::MAX || fd < 0 {
-            return Err(PyValueError::new_err("invalid token or fd"));
-        }
-        // SAFETY: the caller keeps `fd` open while it is registered.
-        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-        self.inner.get()?.add(token, fd).map_err(os_error)
-    }
-
-    fn remove(&self, fd: RawFd) -> PyResult<()> {
-        if fd < 0 {
-            return Err(PyValueError::new_err("invalid fd"));
-        }
-        // SAFETY: only used for the duration of the epoll_ctl call.
-        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-        self.inner.get()?.remove(fd).map_err(os_error)
-    }
-
-    /// Makes the current or next `wait` return at once.
-    fn wake(&self) -> PyResult<()> {
-        self.inner.get()?.wake().map_err(os_error)
-    }
-
-    /// Closes the epoll and wake-up fds (once no `wait` on another thread uses them).
-    fn close(&self) {
-        self.inner.close();
-    }
-
-    /// The tokens that are ready (without the GIL), waiting up to `timeout` seconds; with
-    /// `spin`, polling without sleeping that long first (see `Endpoint.recv`).
-    #[pyo3(signature = (timeout=None, spin=0.0))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>, spin: f64) -> PyResult<Vec<u64>> {
-        let timeout = match timeout {
-            Some(t) if t.is_nan() => return Err(PyValueError::new_err("timeout must be a number")),
-            Some(t) => Some(Duration::from_secs_f64(t.clamp(0.0, 1e9))),
-            None => None,
-        };
-        let spin = Duration::from_secs_f64(spin.clamp(0.0, 0.01));
-        let poller = self.inner.get()?;
-        py.allow_threads(|| {
-            if !spin.is_zero() {
-                let start = Instant::now();
-                loop {
-                    let (ready, woken) = poller.wait(Some(Duration::ZERO))?;
-                    if woken || !ready.is_empty() {
-                        return Ok(ready);
-                    }
-                    if start.elapsed() >= spin {
-                        break;
-                    }
-                    std::hint::spin_loop();
-                }
-            }
-            poller.wait(timeout).map(|(ready, _)| ready)
-        })
-        .map_err(os_error)
-    }
-}
-
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Endpoint>()?;
     m.add_class::<SharedFlag>()?;
-    m.add_class::<Poller>()?;
     Ok(())
 }

@@ -111,7 +111,6 @@ impl Zygote {
         ranks: Vec<u32>,
         shared: Vec<(RawFd, i32)>,
         payload: &[u8],
-        label: &str,
     ) -> PyResult<Vec<usize>> {
         let attrs = Attributes::of_caller().map_err(os_error)?;
         // SAFETY: the caller keeps these fds open for the duration of the call.
@@ -124,7 +123,6 @@ impl Zygote {
             shared: &shared,
             payload,
             attrs,
-            label: label.as_bytes().to_vec(),
         };
         py.allow_threads(|| self.lock().fork(&request, &group.inner))
             .map_err(core_error)
@@ -145,8 +143,6 @@ pub struct Job {
     rank: u32,
     #[pyo3(get)]
     env: Vec<(Vec<u8>, Vec<u8>)>,
-    #[pyo3(get)]
-    label: String,
     payload: Option<OwnedFd>,
     report: Option<OwnedFd>,
     error: Option<(i32, String)>,
@@ -207,7 +203,6 @@ pub fn zygote_serve(
             let job = Job {
                 rank: job.rank,
                 env: job.env,
-                label: String::from_utf8_lossy(&job.label).into_owned(),
                 error: job
                     .error
                     .map(|e| (e.raw_os_error().unwrap_or(0), e.to_string())),

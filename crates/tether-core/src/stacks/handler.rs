@@ -29,6 +29,8 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 
+use crate::wire::{Reader, Writer};
+
 /// The fd the answers go to (the sending end of the parent's stacks channel, moved to a
 /// private high number at registration), and its identity then: before every write the
 /// handlers check that the number still names that socket, so that a program that closed
@@ -107,28 +109,27 @@ pub(crate) enum Marker {
 }
 
 impl Marker {
+    /// The datagram, written without allocating (a signal handler sends it).
     pub(crate) fn encode(self) -> [u8; MARKER_LEN] {
         let (kind, id) = match self {
             Marker::Start(id) => (START, id),
             Marker::End(id) => (END, id),
             Marker::Withdraw => (WITHDRAW, 0),
         };
-        let mut out = [0u8; MARKER_LEN];
-        out[1] = kind;
-        out[2..].copy_from_slice(&id.to_le_bytes());
-        out
+        Writer::fixed().u8(0).u8(kind).u64(id).array()
     }
 
     /// The marker in `datagram`, or `None` for a piece of a dump.
     pub(crate) fn decode(datagram: &[u8]) -> Option<Marker> {
-        if datagram.len() != MARKER_LEN || datagram[0] != 0 {
+        if datagram.len() != MARKER_LEN {
             return None;
         }
-        let id = u64::from_le_bytes(datagram[2..].try_into().ok()?);
-        match datagram[1] {
-            START => Some(Marker::Start(id)),
-            END => Some(Marker::End(id)),
-            WITHDRAW => Some(Marker::Withdraw),
+        let mut r = Reader::new(datagram, "stacks marker");
+        let (nul, kind, id) = (r.u8().ok()?, r.u8().ok()?, r.u64().ok()?);
+        match (nul, kind) {
+            (0, START) => Some(Marker::Start(id)),
+            (0, END) => Some(Marker::End(id)),
+            (0, WITHDRAW) => Some(Marker::Withdraw),
             _ => None,
         }
     }
