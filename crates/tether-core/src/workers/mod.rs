@@ -31,11 +31,10 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rustix::buffer::spare_capacity;
-use rustix::event::{epoll, eventfd, EventfdFlags, PollFd, PollFlags, Timespec};
+use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::io::Errno;
 
-use crate::channel::{Endpoint, Message, Recv};
+use crate::channel::{Endpoint, Message, Poller, Recv};
 use crate::group::Group;
 use crate::status::ExitStatus;
 use crate::supervisor::waitid;
@@ -238,8 +237,6 @@ struct Worker {
     seq: u32,
 }
 
-const WAKE: u64 = u64::MAX;
-
 fn ctl_token(generation: u64) -> u64 {
     generation << 1
 }
@@ -264,18 +261,6 @@ pub struct WorkerSet {
     owner: u32,
 }
 
-#[derive(Debug)]
-struct Poller {
-    epoll: OwnedFd,
-    wake: OwnedFd,
-}
-
-impl Poller {
-    fn wake(&self) {
-        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
-    }
-}
-
 #[derive(Debug, Default)]
 struct State {
     workers: Vec<Option<Worker>>,
@@ -289,14 +274,7 @@ struct State {
 
 impl WorkerSet {
     pub fn new(config: Config) -> Result<WorkerSet, WorkersError> {
-        let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
-        let wake = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
-        epoll::add(
-            &epoll,
-            &wake,
-            epoll::EventData::new_u64(WAKE),
-            epoll::EventFlags::IN,
-        )?;
+        let poller = Poller::new()?;
         let window = config.window.max(1);
         let max_batch = config.max_batch.clamp(1, gate::max_in_flight() / window);
         Ok(WorkerSet {
@@ -306,7 +284,7 @@ impl WorkerSet {
                 spin: config.spin,
             },
             state: Mutex::new(State::default()),
-            poller: Mutex::new(Some(Arc::new(Poller { epoll, wake }))),
+            poller: Mutex::new(Some(Arc::new(poller))),
             poll_spin: Spin::new(config.spin),
             wait_spin: Spin::new(config.spin),
             owner: std::process::id(),
@@ -363,10 +341,10 @@ impl WorkerSet {
         let generation = state.next_generation;
         state.next_generation += 1;
         let poller = self.poller()?;
-        watch(&poller.epoll, parent.as_fd(), ctl_token(generation))?;
-        if let Err(err) = watch(&poller.epoll, pidfd.as_fd(), pidfd_token(generation)) {
-            let _ = epoll::delete(&poller.epoll, &parent);
-            return Err(err);
+        poller.add(ctl_token(generation), parent.as_fd())?;
+        if let Err(err) = poller.add(pidfd_token(generation), pidfd.as_fd()) {
+            let _ = poller.remove(parent.as_fd());
+            return Err(err.into());
         }
         if state.workers.len() <= slot {
             state.workers.resize_with(slot + 1, || None);
@@ -566,7 +544,7 @@ impl WorkerSet {
     /// Makes a current or the next [`WorkerSet::poll`] return at once.
     pub fn wake(&self) {
         if let Ok(poller) = self.poller() {
-            poller.wake();
+            let _ = poller.wake();
         }
     }
 
@@ -582,7 +560,7 @@ impl WorkerSet {
         }
         let mut events = std::mem::take(&mut state.deferred);
         for token in tokens {
-            state.on_ready(token, &poller.epoll, &mut events);
+            state.on_ready(token, &poller, &mut events);
         }
         state.dispatch(&self.config);
         Ok(events)
@@ -609,7 +587,7 @@ impl WorkerSet {
         };
         let poller = self.poller.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(poller) = &poller {
-            poller.wake();
+            let _ = poller.wake();
         }
         drop(poller);
         for w in &workers {
@@ -658,52 +636,21 @@ fn stop(workers: Vec<Worker>, kill: bool, grace: Duration) -> Vec<Arc<Lease>> {
     ended
 }
 
-/// The tokens of the fds that are ready (the wake-up eventfd is read, not returned).
+/// The tokens of the fds that are ready (a wake-up is taken, not returned).
 fn ready_tokens(
     poller: &Poller,
     timeout: Option<Duration>,
     spin: &Spin,
 ) -> Result<Vec<u64>, WorkersError> {
-    let mut events = Vec::with_capacity(64);
-    let wait = |timeout: Option<Duration>, events: &mut Vec<epoll::Event>| {
-        let ts = timeout.map(|t| Timespec {
-            tv_sec: t.as_secs() as i64,
-            tv_nsec: t.subsec_nanos() as i64,
-        });
-        events.clear();
-        match epoll::wait(&poller.epoll, spare_capacity(events), ts.as_ref()) {
-            Ok(_) | Err(Errno::INTR) => Ok(()),
-            Err(e) => Err(WorkersError::from(e)),
-        }
-    };
     let polled = spin.poll(|| {
-        wait(Some(Duration::ZERO), &mut events)?;
-        Ok::<_, WorkersError>((!events.is_empty()).then_some(()))
+        let (tokens, woken) = poller.wait(Some(Duration::ZERO))?;
+        Ok::<_, WorkersError>((woken || !tokens.is_empty()).then_some(tokens))
     })?;
-    if polled.is_none() && timeout != Some(Duration::ZERO) {
-        wait(timeout, &mut events)?;
+    match polled {
+        Some(tokens) => Ok(tokens),
+        None if timeout == Some(Duration::ZERO) => Ok(Vec::new()),
+        None => Ok(poller.wait(timeout)?.0),
     }
-    let mut tokens = Vec::with_capacity(events.len());
-    for event in events {
-        let token = event.data.u64();
-        if token == WAKE {
-            let mut buf = [0u8; 8];
-            let _ = rustix::io::read(&poller.wake, &mut buf);
-        } else {
-            tokens.push(token);
-        }
-    }
-    Ok(tokens)
-}
-
-fn watch(epoll_fd: &OwnedFd, fd: BorrowedFd<'_>, token: u64) -> Result<(), WorkersError> {
-    epoll::add(
-        epoll_fd,
-        fd,
-        epoll::EventData::new_u64(token),
-        epoll::EventFlags::IN,
-    )?;
-    Ok(())
 }
 
 /// Waits until the process behind `pidfd` has exited, or `deadline` passes.
@@ -985,7 +932,7 @@ impl State {
         })
     }
 
-    fn on_ready(&mut self, token: u64, epoll_fd: &OwnedFd, events: &mut Vec<Event>) {
+    fn on_ready(&mut self, token: u64, poller: &Poller, events: &mut Vec<Event>) {
         let Some(&slot) = self.by_generation.get(&(token >> 1)) else {
             return;
         };
@@ -999,7 +946,7 @@ impl State {
             if !w.read(slot, events) {
                 // The worker closed its end (it is exiting): its pidfd tells the rest.
                 w.ctl_open = false;
-                let _ = epoll::delete(epoll_fd, &w.ctl);
+                let _ = poller.remove(w.ctl.as_fd());
             }
             return;
         }
@@ -1009,9 +956,9 @@ impl State {
         self.by_generation.remove(&w.generation);
         if w.ctl_open {
             w.read(slot, events);
-            let _ = epoll::delete(epoll_fd, &w.ctl);
+            let _ = poller.remove(w.ctl.as_fd());
         }
-        let _ = epoll::delete(epoll_fd, &w.pidfd);
+        let _ = poller.remove(w.pidfd.as_fd());
         let (death, requeue) = w.bury(slot);
         for task in requeue.into_iter().rev() {
             self.pending.push_front(task);

@@ -10,7 +10,7 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-use rustix::event::{epoll, PollFd, PollFlags, Timespec};
+use rustix::event::{PollFd, PollFlags, Timespec};
 
 use super::{ctl_token, Event, Outcome, WorkerSet, WorkersError};
 
@@ -54,8 +54,7 @@ impl WorkerSet {
             return Ok(None);
         }
         let ctl = w.ctl.as_fd().try_clone_to_owned()?;
-        let token = epoll::EventData::new_u64(ctl_token(w.generation));
-        epoll::modify(&poller.epoll, &w.ctl, token, epoll::EventFlags::empty())?;
+        poller.set_readable(ctl_token(w.generation), w.ctl.as_fd(), false)?;
         w.lent = true;
         Ok(Some((slot, w.generation, ctl)))
     }
@@ -73,8 +72,7 @@ impl WorkerSet {
         }
         w.lent = false;
         if w.ctl_open {
-            let token = epoll::EventData::new_u64(ctl_token(generation));
-            let _ = epoll::modify(&poller.epoll, &w.ctl, token, epoll::EventFlags::IN);
+            let _ = poller.set_readable(ctl_token(generation), w.ctl.as_fd(), true);
         }
     }
 
@@ -126,12 +124,12 @@ impl WorkerSet {
         let open = w.read(slot, &mut events);
         if !open {
             w.ctl_open = false;
-            let _ = epoll::delete(&poller.epoll, &w.ctl);
+            let _ = poller.remove(w.ctl.as_fd());
         }
         let mine = take_outcome(&mut events, id);
         if !events.is_empty() {
             state.deferred.append(&mut events);
-            poller.wake();
+            let _ = poller.wake();
         }
         state.dispatch(&self.config);
         Ok(match mine {
