@@ -10,8 +10,8 @@ use crate::error::Error;
 use crate::group::{signal_tree, Exit};
 use crate::supervisor::reap::{kill_and_reap, now_monotonic, open_pidfd, reap_now};
 use crate::supervisor::watch::{Loop, Watch};
-use crate::zygote::reserve::Blank;
-use crate::zygote::{Notice, Reserve};
+use crate::zygote::reserve::{Blank, Reserve};
+use crate::zygote::wire::Notice;
 
 impl Loop {
     /// Watches a zygote's notice channel, for `reserve`.

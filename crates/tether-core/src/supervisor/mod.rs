@@ -17,11 +17,10 @@
 
 mod blanks;
 mod reap;
-mod request;
+pub(crate) mod request;
 mod take;
-mod thread;
+pub(crate) mod thread;
 mod watch;
 
 pub(crate) use reap::waitid;
 pub use request::Adoption;
-pub(crate) use thread::watch_blanks;

@@ -8,7 +8,7 @@ use crate::channel::{Endpoint, Poller};
 use crate::error::Error;
 use crate::group::GroupInner;
 use crate::launch::LaunchSpec;
-use crate::zygote::Reserve;
+use crate::zygote::reserve::Reserve;
 
 /// A child of this process started some other way than [`Group::launch`], for
 /// [`Group::adopt_all`].

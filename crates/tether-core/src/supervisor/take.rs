@@ -19,8 +19,7 @@ use crate::supervisor::reap::{
 };
 use crate::supervisor::request::{Added, Adoption};
 use crate::supervisor::watch::Loop;
-use crate::zygote::reserve::Blank;
-use crate::zygote::Reserve;
+use crate::zygote::reserve::{Blank, Reserve};
 
 impl Loop {
     /// Starts each spec; at the first error, kills those started (the caller waits for

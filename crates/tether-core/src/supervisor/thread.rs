@@ -13,7 +13,7 @@ use crate::launch::LaunchSpec;
 use crate::stacks;
 use crate::supervisor::request::{Added, Adoption, Inbox, Request};
 use crate::supervisor::watch::{Loop, STACKS};
-use crate::zygote::Reserve;
+use crate::zygote::reserve::Reserve;
 
 /// The per-process supervisor. It records the pid that made it, so that a process forked
 /// from this one (whose copy of the supervisor has no thread) makes its own.

@@ -16,8 +16,7 @@ use crate::group::{Exit, GroupInner};
 use crate::stacks::Channel;
 use crate::supervisor::reap::{drain, feed, now_monotonic, reap_now};
 use crate::supervisor::request::{Inbox, Request};
-use crate::zygote::reserve::Blank;
-use crate::zygote::Reserve;
+use crate::zygote::reserve::{Blank, Reserve};
 
 /// The token of the stacks channel.
 pub(super) const STACKS: u64 = 0;

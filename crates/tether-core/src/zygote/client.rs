@@ -13,7 +13,8 @@ use crate::error::Error;
 use crate::group::{Exit, Group, WaitFor};
 use crate::launch::LaunchSpec;
 use crate::proc::{describe_state, process_state};
-use crate::supervisor::{self, Adoption};
+use crate::supervisor::request::Adoption;
+use crate::supervisor::thread::watch_blanks;
 use crate::zygote::reserve::Reserve;
 use crate::zygote::wire::{Common, Order, Reply};
 
@@ -84,7 +85,7 @@ impl Zygote {
             broken: None,
             vanished: false,
         };
-        supervisor::watch_blanks(&zygote.reserve, notices)?;
+        watch_blanks(&zygote.reserve, notices)?;
         Ok(zygote)
     }
 

@@ -1,6 +1,6 @@
 //! The parent's record of a zygote's blanks: children forked ahead of time, announced on
 //! the zygote's notice channel. The supervisor thread watches each one from its
-//! announcement (see [`crate::supervisor::watch_blanks`]), reaps it at once if it dies, and
+//! announcement (see [`crate::supervisor::thread::watch_blanks`]), reaps it at once if it dies, and
 //! hands it to a group when a request takes it ([`crate::supervisor::Adoption::reserve`]);
 //! this file holds what it knows of each blank meanwhile.
 
