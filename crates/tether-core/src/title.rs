@@ -46,10 +46,7 @@ pub fn set(title: &str, comm: &str) -> io::Result<()> {
 pub fn set_comm(comm: &str) -> io::Result<()> {
     let cut: String = comm.chars().filter(|&c| c != '\0').take(15).collect();
     let name = CString::new(cut).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
-    if unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr() as libc::c_ulong, 0, 0, 0) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    rustix::thread::set_name(&name)?;
     Ok(())
 }
 
