@@ -10,8 +10,8 @@
 //! - [`SharedFlag`]: a flag in a shared memfd page with futex waits (an `Event`).
 //! - [`Poller`]: epoll over many fds, with a wake-up (the supervisor thread, a worker set).
 //!
-//! Nothing here lives in `/dev/shm`: every segment is a memfd, freed with its last fd or
-//! mapping.
+//! Nothing here lives in `/dev/shm`: every segment is a memfd (see `memfd.rs`), freed
+//! with its last fd or mapping.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -20,15 +20,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::event::{epoll, eventfd, poll, EventfdFlags, PollFd, PollFlags, Timespec};
-use rustix::fs::{fstat, ftruncate, memfd_create, MemfdFlags, SealFlags};
 use rustix::io::Errno;
-use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 use rustix::net::{
     recvmsg, sendmsg, socketpair, AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage,
     RecvFlags, ReturnFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketFlags,
     SocketType,
 };
 
+use crate::memfd::{payload_memfd, read_memfd, SharedPages};
 use crate::wire::{Fixed, Reader, Writer};
 
 /// Messages up to this size (header included) travel inline; larger ones in a memfd.
@@ -145,7 +144,6 @@ impl Endpoint {
         fds: &[BorrowedFd<'_>],
         timeout: Option<Duration>,
     ) -> io::Result<bool> {
-        let deadline = deadline_of(timeout);
         let bundle = if fds.len() > FDS_PER_MESSAGE {
             Some(bundle_fds(fds)?)
         } else {
@@ -176,18 +174,28 @@ impl Endpoint {
             0 => (header.array(), HEADER),
             _ => (header.u64(data.len() as u64).array(), MEMFD_HEADER),
         };
-        let head = &header[..head_len];
-        let iov = [IoSlice::new(head), IoSlice::new(body)];
+        let iov = [IoSlice::new(&header[..head_len]), IoSlice::new(body)];
+        self.send_frame(&iov, &all, deadline_of(timeout))
+    }
+
+    /// Sends one frame (its header and body) with its fds, waiting for room until
+    /// `deadline`; false when it passed with nothing sent.
+    fn send_frame(
+        &self,
+        iov: &[IoSlice<'_>],
+        all: &[BorrowedFd<'_>],
+        deadline: Option<Instant>,
+    ) -> io::Result<bool> {
         loop {
             let mut space =
                 vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(all.len().max(1)))];
             let mut control = SendAncillaryBuffer::new(&mut space);
-            if !all.is_empty() && !control.push(SendAncillaryMessage::ScmRights(&all)) {
+            if !all.is_empty() && !control.push(SendAncillaryMessage::ScmRights(all)) {
                 return Err(io::Error::new(io::ErrorKind::InvalidInput, "too many fds"));
             }
             match sendmsg(
                 &self.fd,
-                &iov,
+                iov,
                 &mut control,
                 SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
             ) {
@@ -333,112 +341,6 @@ fn bundle_fds(fds: &[BorrowedFd<'_>]) -> io::Result<OwnedFd> {
         }
     }
     Ok(rx.into_fd())
-}
-
-/// A sealed memfd holding `data`.
-pub(crate) fn payload_memfd(data: &[u8]) -> io::Result<OwnedFd> {
-    let fd = memfd_create(
-        "tether-message",
-        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-    )?;
-    let mut written = 0;
-    while written < data.len() {
-        match rustix::io::write(&fd, &data[written..]) {
-            Ok(n) => written += n,
-            Err(Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    rustix::fs::fcntl_add_seals(&fd, SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW)?;
-    Ok(fd)
-}
-
-pub(crate) fn read_memfd(fd: &OwnedFd, len: usize) -> io::Result<Vec<u8>> {
-    if (fstat(fd)?.st_size as u64) < len as u64 {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "short memfd payload",
-        ));
-    }
-    let mut data = vec![0u8; len];
-    let mut read = 0;
-    while read < len {
-        match rustix::io::pread(fd, &mut data[read..], read as u64) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "short memfd")),
-            Ok(n) => read += n,
-            Err(Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(data)
-}
-
-/// A shared mapping of a memfd, unmapped when dropped: the memory behind a [`SharedFlag`] and
-/// behind a pool worker's gate page. Its users reach it only through atomics.
-#[derive(Debug)]
-pub(crate) struct SharedPages {
-    base: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the mapping is only accessed through atomics, which are safe to share between
-// threads; the pointer stays valid until `drop` unmaps it.
-unsafe impl Send for SharedPages {}
-// SAFETY: as above.
-unsafe impl Sync for SharedPages {}
-
-impl SharedPages {
-    /// A fresh memfd of `len` zeroed bytes, named `name`, and its mapping.
-    pub(crate) fn create(name: &str, len: usize) -> io::Result<(OwnedFd, SharedPages)> {
-        let fd = memfd_create(name, MemfdFlags::CLOEXEC)?;
-        ftruncate(&fd, len as u64)?;
-        let pages = SharedPages::map(&fd, len, name)?;
-        Ok((fd, pages))
-    }
-
-    /// Maps the first `len` bytes of `fd` (made by [`SharedPages::create`] in some process);
-    /// an fd shorter than that is not a `what`.
-    pub(crate) fn map(fd: &OwnedFd, len: usize, what: &str) -> io::Result<SharedPages> {
-        if (fstat(fd)?.st_size as u64) < len as u64 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("not a {what}"),
-            ));
-        }
-        // SAFETY: a fresh shared mapping of a file at least `len` bytes long; nothing else in
-        // this process refers to the address it returns.
-        let base = unsafe {
-            mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                fd,
-                0,
-            )?
-        };
-        Ok(SharedPages {
-            base: base.cast::<u8>(),
-            len,
-        })
-    }
-
-    /// The atomic `T` at byte `offset`.
-    ///
-    /// # Safety
-    /// `offset` is aligned for `T` and `offset + size_of::<T>() <= len`.
-    pub(crate) unsafe fn at<T>(&self, offset: usize) -> &T {
-        // SAFETY: in bounds and aligned (the caller's promise), in a live page-aligned
-        // mapping that outlives the returned reference (it is tied to `self`).
-        unsafe { &*self.base.add(offset).cast::<T>() }
-    }
-}
-
-impl Drop for SharedPages {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, unmapped once; no reference outlives `self`.
-        let _ = unsafe { munmap(self.base.cast::<std::ffi::c_void>(), self.len) };
-    }
 }
 
 /// A flag in a shared memory page (a memfd), set and waited for by any process that maps it:

@@ -19,6 +19,7 @@
 //! - `wire`: the one byte-level codec of every message and frame above.
 //! - [`title`]: a process's title in `ps` and its name in `/proc/PID/comm`.
 //! - [`error`]: [`Error`], and the words that explain an errno.
+//! - `memfd`: sealed memfds and shared mappings, the memory shared between processes.
 //! - [`logging`]: `TETHER_LOG=info|debug` sends the runtime's events to stderr.
 //! - [`workers`]: a pool's worker set: its table of workers, task scheduling, deaths.
 
@@ -29,6 +30,7 @@ pub mod group;
 pub mod launch;
 pub mod limits;
 pub mod logging;
+mod memfd;
 pub mod proc;
 pub mod report;
 pub mod stacks;

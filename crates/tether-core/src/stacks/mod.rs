@@ -397,18 +397,8 @@ pub fn ask(members: &[(&Group, usize)], request: &Request) -> Result<Vec<Answer>
         .collect();
     let silent = channel.wait_started(id, &waiting, deadline.min(start + request.dump_after));
     for pid in silent {
-        let Some(&(group, index)) = by_pid.get(&pid) else {
-            continue;
-        };
-        if catches(pid, dump_signal()) && leave_alone(channel, pid).is_none() {
-            if let Some((_, None, sentinel)) = live(group, index) {
-                // SAFETY: a live member's sentinel is its pidfd, open as long as the group.
-                let _ = send(
-                    unsafe { BorrowedFd::borrow_raw(sentinel) },
-                    dump_signal(),
-                    id,
-                );
-            }
+        if let Some(&(group, index)) = by_pid.get(&pid) {
+            send_dump_signal(channel, group, index, id);
         }
     }
     let mut gone = |pid: i32| by_pid.get(&pid).is_some_and(|(g, i)| g.exit(*i).is_some());
@@ -438,6 +428,22 @@ pub fn ask(members: &[(&Group, usize)], request: &Request) -> Result<Vec<Answer>
         add_native(&mut answers, py_spy, request.timeout);
     }
     Ok(answers)
+}
+
+/// Sends the dump signal for request `id` to member `index` of `group`, which has not begun
+/// to answer from its interpreter, when it catches that signal and may be sent it.
+fn send_dump_signal(channel: &Channel, group: &Group, index: usize, id: u64) {
+    let Some((pid, None, sentinel)) = live(group, index) else {
+        return;
+    };
+    if catches(pid, dump_signal()) && leave_alone(channel, pid).is_none() {
+        // SAFETY: a live member's sentinel is its pidfd, open as long as the group.
+        let _ = send(
+            unsafe { BorrowedFd::borrow_raw(sentinel) },
+            dump_signal(),
+            id,
+        );
+    }
 }
 
 /// The reply of a process that was asked, from what arrived.

@@ -6,8 +6,9 @@
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 
-use crate::channel::{self, Endpoint, Recv};
+use crate::channel::{Endpoint, Recv};
 use crate::launch;
+use crate::memfd::read_memfd;
 use crate::wire::malformed;
 use crate::zygote::wire::{decode_job, Common};
 
@@ -35,7 +36,7 @@ impl Job {
 /// The whole of a payload memfd.
 pub fn read_payload(fd: &OwnedFd) -> io::Result<Vec<u8>> {
     let size = rustix::fs::fstat(fd)?.st_size as usize;
-    channel::read_memfd(fd, size)
+    read_memfd(fd, size)
 }
 
 /// The fds a new child takes: the shared ones go to their target numbers, the payload and

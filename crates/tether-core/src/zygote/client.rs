@@ -8,10 +8,11 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use crate::attrs::Attributes;
-use crate::channel::{self, Endpoint, Recv};
+use crate::channel::{Endpoint, Recv};
 use crate::error::Error;
 use crate::group::{Exit, Group, WaitFor};
 use crate::launch::LaunchSpec;
+use crate::memfd::payload_memfd;
 use crate::proc::{describe_state, process_state};
 use crate::supervisor::request::Adoption;
 use crate::supervisor::thread::watch_blanks;
@@ -149,7 +150,7 @@ impl Zygote {
         group: &Group,
     ) -> Result<Vec<usize>, Error> {
         self.wait_ready()?;
-        let payload = channel::payload_memfd(request.payload)
+        let payload = payload_memfd(request.payload)
             .map_err(|e| Error::resource("cannot hold the payload for the zygote", e))?;
         let common = Common {
             targets: request.shared.iter().map(|&(_, t)| t).collect(),
