@@ -156,7 +156,7 @@ def _start_forkserver(job: Start) -> _native.Group:
     group = _native.Group()
     shared = [(fd, fd) for fd in dict.fromkeys([0, 1, 2, *passed]) if _is_open(fd)]
     payload = _child.make_payload(0, prep, work)
-    _zygote.get(job.preload).fork(group, job.ranks, shared, payload, job.title[0])
+    _zygote.get(job.preload).fork(group, job.ranks, shared, payload)
     return group
 
 

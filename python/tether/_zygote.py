@@ -180,7 +180,6 @@ class Zygote:
         ranks: Sequence[int],
         shared: Sequence[Tuple[int, int]],
         payload: bytes,
-        label: str,
     ) -> None:
         """Starts one child per rank into ``group``, each getting the fds ``shared`` as
         ``(fd, number in the child)``. A zygote found dead before it started anything is
@@ -191,7 +190,7 @@ class Zygote:
                 before = len(group)
                 try:
                     self._await_ready(process)
-                    process.fork(group, list(ranks), list(shared), payload, label)
+                    process.fork(group, list(ranks), list(shared), payload)
                     return
                 except ZygoteError:
                     # Once more only for a zygote that had died before it started anything;

@@ -170,8 +170,8 @@ pub fn watch(keeper: i32, tmp: PathBuf) -> io::Result<()> {
                     while !matches!(rustix::event::poll(&mut fds, None), Ok(n) if n > 0) {}
                 }
                 // No pidfds (a kernel before 5.3): the parent changes when the keeper dies.
-                // SAFETY: getppid cannot fail.
                 _ => {
+                    // SAFETY: getppid reads a process attribute and cannot fail.
                     while unsafe { libc::getppid() } == keeper {
                         std::thread::sleep(Duration::from_millis(10));
                     }

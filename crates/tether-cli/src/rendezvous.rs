@@ -248,7 +248,7 @@ pub fn let_the_helper_leave(limit: Duration) {
     unsafe { libc::kill(pid, libc::SIGTERM) };
     let deadline = Instant::now() + limit;
     while Instant::now() < deadline
-        && tether_core::status::process_state(pid).is_some_and(|s| s != 'Z')
+        && tether_core::proc::process_state(pid).is_some_and(|s| s != 'Z')
     {
         std::thread::sleep(Duration::from_millis(10));
     }

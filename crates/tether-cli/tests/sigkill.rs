@@ -54,10 +54,8 @@ fn reap_everything() {
 #[test]
 fn sigkill_of_the_launcher_at_any_moment_leaves_no_descendant() {
     // SAFETY: prctl on this test process's own flags.
-    assert_eq!(
-        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong) },
-        0
-    );
+    let subreaper = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong) };
+    assert_eq!(subreaper, 0);
     let steady = leaver("trap '' TERM INT HUP; wait");
     // Ranks that fail at once, again and again: the kill lands while tether stops ranks,
     // cleans up after them or starts the next attempt.

@@ -11,11 +11,21 @@ use std::ffi::OsString;
 use std::io;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 
+use rustix::fs::Mode;
+use rustix::io::Errno;
+use rustix::process::{
+    getpriority_process, getrlimit, setpriority_process, setrlimit, umask as umask_set, Resource,
+    Rlimit,
+};
+use rustix::thread::{sched_getaffinity, sched_setaffinity, CpuSet};
+
+use crate::proc::{self, Of};
+
 /// The resources whose limits a child takes (`RLIMIT_CPU` .. `RLIMIT_RTTIME`).
 const RLIMITS: u32 = 16;
 
 /// One resource limit: resource number, soft and hard limit.
-pub type Rlimit = (u32, u64, u64);
+pub type Limit = (u32, u64, u64);
 
 /// The attributes Linux keeps per thread: CPU affinity and nice value.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -28,18 +38,14 @@ pub struct ThreadAttributes {
 impl ThreadAttributes {
     /// The calling thread's.
     pub fn of_calling_thread() -> io::Result<ThreadAttributes> {
-        // SAFETY: cpu_set_t is plain data; zeroed is an empty set.
-        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        // SAFETY: sched_getaffinity writes at most `size` bytes into `set`.
-        if unsafe { libc::sched_getaffinity(0, size, &mut set) } != 0 {
-            return Err(io::Error::last_os_error());
+        let set = sched_getaffinity(None)?;
+        let mut affinity = vec![0u8; CpuSet::MAX_CPU / 8];
+        for cpu in (0..CpuSet::MAX_CPU).filter(|&cpu| set.is_set(cpu)) {
+            affinity[cpu / 8] |= 1 << (cpu % 8);
         }
-        // SAFETY: `set` is a plain-data struct of `size` bytes.
-        let affinity = unsafe { std::slice::from_raw_parts((&set as *const _) as *const u8, size) };
         Ok(ThreadAttributes {
-            affinity: affinity.to_vec(),
-            nice: nice_of_calling_thread()?,
+            affinity,
+            nice: getpriority_process(None)?,
         })
     }
 
@@ -48,39 +54,17 @@ impl ThreadAttributes {
     /// may not have (it then keeps the higher one, as the kernel allows).
     pub fn apply(&self) -> io::Result<()> {
         if !self.affinity.is_empty() {
-            // SAFETY: `affinity` holds the bytes of a cpu_set_t read by `of_calling_thread`.
-            let rc = unsafe {
-                libc::sched_setaffinity(
-                    0,
-                    self.affinity.len(),
-                    self.affinity.as_ptr() as *const libc::cpu_set_t,
-                )
-            };
-            if rc != 0 {
-                return Err(io::Error::last_os_error());
+            let mut set = CpuSet::new();
+            let cpus = (self.affinity.len() * 8).min(CpuSet::MAX_CPU);
+            for cpu in (0..cpus).filter(|&cpu| self.affinity[cpu / 8] & (1 << (cpu % 8)) != 0) {
+                set.set(cpu);
             }
+            sched_setaffinity(None, &set)?;
         }
-        // SAFETY: setpriority on the calling thread touches no memory.
-        if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, self.nice) } != 0 {
-            let err = io::Error::last_os_error();
-            if !matches!(err.raw_os_error(), Some(libc::EACCES) | Some(libc::EPERM)) {
-                return Err(err);
-            }
+        match setpriority_process(None, self.nice) {
+            Ok(()) | Err(Errno::ACCESS | Errno::PERM) => Ok(()),
+            Err(err) => Err(err.into()),
         }
-        Ok(())
-    }
-}
-
-fn nice_of_calling_thread() -> io::Result<i32> {
-    // getpriority may return -1 as a value: errno tells an error apart.
-    // SAFETY: errno is thread-local; getpriority touches no memory.
-    unsafe {
-        *libc::__errno_location() = 0;
-        let nice = libc::getpriority(libc::PRIO_PROCESS, 0);
-        if nice == -1 && *libc::__errno_location() != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(nice)
     }
 }
 
@@ -88,7 +72,7 @@ fn nice_of_calling_thread() -> io::Result<i32> {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Attributes {
     pub umask: u32,
-    pub rlimits: Vec<Rlimit>,
+    pub rlimits: Vec<Limit>,
     pub thread: ThreadAttributes,
     pub cwd: Vec<u8>,
     pub env: Vec<(Vec<u8>, Vec<u8>)>,
@@ -138,8 +122,7 @@ impl Attributes {
                 format!("cannot enter {:?}: {e}", cwd.as_bytes().escape_ascii()),
             )
         })?;
-        // SAFETY: umask only sets a process attribute.
-        unsafe { libc::umask(self.umask as libc::mode_t) };
+        umask_set(Mode::from_bits_retain(self.umask));
         for &(resource, soft, hard) in &self.rlimits {
             set_rlimit(resource, soft, hard)?;
         }
@@ -160,42 +143,62 @@ impl Attributes {
 
 /// The process's file mode creation mask, read without changing it.
 fn umask() -> io::Result<u32> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Umask:"))
-        .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no Umask in /proc/self/status"))
+    let umask = proc::status(Of::This).and_then(|s| s.radix("Umask", 8));
+    let missing = || io::Error::new(io::ErrorKind::InvalidData, "no Umask in /proc/self/status");
+    umask.map(|u| u as u32).ok_or_else(missing)
 }
 
-fn rlimits() -> io::Result<Vec<Rlimit>> {
-    (0..RLIMITS)
-        .map(|resource| {
-            // SAFETY: rlimit is plain data, filled by getrlimit.
-            let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
-            // SAFETY: getrlimit writes into `lim`.
-            if unsafe { libc::getrlimit(resource as _, &mut lim) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok((resource, lim.rlim_cur, lim.rlim_max))
-        })
-        .collect()
+/// Linux's resources in the order of their numbers, `RLIMIT_CPU` (0) to `RLIMIT_RTTIME`.
+const RESOURCES: [Resource; RLIMITS as usize] = [
+    Resource::Cpu,
+    Resource::Fsize,
+    Resource::Data,
+    Resource::Stack,
+    Resource::Core,
+    Resource::Rss,
+    Resource::Nproc,
+    Resource::Nofile,
+    Resource::Memlock,
+    Resource::As,
+    Resource::Locks,
+    Resource::Sigpending,
+    Resource::Msgqueue,
+    Resource::Nice,
+    Resource::Rtprio,
+    Resource::Rttime,
+];
+
+/// `RLIM_INFINITY`, as the wire carries it.
+const INFINITY: u64 = u64::MAX;
+
+fn rlimits() -> io::Result<Vec<Limit>> {
+    let limits = RESOURCES.iter().map(|&resource| {
+        let limit = getrlimit(resource);
+        let (soft, hard) = (limit.current, limit.maximum);
+        (
+            resource as u32,
+            soft.unwrap_or(INFINITY),
+            hard.unwrap_or(INFINITY),
+        )
+    });
+    Ok(limits.collect())
 }
 
 fn set_rlimit(resource: u32, soft: u64, hard: u64) -> io::Result<()> {
-    let lim = libc::rlimit {
-        rlim_cur: soft,
-        rlim_max: hard,
+    let unknown = || io::Error::new(io::ErrorKind::InvalidInput, "no such resource");
+    let kind = *RESOURCES.get(resource as usize).ok_or_else(unknown)?;
+    let limit = |v: u64| (v != INFINITY).then_some(v);
+    let new = Rlimit {
+        current: limit(soft),
+        maximum: limit(hard),
     };
-    // SAFETY: setrlimit reads `lim`.
-    if unsafe { libc::setrlimit(resource as _, &lim) } != 0 {
-        let err = io::Error::last_os_error();
-        return Err(io::Error::new(
+    setrlimit(kind, new).map_err(|errno| {
+        let err = io::Error::from(errno);
+        io::Error::new(
             err.kind(),
             format!("cannot set resource limit {resource} to ({soft}, {hard}): {err}"),
-        ));
-    }
-    Ok(())
+        )
+    })
 }
 
 #[cfg(test)]

@@ -8,26 +8,27 @@
 //!   sealed memfd; more fds than fit one control message travel through a private bundle
 //!   socket. A pair is also a duplex link (a worker's control socket).
 //! - [`SharedFlag`]: a flag in a shared memfd page with futex waits (an `Event`).
-//! - [`Poller`]: epoll over many endpoints, with a wake-up (the pool's hub thread).
+//! - [`Poller`]: epoll over many fds, with a wake-up (the supervisor thread, a worker set).
 //!
-//! Nothing here lives in `/dev/shm`: every segment is a memfd, freed with its last fd or
-//! mapping.
+//! Nothing here lives in `/dev/shm`: every segment is a memfd (see `memfd.rs`), freed
+//! with its last fd or mapping.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::event::{epoll, eventfd, poll, EventfdFlags, PollFd, PollFlags, Timespec};
-use rustix::fs::{fstat, ftruncate, memfd_create, MemfdFlags, SealFlags};
 use rustix::io::Errno;
-use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 use rustix::net::{
     recvmsg, sendmsg, socketpair, AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage,
     RecvFlags, ReturnFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketFlags,
     SocketType,
 };
+
+use crate::memfd::{payload_memfd, read_memfd, SharedPages};
+use crate::wire::{Fixed, Reader, Writer};
 
 /// Messages up to this size (header included) travel inline; larger ones in a memfd.
 pub const INLINE_MAX: usize = 64 * 1024;
@@ -143,19 +144,16 @@ impl Endpoint {
         fds: &[BorrowedFd<'_>],
         timeout: Option<Duration>,
     ) -> io::Result<bool> {
-        let deadline = deadline_of(timeout);
         let bundle = if fds.len() > FDS_PER_MESSAGE {
             Some(bundle_fds(fds)?)
         } else {
             None
         };
         let mut flags = 0u8;
-        let mut header = [0u8; MEMFD_HEADER];
         let memfd;
         let mut all: Vec<BorrowedFd<'_>> = Vec::with_capacity(fds.len().min(FDS_PER_MESSAGE) + 2);
         let body: &[u8] = if data.len() + HEADER > INLINE_MAX {
             flags |= FLAG_MEMFD;
-            header[1..9].copy_from_slice(&(data.len() as u64).to_le_bytes());
             memfd = Some(payload_memfd(data)?);
             if let Some(fd) = &memfd {
                 all.push(fd.as_fd());
@@ -171,23 +169,33 @@ impl Endpoint {
             }
             None => all.extend_from_slice(fds),
         }
-        header[0] = flags;
-        let head = if flags & FLAG_MEMFD != 0 {
-            &header[..MEMFD_HEADER]
-        } else {
-            &header[..HEADER]
+        let header: Writer<Fixed<MEMFD_HEADER>> = Writer::fixed().u8(flags);
+        let (header, head_len) = match flags & FLAG_MEMFD {
+            0 => (header.array(), HEADER),
+            _ => (header.u64(data.len() as u64).array(), MEMFD_HEADER),
         };
-        let iov = [IoSlice::new(head), IoSlice::new(body)];
+        let iov = [IoSlice::new(&header[..head_len]), IoSlice::new(body)];
+        self.send_frame(&iov, &all, deadline_of(timeout))
+    }
+
+    /// Sends one frame (its header and body) with its fds, waiting for room until
+    /// `deadline`; false when it passed with nothing sent.
+    fn send_frame(
+        &self,
+        iov: &[IoSlice<'_>],
+        all: &[BorrowedFd<'_>],
+        deadline: Option<Instant>,
+    ) -> io::Result<bool> {
         loop {
             let mut space =
                 vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(all.len().max(1)))];
             let mut control = SendAncillaryBuffer::new(&mut space);
-            if !all.is_empty() && !control.push(SendAncillaryMessage::ScmRights(&all)) {
+            if !all.is_empty() && !control.push(SendAncillaryMessage::ScmRights(all)) {
                 return Err(io::Error::new(io::ErrorKind::InvalidInput, "too many fds"));
             }
             match sendmsg(
                 &self.fd,
-                &iov,
+                iov,
                 &mut control,
                 SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
             ) {
@@ -260,6 +268,12 @@ impl Endpoint {
         wait_ready(self.fd.as_fd(), PollFlags::IN, Some(Instant::now()))
     }
 
+    /// Waits up to `timeout` until a message (or the end of the stream) is waiting; returns
+    /// whether one is.
+    pub fn readable_within(&self, timeout: Duration) -> io::Result<bool> {
+        wait_ready(self.fd.as_fd(), PollFlags::IN, deadline_of(Some(timeout)))
+    }
+
     /// Waits up to `timeout` (for ever when `None`) until this endpoint or one of `watch`
     /// is readable; returns the index in `watch` of a readable fd, or `None` (the endpoint
     /// is readable, or the timeout passed).
@@ -292,15 +306,15 @@ impl AsFd for Endpoint {
 /// Rebuilds a message from its frame.
 fn decode(mut frame: Vec<u8>, mut fds: Vec<OwnedFd>) -> io::Result<Message> {
     let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
-    let flags = *frame.first().ok_or_else(|| bad("empty channel frame"))?;
+    let mut header = Reader::new(&frame, "channel frame");
+    let flags = header.u8().map_err(|_| bad("empty channel frame"))?;
     let data = if flags & FLAG_MEMFD != 0 {
-        if frame.len() < MEMFD_HEADER || fds.is_empty() {
+        let len = header.u64().map_err(|_| bad("bad memfd channel frame"))?;
+        if fds.is_empty() {
             return Err(bad("bad memfd channel frame"));
         }
-        let mut len = [0u8; 8];
-        len.copy_from_slice(&frame[1..9]);
         let memfd = fds.remove(0);
-        read_memfd(&memfd, u64::from_le_bytes(len) as usize)?
+        read_memfd(&memfd, len as usize)?
     } else {
         frame.drain(..HEADER);
         frame
@@ -327,112 +341,6 @@ fn bundle_fds(fds: &[BorrowedFd<'_>]) -> io::Result<OwnedFd> {
         }
     }
     Ok(rx.into_fd())
-}
-
-/// A sealed memfd holding `data`.
-pub(crate) fn payload_memfd(data: &[u8]) -> io::Result<OwnedFd> {
-    let fd = memfd_create(
-        "tether-message",
-        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-    )?;
-    let mut written = 0;
-    while written < data.len() {
-        match rustix::io::write(&fd, &data[written..]) {
-            Ok(n) => written += n,
-            Err(Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    rustix::fs::fcntl_add_seals(&fd, SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW)?;
-    Ok(fd)
-}
-
-pub(crate) fn read_memfd(fd: &OwnedFd, len: usize) -> io::Result<Vec<u8>> {
-    if (fstat(fd)?.st_size as u64) < len as u64 {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "short memfd payload",
-        ));
-    }
-    let mut data = vec![0u8; len];
-    let mut read = 0;
-    while read < len {
-        match rustix::io::pread(fd, &mut data[read..], read as u64) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "short memfd")),
-            Ok(n) => read += n,
-            Err(Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(data)
-}
-
-/// A shared mapping of a memfd, unmapped when dropped: the memory behind a [`SharedFlag`] and
-/// behind a pool worker's gate page. Its users reach it only through atomics.
-#[derive(Debug)]
-pub(crate) struct SharedPages {
-    base: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the mapping is only accessed through atomics, which are safe to share between
-// threads; the pointer stays valid until `drop` unmaps it.
-unsafe impl Send for SharedPages {}
-// SAFETY: as above.
-unsafe impl Sync for SharedPages {}
-
-impl SharedPages {
-    /// A fresh memfd of `len` zeroed bytes, named `name`, and its mapping.
-    pub(crate) fn create(name: &str, len: usize) -> io::Result<(OwnedFd, SharedPages)> {
-        let fd = memfd_create(name, MemfdFlags::CLOEXEC)?;
-        ftruncate(&fd, len as u64)?;
-        let pages = SharedPages::map(&fd, len, name)?;
-        Ok((fd, pages))
-    }
-
-    /// Maps the first `len` bytes of `fd` (made by [`SharedPages::create`] in some process);
-    /// an fd shorter than that is not a `what`.
-    pub(crate) fn map(fd: &OwnedFd, len: usize, what: &str) -> io::Result<SharedPages> {
-        if (fstat(fd)?.st_size as u64) < len as u64 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("not a {what}"),
-            ));
-        }
-        // SAFETY: a fresh shared mapping of a file at least `len` bytes long; nothing else in
-        // this process refers to the address it returns.
-        let base = unsafe {
-            mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                fd,
-                0,
-            )?
-        };
-        Ok(SharedPages {
-            base: base.cast::<u8>(),
-            len,
-        })
-    }
-
-    /// The atomic `T` at byte `offset`.
-    ///
-    /// # Safety
-    /// `offset` is aligned for `T` and `offset + size_of::<T>() <= len`.
-    pub(crate) unsafe fn at<T>(&self, offset: usize) -> &T {
-        // SAFETY: in bounds and aligned (the caller's promise), in a live page-aligned
-        // mapping that outlives the returned reference (it is tied to `self`).
-        unsafe { &*self.base.add(offset).cast::<T>() }
-    }
-}
-
-impl Drop for SharedPages {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, unmapped once; no reference outlives `self`.
-        let _ = unsafe { munmap(self.base.cast::<std::ffi::c_void>(), self.len) };
-    }
 }
 
 /// A flag in a shared memory page (a memfd), set and waited for by any process that maps it:
@@ -519,14 +427,16 @@ impl AsFd for SharedFlag {
     }
 }
 
-/// Epoll over many fds (each with a `u64` token) and a wake-up eventfd.
+/// Epoll over many fds (each with a `u64` token) and a wake-up eventfd: the one poller of
+/// tether-core (the supervisor thread's, a worker set's).
 #[derive(Debug)]
 pub struct Poller {
     epoll: OwnedFd,
     wake: OwnedFd,
 }
 
-const WAKE_TOKEN: u64 = u64::MAX;
+/// The token of the wake-up; no fd may be added under it.
+pub const WAKE_TOKEN: u64 = u64::MAX;
 
 impl Poller {
     pub fn new() -> io::Result<Poller> {
@@ -541,14 +451,29 @@ impl Poller {
         Ok(Poller { epoll, wake })
     }
 
-    /// Watches `fd` for readability (or hang-up) under `token` (not `u64::MAX`).
+    fn add_for(&self, token: u64, fd: BorrowedFd<'_>, flags: epoll::EventFlags) -> io::Result<()> {
+        debug_assert_ne!(token, WAKE_TOKEN);
+        epoll::add(&self.epoll, fd, epoll::EventData::new_u64(token), flags)?;
+        Ok(())
+    }
+
+    /// Watches `fd` for readability (or hang-up) under `token` (not [`WAKE_TOKEN`]).
     pub fn add(&self, token: u64, fd: BorrowedFd<'_>) -> io::Result<()> {
-        epoll::add(
-            &self.epoll,
-            fd,
-            epoll::EventData::new_u64(token),
-            epoll::EventFlags::IN,
-        )?;
+        self.add_for(token, fd, epoll::EventFlags::IN)
+    }
+
+    /// Watches `fd` for room to write (or an error) under `token`.
+    pub fn add_writable(&self, token: u64, fd: BorrowedFd<'_>) -> io::Result<()> {
+        self.add_for(token, fd, epoll::EventFlags::OUT)
+    }
+
+    /// Pauses (`readable` false) or resumes the watch of `fd` for readability, under `token`.
+    pub fn set_readable(&self, token: u64, fd: BorrowedFd<'_>, readable: bool) -> io::Result<()> {
+        let flags = match readable {
+            true => epoll::EventFlags::IN,
+            false => epoll::EventFlags::empty(),
+        };
+        epoll::modify(&self.epoll, fd, epoll::EventData::new_u64(token), flags)?;
         Ok(())
     }
 
@@ -564,7 +489,7 @@ impl Poller {
     }
 
     /// The tokens of the fds that are ready, and whether a `wake` came, waiting up to
-    /// `timeout` for either.
+    /// `timeout` for either (for ever when `None`; an interrupted wait returns nothing).
     pub fn wait(&self, timeout: Option<Duration>) -> io::Result<(Vec<u64>, bool)> {
         let timeout = timeout.map(|t| Timespec {
             tv_sec: t.as_secs() as i64,
@@ -593,11 +518,6 @@ impl Poller {
         }
         Ok((ready, woken))
     }
-}
-
-/// The raw fd numbers of `fds` (for logging and tests).
-pub fn raw_fds(fds: &[OwnedFd]) -> Vec<RawFd> {
-    fds.iter().map(|fd| fd.as_raw_fd()).collect()
 }
 
 #[cfg(test)]

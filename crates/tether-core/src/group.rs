@@ -2,8 +2,10 @@
 //! worker, a launcher's ranks), and what is asked of them: wait, signal, the first failure
 //! in time, and termination with a grace period.
 //!
-//! The supervisor thread ([`crate::supervisor`]) fills in each member's exit and report;
-//! everything here only reads that state under the group's lock and waits on its condvar.
+//! The supervisor thread ([`crate::supervisor`]) starts the members ([`Group::launch`] and
+//! [`Group::adopt_all`] are its) and fills in each member's exit and report; everything here
+//! only reads that state under the group's lock and waits on its condvar. Their stacks are
+//! asked for by [`crate::stacks`] ([`Group::stacks`]).
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -12,8 +14,6 @@ use std::time::{Duration, Instant};
 
 use crate::report::Report;
 use crate::status::ExitStatus;
-use crate::supervisor::{self, Adoption};
-use crate::{Error, LaunchSpec};
 
 /// When and how a child ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,26 +141,6 @@ impl Group {
         Group::default()
     }
 
-    /// Starts one child per spec, all from the supervisor thread, and returns their indices
-    /// in this group. On an error, the children of this call that did start are killed and
-    /// reaped before this returns.
-    pub fn launch(&self, specs: Vec<LaunchSpec>) -> Result<Vec<usize>, Error> {
-        supervisor::launch(self, specs)
-    }
-
-    /// Takes on children of this process started some other way (a fork, the zygote), with
-    /// the read ends of their report pipes, in one call to the supervisor. On an error,
-    /// every child of the call is killed and reaped before this returns.
-    pub fn adopt_all(&self, children: Vec<Adoption>) -> Result<Vec<usize>, Error> {
-        supervisor::adopt(self, children)
-    }
-
-    /// Takes on one child this process forked itself; see [`Group::adopt_all`].
-    pub fn adopt(&self, pid: i32, report: Option<OwnedFd>) -> Result<usize, Error> {
-        let indices = self.adopt_all(vec![Adoption::forked(pid, report)])?;
-        Ok(indices[0])
-    }
-
     pub fn len(&self) -> usize {
         self.inner.lock().members.len()
     }
@@ -206,7 +186,7 @@ impl Group {
         if member.exit.is_some() {
             return Ok(false);
         }
-        let name = crate::signal_name(signal);
+        let name = crate::status::signal_name(signal);
         log::info!(target: "tether::supervisor", "sent {name} to pid {}", member.pid);
         Ok(signal_tree(member.pid, signal))
     }
@@ -220,7 +200,7 @@ impl Group {
             .map(|m| m.pid)
             .collect();
         if !sent.is_empty() {
-            let name = crate::signal_name(signal);
+            let name = crate::status::signal_name(signal);
             log::info!(target: "tether::supervisor", "sent {name} to pids {sent:?}");
         }
         sent.len()
@@ -345,15 +325,6 @@ impl Group {
         }
         let left = Some(grace.saturating_sub(began.elapsed()));
         self.wait_interruptibly(None, WaitFor::AllExited, left, interrupted)
-    }
-
-    /// Every member's stacks, asked at once (see [`crate::stacks::ask`]), in member order.
-    pub fn stacks(
-        &self,
-        request: &crate::stacks::Request,
-    ) -> Result<Vec<crate::stacks::Answer>, Error> {
-        let members: Vec<(&Group, usize)> = (0..self.len()).map(|i| (self, i)).collect();
-        crate::stacks::ask(&members, request)
     }
 
     /// [`Group::terminate_with`] with no interruption.

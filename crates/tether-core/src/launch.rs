@@ -15,6 +15,10 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::Command;
 
+use rustix::process::{
+    getpid, getppid, kill_process, set_parent_process_death_signal, setpgid, Pid, Signal,
+};
+
 use crate::attrs::ThreadAttributes;
 
 /// What to run in a new child.
@@ -124,10 +128,7 @@ fn dup_stdio(fd: RawFd) -> io::Result<std::process::Stdio> {
 
 /// Runs in the child between `fork` and `exec`. Only async-signal-safe calls.
 fn setup_child(parent: libc::pid_t, keep: &[RawFd]) -> io::Result<()> {
-    // SAFETY: setpgid on ourselves; no memory is touched.
-    if unsafe { libc::setpgid(0, 0) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    setpgid(None, None)?;
     arm_parent_death(parent)?;
     reset_signals()?;
     // Every fd above stderr becomes close-on-exec, then the kept ones are opened back up.
@@ -155,16 +156,17 @@ fn setup_child(parent: libc::pid_t, keep: &[RawFd]) -> io::Result<()> {
 /// Arms SIGKILL as the parent-death signal, then closes the race in which the parent died
 /// before it was armed (the child would then have been re-parented already).
 fn arm_parent_death(parent: libc::pid_t) -> io::Result<()> {
-    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag of this process.
-    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: getppid cannot fail and touches no memory.
-    if unsafe { libc::getppid() } != parent {
+    set_parent_process_death_signal(Some(Signal::KILL))?;
+    if parent_pid() != parent {
         // SAFETY: _exit is async-signal-safe; the parent is gone, nobody waits for us.
         unsafe { libc::_exit(111) };
     }
     Ok(())
+}
+
+/// The pid of this process's parent (0 when it has none, which never matches a parent).
+fn parent_pid() -> libc::pid_t {
+    Pid::as_raw(getppid())
 }
 
 /// The kernel's `struct sigaction` (not glibc's, whose signal set is larger).
@@ -223,10 +225,7 @@ fn reset_signals() -> io::Result<()> {
 /// forked, so when that thread is not the parent's main thread (`forked_from_main` false),
 /// a watcher thread in the child waits on the parent's pidfd instead.
 pub fn setup_forked_child(parent: libc::pid_t, forked_from_main: bool) -> io::Result<()> {
-    // SAFETY: setpgid on ourselves.
-    if unsafe { libc::setpgid(0, 0) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    setpgid(None, None)?;
     // SAFETY: an empty, initialised set passed to sigprocmask.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -243,8 +242,7 @@ pub fn setup_forked_child(parent: libc::pid_t, forked_from_main: bool) -> io::Re
         // The parent is already gone.
         _ => std::process::exit(111),
     };
-    // SAFETY: getppid cannot fail.
-    if unsafe { libc::getppid() } != parent {
+    if parent_pid() != parent {
         std::process::exit(111);
     }
     std::thread::Builder::new()
@@ -255,8 +253,8 @@ pub fn setup_forked_child(parent: libc::pid_t, forked_from_main: bool) -> io::Re
                 rustix::event::PollFlags::IN,
             )];
             while rustix::event::poll(&mut fds, None).is_err() {}
-            // SAFETY: kill ourselves; the parent is gone.
-            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            // The parent is gone: so are we.
+            let _ = kill_process(getpid(), Signal::KILL);
         })?;
     Ok(())
 }

@@ -6,6 +6,10 @@
 
 use std::path::{Path, PathBuf};
 
+use rustix::process::{getrlimit, Resource};
+
+use crate::proc::{self, Of};
+
 /// How many more tasks (processes or threads) this process can make, by the tightest limit
 /// that binds it; `None` when none does.
 pub fn process_room() -> Option<usize> {
@@ -19,81 +23,46 @@ pub fn process_room() -> Option<usize> {
 /// the limit is infinite or does not bind (the kernel exempts root and holders of
 /// CAP_SYS_RESOURCE or CAP_SYS_ADMIN).
 fn nproc_room() -> Option<usize> {
-    // SAFETY: getrlimit writes into a plain-data struct.
-    let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut lim) } != 0
-        || lim.rlim_cur == libc::RLIM_INFINITY
-    {
-        return None;
-    }
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let uid = status_field(&status, "Uid:")?;
-    let caps = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())?;
+    let soft = getrlimit(Resource::Nproc).current?;
+    let status = proc::status(Of::This)?;
+    let uid = status.number("Uid")?;
+    let caps = status.radix("CapEff", 16)?;
     const CAP_SYS_ADMIN: u64 = 21;
     const CAP_SYS_RESOURCE: u64 = 24;
     if uid == 0 || caps & (1 << CAP_SYS_ADMIN | 1 << CAP_SYS_RESOURCE) != 0 {
         return None;
     }
     let used = user_tasks(uid);
-    Some((lim.rlim_cur as usize).saturating_sub(used))
-}
-
-/// The first number of the `/proc/PID/status` line that starts with `name`.
-fn status_field(status: &str, name: &str) -> Option<u64> {
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(name))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
+    Some((soft as usize).saturating_sub(used))
 }
 
 /// The tasks (threads included) of the processes whose real user is `uid`.
 fn user_tasks(uid: u64) -> usize {
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    procs
-        .filter_map(Result::ok)
-        .filter(|e| {
-            e.file_name()
-                .to_str()
-                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
-        })
-        .filter_map(|e| std::fs::read_to_string(e.path().join("status")).ok())
-        .filter(|s| status_field(s, "Uid:") == Some(uid))
-        .map(|s| status_field(&s, "Threads:").unwrap_or(1) as usize)
+    proc::pids()
+        .into_iter()
+        .filter_map(|pid| proc::status(Of::Pid(pid)))
+        .filter(|s| s.number("Uid") == Some(uid))
+        .map(|s| s.number("Threads").unwrap_or(1) as usize)
         .sum()
 }
 
 /// The room the pids controller leaves this process: the least `pids.max - pids.current`
 /// of its cgroup and every cgroup above it (cgroup v2, or v1's pids hierarchy).
 fn cgroup_room() -> Option<usize> {
-    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     let mut rooms = Vec::new();
-    for line in text.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
-        else {
-            continue;
-        };
-        let base = if id == "0" && controllers.is_empty() {
+    for cgroup in proc::cgroups() {
+        let base = if cgroup.id == "0" && cgroup.controllers.is_empty() {
             ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
                 .into_iter()
                 .map(PathBuf::from)
                 .find(|b| b.join("cgroup.controllers").exists())
-        } else if controllers.split(',').any(|c| c == "pids") {
+        } else if cgroup.controllers.split(',').any(|c| c == "pids") {
             Some(PathBuf::from("/sys/fs/cgroup/pids"))
         } else {
             None
         };
         if let Some(base) = base {
-            rooms.extend(hierarchy_room(&base, path));
+            rooms.extend(hierarchy_room(&base, &cgroup.path));
         }
     }
     rooms.into_iter().min()
@@ -122,17 +91,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn status_fields_are_read() {
-        let status = "Name:\tx\nUid:\t1000\t1000\t1000\t1000\nThreads:\t7\n";
-        assert_eq!(status_field(status, "Uid:"), Some(1000));
-        assert_eq!(status_field(status, "Threads:"), Some(7));
-        assert_eq!(status_field(status, "Gid:"), None);
-    }
-
-    #[test]
     fn this_process_counts_among_its_users_tasks() {
-        let status = std::fs::read_to_string("/proc/self/status").unwrap();
-        let uid = status_field(&status, "Uid:").unwrap();
+        let uid = proc::status(Of::This)
+            .and_then(|s| s.number("Uid"))
+            .unwrap();
         assert!(user_tasks(uid) >= 1);
     }
 }

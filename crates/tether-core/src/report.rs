@@ -13,6 +13,8 @@
 
 use std::time::Duration;
 
+use crate::wire::{Reader, Writer};
+
 /// The most report bytes kept per child (the frame header included).
 pub const REPORT_LIMIT: usize = 512 << 20;
 
@@ -59,8 +61,8 @@ impl Report {
 
     /// The frame's whole length (header included), once its header has arrived.
     fn frame_len(&self) -> Option<u64> {
-        let header: [u8; 8] = self.data.get(..8)?.try_into().ok()?;
-        Some(u64::from_le_bytes(header).saturating_add(HEADER))
+        let body_len = Reader::new(&self.data, "failure report").u64().ok()?;
+        Some(body_len.saturating_add(HEADER))
     }
 
     /// The bytes kept (at most [`REPORT_LIMIT`]).
@@ -83,14 +85,13 @@ impl Report {
 /// A failure report frame.
 pub fn encode(type_name: &str, text: &[u8], pickled: &[u8]) -> Vec<u8> {
     let body_len = 4 + type_name.len() + 8 + text.len() + pickled.len();
-    let mut out = Vec::with_capacity(8 + body_len);
-    out.extend_from_slice(&(body_len as u64).to_le_bytes());
-    out.extend_from_slice(&(type_name.len() as u32).to_le_bytes());
-    out.extend_from_slice(type_name.as_bytes());
-    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
-    out.extend_from_slice(text);
-    out.extend_from_slice(pickled);
-    out
+    Writer::with_capacity(8 + body_len)
+        .u64(body_len as u64)
+        .u32(type_name.len() as u32)
+        .raw(type_name.as_bytes())
+        .bytes(text)
+        .raw(pickled)
+        .finish()
 }
 
 /// A report as read back, perhaps cut short.
@@ -107,20 +108,16 @@ pub struct Decoded {
 /// Reads back what [`encode`] wrote, from `data` (a report's kept bytes); `None` when not
 /// even the type name arrived.
 pub fn decode(data: &[u8]) -> Option<Decoded> {
-    let body_len = u64::from_le_bytes(data.get(..8)?.try_into().ok()?);
-    let body = &data[8..];
-    let missing = body_len.saturating_sub(body.len() as u64);
-    let type_len = u32::from_le_bytes(body.get(..4)?.try_into().ok()?) as usize;
-    let type_name = std::str::from_utf8(body.get(4..4 + type_len)?)
+    let mut r = Reader::new(data, "failure report");
+    let body_len = r.u64().ok()?;
+    let missing = body_len.saturating_sub((data.len() - 8) as u64);
+    let type_len = r.u32().ok()? as usize;
+    let type_name = std::str::from_utf8(r.take(type_len).ok()?)
         .ok()?
         .to_string();
-    let rest = &body[4 + type_len..];
-    let text_len = u64::from_le_bytes(rest.get(..8)?.try_into().ok()?);
-    let text_end = usize::try_from(text_len).ok()?.saturating_add(8);
-    let text = rest[8..text_end.min(rest.len())].to_vec();
-    let pickled = rest
-        .get(text_end..)
-        .filter(|p| missing == 0 && !p.is_empty());
+    let text_len = r.u64().ok()?;
+    let text = r.take_up_to(text_len).to_vec();
+    let pickled = Some(r.rest()).filter(|p| missing == 0 && !p.is_empty());
     Some(Decoded {
         type_name,
         text,
@@ -152,9 +149,7 @@ mod tests {
     }
 
     fn frame(body: &[u8]) -> Vec<u8> {
-        let mut out = (body.len() as u64).to_le_bytes().to_vec();
-        out.extend_from_slice(body);
-        out
+        Writer::new().bytes(body).finish()
     }
 
     #[test]
@@ -174,7 +169,7 @@ mod tests {
     fn a_frame_beyond_the_limit_is_cut_but_completes() {
         let mut report = Report::default();
         let len = REPORT_LIMIT as u64 + 100;
-        assert!(!report.push(&len.to_le_bytes(), Duration::ZERO));
+        assert!(!report.push(&Writer::new().u64(len).finish(), Duration::ZERO));
         let chunk = vec![b'x'; 1 << 20];
         let mut sent = 0u64;
         let mut complete = false;

@@ -213,36 +213,6 @@ pub fn signal_hint(signal: i32) -> Option<&'static str> {
     }
 }
 
-/// The state letter of a process in /proc (R, S, D, T, t, Z, ...).
-pub fn process_state(pid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
-}
-
-/// When a process started (field 22 of /proc/PID/stat, in clock ticks since boot): with its
-/// pid, it names one process for good.
-pub fn process_start_time(pid: i32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let fields = &stat[stat.rfind(')')? + 1..];
-    fields.split_whitespace().nth(19)?.parse().ok()
-}
-
-pub fn describe_state(state: Option<char>) -> String {
-    let name = match state {
-        Some('R') => "running",
-        Some('S') => "sleeping",
-        Some('D') => "in uninterruptible sleep",
-        Some('T') => "stopped",
-        Some('t') => "stopped by a debugger",
-        Some('Z') => "zombie",
-        _ => "unknown",
-    };
-    match state {
-        Some(c) => format!("{c}: {name}"),
-        None => name.to_string(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

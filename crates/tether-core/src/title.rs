@@ -10,6 +10,8 @@ use std::ffi::{c_char, CString};
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use crate::proc::{self, Of};
+
 extern "C" {
     static mut environ: *mut *mut c_char;
 }
@@ -44,10 +46,7 @@ pub fn set(title: &str, comm: &str) -> io::Result<()> {
 pub fn set_comm(comm: &str) -> io::Result<()> {
     let cut: String = comm.chars().filter(|&c| c != '\0').take(15).collect();
     let name = CString::new(cut).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
-    if unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr() as libc::c_ulong, 0, 0, 0) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    rustix::thread::set_name(&name)?;
     Ok(())
 }
 
@@ -61,15 +60,11 @@ struct Area {
 
 impl Area {
     fn of_self() -> io::Result<Area> {
-        let stat = std::fs::read_to_string("/proc/self/stat")?;
         let bad = || io::Error::new(io::ErrorKind::InvalidData, "unexpected /proc/self/stat");
-        let after = stat.rfind(')').map(|i| &stat[i + 2..]).ok_or_else(bad)?;
-        // Fields 48 to 51 of proc(5); `after` starts at field 3.
-        let fields: Vec<usize> = after
-            .split_whitespace()
-            .skip(45)
-            .take(4)
-            .map(|f| f.parse().map_err(|_| bad()))
+        let stat = proc::stat(Of::This).ok_or_else(bad)?;
+        // Fields 48 to 51 of proc(5).
+        let fields: Vec<usize> = (48..=51)
+            .map(|n| stat.number(n).map(|v| v as usize).ok_or_else(bad))
             .collect::<io::Result<_>>()?;
         match fields[..] {
             [arg_start, arg_end, env_start, env_end] if arg_start < arg_end => Ok(Area {

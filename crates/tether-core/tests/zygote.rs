@@ -118,7 +118,6 @@ fn fork(
         shared,
         payload: b"the payload",
         attrs: Attributes::of_caller().unwrap(),
-        label: b"test".to_vec(),
     };
     let indices = zygote.fork(&request, &group).unwrap();
     assert_eq!(indices, (0..ranks.len()).collect::<Vec<_>>());
@@ -206,7 +205,6 @@ fn a_stopped_zygote_fails_the_start() {
         shared: &[],
         payload: b"",
         attrs: Attributes::of_caller().unwrap(),
-        label: Vec::new(),
     };
     let err = zygote.fork(&request, &Group::new()).unwrap_err();
     assert!(began.elapsed() < Duration::from_secs(10));

@@ -1,7 +1,7 @@
-//! Python classes over `tether_core::channel`: `Endpoint`, `SharedFlag` and `Poller`.
+//! Python classes over `tether_core::channel`: `Endpoint` and `SharedFlag`.
 //! Every wait is [`crate::wait`]'s: without the GIL, Ctrl-C-aware.
 
-use std::os::fd::{AsFd, AsRawFd, IntoRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -79,17 +79,6 @@ impl Endpoint {
 
     fn fileno(&self) -> PyResult<RawFd> {
         Ok(self.inner.get()?.as_fd().as_raw_fd())
-    }
-
-    /// A new fd (close-on-exec) for the same socket, owned by the caller.
-    fn dup(&self) -> PyResult<RawFd> {
-        let fd = self
-            .inner
-            .get()?
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(os_error)?;
-        Ok(fd.into_raw_fd())
     }
 
     /// Closes this process's fd (once no call on another thread still uses it).
@@ -287,75 +276,8 @@ impl SharedFlag {
     }
 }
 
-/// Epoll over fds, each under an int token, with a wake-up.
-#[pyclass(module = "tether._native", frozen)]
-pub struct Poller {
-    inner: Closable<channel::Poller>,
-}
-
-#[pymethods]
-impl Poller {
-    #[new]
-    fn new() -> PyResult<Poller> {
-        let poller = channel::Poller::new().map_err(os_error)?;
-        Ok(Poller {
-            inner: Closable::new(poller),
-        })
-    }
-
-    /// Watches `fd` (kept open by the caller until `remove`) for readability under `token`.
-    fn add(&self, token: u64, fd: Fd) -> PyResult<()> {
-        if token == u64::MAX {
-            return Err(PyValueError::new_err("invalid token"));
-        }
-        // The epoll set only keeps the fd's number: the caller keeps it open until `remove`.
-        self.inner.get()?.add(token, fd.borrow()).map_err(os_error)
-    }
-
-    fn remove(&self, fd: Fd) -> PyResult<()> {
-        self.inner.get()?.remove(fd.borrow()).map_err(os_error)
-    }
-
-    /// Makes the current or next `wait` return at once.
-    fn wake(&self) -> PyResult<()> {
-        self.inner.get()?.wake().map_err(os_error)
-    }
-
-    /// Closes the epoll and wake-up fds (once no `wait` on another thread uses them).
-    fn close(&self) {
-        self.inner.close();
-    }
-
-    /// The tokens that are ready (without the GIL), waiting up to `timeout` seconds; with
-    /// `spin`, polling without sleeping that long first (see `Endpoint.recv`).
-    #[pyo3(signature = (timeout=None, spin=0.0))]
-    fn wait(&self, py: Python<'_>, timeout: Option<Timeout>, spin: f64) -> PyResult<Vec<u64>> {
-        let timeout = Timeout::of(timeout).duration();
-        let spin = Timeout::from_secs(spin)?.or_max().min(MAX_SPIN);
-        let poller = self.inner.get()?;
-        py.allow_threads(|| {
-            if !spin.is_zero() {
-                let start = Instant::now();
-                loop {
-                    let (ready, woken) = poller.wait(Some(Duration::ZERO))?;
-                    if woken || !ready.is_empty() {
-                        return Ok(ready);
-                    }
-                    if start.elapsed() >= spin {
-                        break;
-                    }
-                    std::hint::spin_loop();
-                }
-            }
-            poller.wait(timeout).map(|(ready, _)| ready)
-        })
-        .map_err(os_error)
-    }
-}
-
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Endpoint>()?;
     m.add_class::<SharedFlag>()?;
-    m.add_class::<Poller>()?;
     Ok(())
 }

@@ -200,14 +200,6 @@ impl Group {
         Ok(self.inner.exit(index).map(ExitStatus::new))
     }
 
-    /// When the member failed (`time.monotonic()` clock): the arrival of its whole failure
-    /// report, or its failing exit; None while it has not failed.
-    fn failed_at(&self, index: usize) -> PyResult<Option<f64>> {
-        self.inner
-            .with_member(index, |m| m.failed_at().map(|t| t.as_secs_f64()))
-            .ok_or_else(|| no_member(index))
-    }
-
     /// The member that failed first in time, if any.
     fn first_failure(&self) -> Option<usize> {
         self.inner.first_failure()
@@ -223,11 +215,6 @@ impl Group {
     /// Sends `signal` to the member's process group; false if it had already exited.
     fn signal(&self, index: usize, signal: i32) -> PyResult<bool> {
         self.inner.signal(index, signal).map_err(os_error)
-    }
-
-    /// Sends `signal` to every running member's process group; returns how many.
-    fn signal_all(&self, signal: i32) -> usize {
-        self.inner.signal_all(signal)
     }
 
     /// Waits (without the GIL) until `until` holds for the members in `which` (all when

@@ -43,12 +43,6 @@ fn set_title(title: &str, comm: &str) -> PyResult<()> {
     tether_core::title::set(title, comm).map_err(os_error)
 }
 
-/// The level `TETHER_LOG` turned on for the native side ("off" by default).
-#[pyfunction]
-fn log_level() -> String {
-    log::max_level().to_string().to_lowercase()
-}
-
 /// "; the open-file limit of this process is reached (...)": which system limit an error
 /// number most likely means, or "".
 #[pyfunction]
@@ -106,10 +100,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     channel::register(m)?;
     error::register(m)?;
     m.add("REPORT_LIMIT", tether_core::report::REPORT_LIMIT)?;
-    m.add(
-        "ANSWER_TIMEOUT",
-        tether_core::zygote::ANSWER_TIMEOUT.as_secs_f64(),
-    )?;
     m.add("MAX_BLANKS", tether_core::zygote::MAX_BLANKS)?;
     m.add("ZYGOTE_FDS_ENV", tether_core::zygote::FDS_ENV)?;
     cli::register(m)?;
@@ -121,7 +111,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_report, m)?)?;
     m.add_function(wrap_pyfunction!(limit_hint, m)?)?;
     m.add_function(wrap_pyfunction!(set_title, m)?)?;
-    m.add_function(wrap_pyfunction!(log_level, m)?)?;
     m.add_function(wrap_pyfunction!(decode_report, m)?)?;
     m.add_function(wrap_pyfunction!(zygote::zygote_serve, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

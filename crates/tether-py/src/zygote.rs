@@ -153,7 +153,6 @@ impl Zygote {
         ranks: Vec<u32>,
         shared: Vec<(Fd, i32)>,
         payload: &[u8],
-        label: &str,
     ) -> PyResult<Vec<usize>> {
         let attrs = Attributes::of_caller().map_err(os_error)?;
         let shared: Vec<(BorrowedFd<'_>, i32)> = shared
@@ -165,7 +164,6 @@ impl Zygote {
             shared: &shared,
             payload,
             attrs,
-            label: label.as_bytes().to_vec(),
         };
         py.allow_threads(|| self.lock().fork(&request, &group.inner))
             .map_err(core_error)
@@ -193,8 +191,6 @@ pub struct Job {
     rank: u32,
     #[pyo3(get)]
     env: Vec<(Vec<u8>, Vec<u8>)>,
-    #[pyo3(get)]
-    label: String,
     payload: Option<OwnedFd>,
     report: Option<OwnedFd>,
     error: Option<PyErr>,
@@ -258,7 +254,6 @@ pub fn zygote_serve(
             let job = Job {
                 rank: job.rank,
                 env: job.env,
-                label: String::from_utf8_lossy(&job.label).into_owned(),
                 error: job.error.map(os_error),
                 payload: Some(job.payload),
                 report: Some(job.report),

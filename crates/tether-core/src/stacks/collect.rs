@@ -1,10 +1,11 @@
-//! The parent's side: the stacks channel, drained by the supervisor thread, and the dumps
-//! that requests wait for.
+//! The parent's side: the stacks channel (one per process), drained by the supervisor
+//! thread, and the dumps that requests wait for.
 
 use std::collections::HashMap;
 use std::io::{self, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -52,6 +53,32 @@ pub(crate) struct Channel {
     arrived: Condvar,
 }
 
+static CURRENT: AtomicPtr<(u32, Channel)> = AtomicPtr::new(std::ptr::null_mut());
+
+/// This process's stacks channel, made on first use. It records the pid that made it, so
+/// that a process forked from this one makes its own (its children answer there).
+pub(crate) fn this_process() -> io::Result<&'static Channel> {
+    let pid = std::process::id();
+    let current = CURRENT.load(Ordering::Acquire);
+    // SAFETY: a non-null pointer in CURRENT comes from `Box::into_raw` and is never freed.
+    if let Some((owner, channel)) = unsafe { current.as_ref() } {
+        if *owner == pid {
+            return Ok(channel);
+        }
+    }
+    let fresh = Box::into_raw(Box::new((pid, Channel::new()?)));
+    match CURRENT.compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire) {
+        // SAFETY: `fresh` was just leaked into CURRENT and lives for ever.
+        Ok(_) => Ok(unsafe { &(*fresh).1 }),
+        Err(_) => {
+            // Another thread made one first: use it.
+            // SAFETY: `fresh` was never shared; reclaim it.
+            drop(unsafe { Box::from_raw(fresh) });
+            this_process()
+        }
+    }
+}
+
 impl Channel {
     pub(crate) fn new() -> io::Result<Channel> {
         let (receiver, sender) = socketpair(
@@ -93,7 +120,7 @@ impl Channel {
         let withdrawn = self.withdrawn.lock().unwrap_or_else(|e| e.into_inner());
         withdrawn
             .get(&pid)
-            .is_some_and(|&since| since == crate::status::process_start_time(pid))
+            .is_some_and(|&since| since == crate::proc::process_start_time(pid))
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<i32, Wanted>> {
@@ -127,7 +154,7 @@ impl Channel {
     fn take(&self, pid: i32, datagram: &[u8]) {
         if Marker::decode(datagram) == Some(Marker::Withdraw) {
             let mut withdrawn = self.withdrawn.lock().unwrap_or_else(|e| e.into_inner());
-            withdrawn.insert(pid, crate::status::process_start_time(pid));
+            withdrawn.insert(pid, crate::proc::process_start_time(pid));
             return;
         }
         let mut wanted = self.lock();

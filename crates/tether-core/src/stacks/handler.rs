@@ -29,6 +29,8 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 
+use crate::wire::{Reader, Writer};
+
 /// The fd the answers go to (the sending end of the parent's stacks channel, moved to a
 /// private high number at registration), and its identity then: before every write the
 /// handlers check that the number still names that socket, so that a program that closed
@@ -107,28 +109,27 @@ pub(crate) enum Marker {
 }
 
 impl Marker {
+    /// The datagram, written without allocating (a signal handler sends it).
     pub(crate) fn encode(self) -> [u8; MARKER_LEN] {
         let (kind, id) = match self {
             Marker::Start(id) => (START, id),
             Marker::End(id) => (END, id),
             Marker::Withdraw => (WITHDRAW, 0),
         };
-        let mut out = [0u8; MARKER_LEN];
-        out[1] = kind;
-        out[2..].copy_from_slice(&id.to_le_bytes());
-        out
+        Writer::fixed().u8(0).u8(kind).u64(id).array()
     }
 
     /// The marker in `datagram`, or `None` for a piece of a dump.
     pub(crate) fn decode(datagram: &[u8]) -> Option<Marker> {
-        if datagram.len() != MARKER_LEN || datagram[0] != 0 {
+        if datagram.len() != MARKER_LEN {
             return None;
         }
-        let id = u64::from_le_bytes(datagram[2..].try_into().ok()?);
-        match datagram[1] {
-            START => Some(Marker::Start(id)),
-            END => Some(Marker::End(id)),
-            WITHDRAW => Some(Marker::Withdraw),
+        let mut r = Reader::new(datagram, "stacks marker");
+        let (nul, kind, id) = (r.u8().ok()?, r.u8().ok()?, r.u64().ok()?);
+        match (nul, kind) {
+            (0, START) => Some(Marker::Start(id)),
+            (0, END) => Some(Marker::End(id)),
+            (0, WITHDRAW) => Some(Marker::Withdraw),
             _ => None,
         }
     }
@@ -159,8 +160,7 @@ impl QueuedInfo {
             code: libc::SI_QUEUE,
             _pad: 0,
             pid: std::process::id() as i32,
-            // SAFETY: getuid cannot fail.
-            uid: unsafe { libc::getuid() },
+            uid: rustix::process::getuid().as_raw(),
             value,
             _rest: [0; 96],
         }
@@ -224,13 +224,8 @@ pub fn adopt(fd: RawFd, inode: Option<u64>) -> io::Result<RawFd> {
         ));
     }
     let (dev, ino) = identity(fd).ok_or_else(io::Error::last_os_error)?;
-    // SAFETY: getrlimit fills a plain struct.
-    let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    let soft = match unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } {
-        0 => limit.rlim_cur,
-        _ => 0,
-    };
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    let soft = limit.current.unwrap_or(u64::MAX);
     let mut kept = fd;
     if fd < PRIVATE_FD && soft > PRIVATE_FD as u64 + 16 {
         // SAFETY: F_DUPFD_CLOEXEC makes a new fd of ours; the old one is then closed.
@@ -367,12 +362,17 @@ pub const ONE_THREAD: &str = "(only the thread the request interrupted is shown:
 interpreter could not answer between two bytecodes, and from a signal handler the other \
 threads cannot be read safely)\n";
 
+/// This process's pid and the calling thread's id: two system calls, async-signal-safe.
+fn this_thread() -> (i32, i32) {
+    let pid = rustix::process::getpid().as_raw_nonzero().get();
+    (pid, rustix::thread::gettid().as_raw_nonzero().get())
+}
+
 extern "C" fn on_dump(signal: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: errno is thread-local; it is put back before returning to the code the signal
     // interrupted.
     let errno = unsafe { *libc::__errno_location() };
-    // SAFETY: plain system calls about this process.
-    let (pid, tid) = unsafe { (libc::getpid(), libc::gettid()) };
+    let (pid, tid) = this_thread();
     if tid != pid && !info.is_null() {
         // The thread that matters is the main one (the one that could not answer): pass
         // the request on to it, id and all. rt_tgsigqueueinfo to this process's own main
@@ -398,8 +398,7 @@ extern "C" fn on_request(signal: libc::c_int, info: *mut libc::siginfo_t, ctx: *
         if id != 0 {
             PENDING.fetch_max(id, Ordering::SeqCst);
         }
-        // SAFETY: plain system calls about this process.
-        let (pid, tid) = unsafe { (libc::getpid(), libc::gettid()) };
+        let (pid, tid) = this_thread();
         if tid != pid {
             // Python runs its handlers in the main thread only: interrupt that thread's
             // wait, or its handler would run only once the wait ends.

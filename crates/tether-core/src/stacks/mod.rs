@@ -38,10 +38,12 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-pub(crate) use collect::Channel;
+pub(crate) use collect::{this_process as channel, Channel};
 
-use crate::status::{process_state, ExitStatus};
-use crate::{Error, Group};
+use crate::error::Error;
+use crate::group::{Exit, Group};
+use crate::proc::{self, process_state, Of};
+use crate::status::ExitStatus;
 
 /// The environment variable that names, in a child, the fd of its parent's stacks channel.
 pub const FD_ENV: &str = "TETHER_STACKS_FD";
@@ -69,7 +71,7 @@ pub const DUMP_AFTER: Duration = Duration::from_millis(100);
 /// child checks).
 pub fn channel_fd() -> Result<(RawFd, u64), Error> {
     use std::os::fd::AsRawFd;
-    let channel = crate::supervisor::stacks_channel()?;
+    let channel = collect::this_process()?;
     Ok((channel.sender().as_raw_fd(), channel.inode()))
 }
 
@@ -237,14 +239,7 @@ fn state_words(state: Option<char>) -> String {
 /// Whether `pid` catches `signal` (`SigCgt` in /proc/PID/status): only then may it be
 /// sent, since the signal's default action ends a process.
 fn catches(pid: i32, signal: i32) -> bool {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
-        return false;
-    };
-    let mask = status
-        .lines()
-        .find_map(|line| line.strip_prefix("SigCgt:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok());
-    mask.is_some_and(|m| (1..=64).contains(&signal) && m & (1u64 << (signal - 1)) != 0)
+    proc::status(Of::Pid(pid)).is_some_and(|s| s.has_signal("SigCgt", signal))
 }
 
 /// Why `pid` must not be sent a request now, if it must not: a signal would reach no
@@ -264,13 +259,8 @@ fn leave_alone(channel: &Channel, pid: i32) -> Option<Untouched> {
 
 /// Whether `pid` holds the socket `inode` on some fd (true when /proc does not tell).
 fn holds_socket(pid: i32, inode: u64) -> bool {
-    let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-        return true;
-    };
     let want = format!("socket:[{inode}]");
-    entries
-        .flatten()
-        .any(|entry| std::fs::read_link(entry.path()).is_ok_and(|link| link.as_os_str() == &*want))
+    proc::fd_targets(pid).map_or(true, |fds| fds.iter().any(|fd| *fd == *want))
 }
 
 /// Whether the main thread of `pid` keeps `signal` blocked for some milliseconds: glibc
@@ -288,14 +278,7 @@ fn blocks_for_a_while(pid: i32, signal: i32) -> bool {
 
 /// Whether the main thread of `pid` blocks `signal` (`SigBlk` in /proc/PID/status).
 fn blocks(pid: i32, signal: i32) -> bool {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
-        return false;
-    };
-    let mask = status
-        .lines()
-        .find_map(|line| line.strip_prefix("SigBlk:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok());
-    mask.is_some_and(|m| (1..=64).contains(&signal) && m & (1u64 << (signal - 1)) != 0)
+    proc::status(Of::Pid(pid)).is_some_and(|s| s.has_signal("SigBlk", signal))
 }
 
 /// Whether the main thread of `pid` waits where a request would change what it does, from
@@ -303,13 +286,7 @@ fn blocks(pid: i32, signal: i32) -> bool {
 /// ends for good (`pause`, `rt_sigsuspend`, `ppoll` on no fd without a timeout), or in a
 /// `sigwait` whose set holds `signal` (the kernel unblocks the set while it waits).
 fn main_thread_wait(pid: i32, signal: i32) -> Option<Untouched> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/syscall")).ok()?;
-    let mut fields = text.split_whitespace();
-    let number: i64 = fields.next()?.parse().ok()?;
-    let args: Vec<u64> = fields
-        .take(3)
-        .filter_map(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).ok())
-        .collect();
+    let (number, args) = proc::syscall(pid)?;
     #[cfg(target_arch = "x86_64")]
     if number == libc::SYS_pause {
         return Some(Untouched::Paused);
@@ -322,7 +299,7 @@ fn main_thread_wait(pid: i32, signal: i32) -> Option<Untouched> {
     if number == libc::SYS_rt_sigtimedwait {
         // The set it waits for, read from its memory (taken as holding the signal when it
         // cannot be read).
-        let set = args.first().and_then(|&at| read_u64(pid, at));
+        let set = args.first().and_then(|&at| proc::read_u64(pid, at));
         if set.map_or(true, |set| {
             (1..=64).contains(&signal) && set & (1 << (signal - 1)) != 0
         }) {
@@ -330,15 +307,6 @@ fn main_thread_wait(pid: i32, signal: i32) -> Option<Untouched> {
         }
     }
     None
-}
-
-/// Eight bytes of the memory of `pid` at `address`.
-fn read_u64(pid: i32, address: u64) -> Option<u64> {
-    use std::os::unix::fs::FileExt;
-    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).ok()?;
-    let mut bytes = [0u8; 8];
-    mem.read_exact_at(&mut bytes, address).ok()?;
-    Some(u64::from_ne_bytes(bytes))
 }
 
 /// Sends `signal` queued with `id` through `pidfd`.
@@ -362,7 +330,7 @@ fn send(pidfd: BorrowedFd<'_>, signal: i32, id: u64) -> std::io::Result<()> {
 }
 
 /// Member `index` of `group`: its pid, exit and sentinel (its pidfd).
-fn live(group: &Group, index: usize) -> Option<(i32, Option<crate::group::Exit>, RawFd)> {
+fn live(group: &Group, index: usize) -> Option<(i32, Option<Exit>, RawFd)> {
     group.with_member(index, |m| (m.pid, m.exit, m.sentinel()))
 }
 
@@ -392,16 +360,24 @@ fn ask_one(channel: &Channel, group: &Group, index: usize, id: u64) -> (i32, Opt
             channel.forget(pid, id);
             match err.raw_os_error() {
                 Some(libc::ESRCH) => (pid, Some(Reply::Exited(None))),
-                _ => (pid, Some(Reply::Unreachable(crate::strerror(&err)))),
+                _ => (pid, Some(Reply::Unreachable(crate::error::strerror(&err)))),
             }
         }
+    }
+}
+
+impl Group {
+    /// Every member's stacks, asked at once (see [`ask`]), in member order.
+    pub fn stacks(&self, request: &Request) -> Result<Vec<Answer>, Error> {
+        let members: Vec<(&Group, usize)> = (0..self.len()).map(|i| (self, i)).collect();
+        ask(&members, request)
     }
 }
 
 /// Asks every member in `members` (`(group, index)`) for its stacks at once, and waits for
 /// the answers up to `request.timeout`; returns them in order.
 pub fn ask(members: &[(&Group, usize)], request: &Request) -> Result<Vec<Answer>, Error> {
-    let channel = crate::supervisor::stacks_channel()?;
+    let channel = collect::this_process()?;
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     let start = Instant::now();
     let deadline = start.checked_add(request.timeout).unwrap_or(start);
@@ -421,18 +397,8 @@ pub fn ask(members: &[(&Group, usize)], request: &Request) -> Result<Vec<Answer>
         .collect();
     let silent = channel.wait_started(id, &waiting, deadline.min(start + request.dump_after));
     for pid in silent {
-        let Some(&(group, index)) = by_pid.get(&pid) else {
-            continue;
-        };
-        if catches(pid, dump_signal()) && leave_alone(channel, pid).is_none() {
-            if let Some((_, None, sentinel)) = live(group, index) {
-                // SAFETY: a live member's sentinel is its pidfd, open as long as the group.
-                let _ = send(
-                    unsafe { BorrowedFd::borrow_raw(sentinel) },
-                    dump_signal(),
-                    id,
-                );
-            }
+        if let Some(&(group, index)) = by_pid.get(&pid) {
+            send_dump_signal(channel, group, index, id);
         }
     }
     let mut gone = |pid: i32| by_pid.get(&pid).is_some_and(|(g, i)| g.exit(*i).is_some());
@@ -462,6 +428,22 @@ pub fn ask(members: &[(&Group, usize)], request: &Request) -> Result<Vec<Answer>
         add_native(&mut answers, py_spy, request.timeout);
     }
     Ok(answers)
+}
+
+/// Sends the dump signal for request `id` to member `index` of `group`, which has not begun
+/// to answer from its interpreter, when it catches that signal and may be sent it.
+fn send_dump_signal(channel: &Channel, group: &Group, index: usize, id: u64) {
+    let Some((pid, None, sentinel)) = live(group, index) else {
+        return;
+    };
+    if catches(pid, dump_signal()) && leave_alone(channel, pid).is_none() {
+        // SAFETY: a live member's sentinel is its pidfd, open as long as the group.
+        let _ = send(
+            unsafe { BorrowedFd::borrow_raw(sentinel) },
+            dump_signal(),
+            id,
+        );
+    }
 }
 
 /// The reply of a process that was asked, from what arrived.

@@ -132,7 +132,7 @@ fn cannot_run(py_spy: &Path, err: &std::io::Error) -> String {
         std::io::ErrorKind::PermissionDenied => {
             format!("{name} cannot be run (permission denied: not executable by this user?)")
         }
-        _ => format!("cannot run {name}: {}", crate::strerror(err)),
+        _ => format!("cannot run {name}: {}", crate::error::strerror(err)),
     }
 }
 

@@ -13,7 +13,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use crate::channel::SharedPages;
+use crate::memfd::SharedPages;
 
 /// The page's size: two words, then the claim words.
 const SIZE: usize = 8192;

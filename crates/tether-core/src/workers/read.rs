@@ -33,7 +33,7 @@ pub(super) fn exit_status(pidfd: &OwnedFd, group: &Group, member: usize) -> Exit
     if let Some(exit) = group.exit(member) {
         return exit.status;
     }
-    match waitid(pidfd.as_fd(), libc::WNOWAIT) {
+    match waitid(pidfd.as_fd(), true) {
         Ok(Some(status)) => status,
         _ => group.exit(member).map_or(ExitStatus::Unknown, |e| e.status),
     }

@@ -1,0 +1,105 @@
+//! The supervisor thread's part in a zygote's reserve of blanks: it reads the zygote's
+//! notices, watches each blank from its announcement, and reaps one that dies before a
+//! request takes it (see [`crate::zygote::Reserve`]).
+
+use std::os::fd::{AsFd, AsRawFd};
+use std::time::Duration;
+
+use crate::channel::{Endpoint, Recv};
+use crate::error::Error;
+use crate::group::{signal_tree, Exit};
+use crate::supervisor::reap::{kill_and_reap, now_monotonic, open_pidfd, reap_now};
+use crate::supervisor::watch::{Loop, Watch};
+use crate::zygote::reserve::{Blank, Reserve};
+use crate::zygote::wire::Notice;
+
+impl Loop {
+    /// Watches a zygote's notice channel, for `reserve`.
+    pub(super) fn watch_notices(
+        &mut self,
+        reserve: &Reserve,
+        notices: Endpoint,
+    ) -> Result<(), Error> {
+        let raw = notices.as_fd().as_raw_fd();
+        let watch = Watch::Notices {
+            reserve: reserve.clone(),
+            notices,
+        };
+        let token = self.add_watch(raw, false, watch)?;
+        *reserve.notices() = Some(token);
+        Ok(())
+    }
+
+    pub(super) fn on_blank_exit(&mut self, token: u64, reserve: &Reserve, pid: i32) {
+        let mut blanks = reserve.blanks();
+        let Some(Blank::Waiting { pidfd, retired, .. }) = blanks.remove(&pid) else {
+            return;
+        };
+        drop(blanks);
+        let _ = self.poller().remove(pidfd.as_fd());
+        self.watches.remove(&token);
+        let exit = Exit {
+            status: reap_now(pidfd.as_fd(), pid),
+            at: now_monotonic(),
+        };
+        log::info!(target: "tether::supervisor", "blank pid {pid} exited: {}", exit.status);
+        if !retired {
+            reserve.blanks().insert(pid, Blank::Exited { exit, pidfd });
+        }
+    }
+
+    /// Takes in every notice waiting on the reserve's channel.
+    pub(super) fn drain_notices(&mut self, reserve: &Reserve) {
+        let Some(token) = *reserve.notices() else {
+            return;
+        };
+        loop {
+            let got = match self.watches.get(&token) {
+                Some(Watch::Notices { notices, .. }) => notices.recv(Some(Duration::ZERO)),
+                _ => return,
+            };
+            match got {
+                Ok(Recv::Message(message)) => match Notice::decode(&message.data) {
+                    Some(Notice::Blank(pid)) => self.watch_blank(reserve, pid),
+                    Some(Notice::Retired(pid)) => reserve.retire(pid),
+                    None => {}
+                },
+                Ok(Recv::Timeout) => return,
+                Ok(Recv::Closed) | Err(_) => {
+                    self.unwatch(token);
+                    *reserve.notices() = None;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Watches a blank child from its announcement; one that cannot be watched is killed.
+    fn watch_blank(&mut self, reserve: &Reserve, pid: i32) {
+        let pidfd = match open_pidfd(pid) {
+            Ok(Some(fd)) => fd,
+            Ok(None) => return,
+            Err(_) => return kill_and_reap(pid),
+        };
+        let raw = pidfd.as_raw_fd();
+        let watch = Watch::Blank {
+            reserve: reserve.clone(),
+            pid,
+        };
+        match self.add_watch(raw, false, watch) {
+            Ok(token) => {
+                let blank = Blank::Waiting {
+                    pidfd,
+                    token,
+                    retired: false,
+                };
+                reserve.blanks().insert(pid, blank);
+                log::debug!(target: "tether::supervisor", "watching blank pid {pid}");
+            }
+            Err(_) => {
+                signal_tree(pid, libc::SIGKILL);
+                reap_now(pidfd.as_fd(), pid);
+            }
+        }
+    }
+}

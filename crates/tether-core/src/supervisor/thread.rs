@@ -1,0 +1,160 @@
+//! The supervisor of this process: made on first use (anew in a forked child, whose copy of
+//! its parent's has no thread), it starts the thread that runs the watch loop, and hands
+//! that thread each request, waiting for the reply. Launching and adopting members of a
+//! [`Group`] go through here.
+
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::mpsc;
+
+use crate::channel::Endpoint;
+use crate::error::Error;
+use crate::group::{Group, WaitFor};
+use crate::launch::LaunchSpec;
+use crate::stacks;
+use crate::supervisor::request::{Added, Adoption, Inbox, Request};
+use crate::supervisor::watch::{Loop, STACKS};
+use crate::zygote::reserve::Reserve;
+
+/// The per-process supervisor. It records the pid that made it, so that a process forked
+/// from this one (whose copy of the supervisor has no thread) makes its own.
+struct Supervisor {
+    pid: u32,
+    inbox: Inbox,
+    /// Set when its thread could not be started: requests are refused (their callers get
+    /// `SupervisorGone`) and the next call makes a new supervisor.
+    failed: AtomicBool,
+}
+
+static CURRENT: AtomicPtr<Supervisor> = AtomicPtr::new(std::ptr::null_mut());
+
+fn supervisor() -> Result<&'static Supervisor, Error> {
+    let pid = std::process::id();
+    let current = CURRENT.load(Ordering::Acquire);
+    // SAFETY: a non-null pointer in CURRENT comes from `Box::into_raw` and is never freed.
+    if let Some(sup) = unsafe { current.as_ref() } {
+        if sup.pid == pid && !sup.failed.load(Ordering::Acquire) {
+            return Ok(sup);
+        }
+    }
+    let fresh = Box::into_raw(Box::new(Supervisor {
+        pid,
+        inbox: Inbox::new()?,
+        failed: AtomicBool::new(false),
+    }));
+    match CURRENT.compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => {
+            // SAFETY: `fresh` was just leaked into CURRENT and lives for ever.
+            let sup: &'static Supervisor = unsafe { &*fresh };
+            match sup.start_thread() {
+                Ok(()) => Ok(sup),
+                Err(err) => {
+                    sup.failed.store(true, Ordering::Release);
+                    sup.refuse_queued();
+                    Err(err)
+                }
+            }
+        }
+        Err(_) => {
+            // Another thread made one first: use it.
+            // SAFETY: `fresh` was never shared; reclaim it.
+            drop(unsafe { Box::from_raw(fresh) });
+            supervisor()
+        }
+    }
+}
+
+impl Supervisor {
+    fn start_thread(&'static self) -> Result<(), Error> {
+        let stacks = stacks::channel()?;
+        self.inbox.poller.add(STACKS, stacks.receiver())?;
+        let inbox = &self.inbox;
+        std::thread::Builder::new()
+            .name("tether-supervisor".into())
+            .spawn(move || Loop::new(inbox, stacks).run())?;
+        Ok(())
+    }
+
+    /// Drops the queued requests: their callers' replies fail with `SupervisorGone`.
+    fn refuse_queued(&self) {
+        drop(self.inbox.take());
+    }
+
+    fn send(&self, request: Request) -> Result<(), Error> {
+        self.inbox.queue().push(request);
+        if self.failed.load(Ordering::Acquire) {
+            self.refuse_queued();
+            return Err(Error::SupervisorGone);
+        }
+        self.inbox.poller.wake()?;
+        Ok(())
+    }
+}
+
+/// Sends a request to the supervisor thread and waits for its reply.
+fn call<T>(
+    request: impl FnOnce(mpsc::SyncSender<Result<T, Error>>) -> Request,
+) -> Result<T, Error> {
+    let (reply, rx) = mpsc::sync_channel(1);
+    supervisor()?.send(request(reply))?;
+    rx.recv().map_err(|_| Error::SupervisorGone)?
+}
+
+/// On a failed launch or adoption, waits until the children of the call that did start
+/// (already sent SIGKILL by the supervisor) are reaped.
+fn settle(group: &Group, result: Result<Added, Error>) -> Result<Vec<usize>, Error> {
+    let added = result?;
+    match added.error {
+        None => Ok(added.indices),
+        Some(err) => {
+            group.wait(Some(&added.indices), WaitFor::AllExited, None);
+            Err(err)
+        }
+    }
+}
+
+/// Starting members: the supervisor thread does it, for the parent-death signal's sake
+/// (see [`crate::supervisor`]).
+impl Group {
+    /// Starts one child per spec, all from the supervisor thread, and returns their indices
+    /// in this group. On an error, the children of this call that did start are killed and
+    /// reaped before this returns.
+    pub fn launch(&self, specs: Vec<LaunchSpec>) -> Result<Vec<usize>, Error> {
+        let group = self.inner.clone();
+        let result = call(|reply| Request::Launch {
+            group,
+            specs,
+            reply,
+        });
+        settle(self, result)
+    }
+
+    /// Takes on children of this process started some other way (a fork, the zygote), with
+    /// the read ends of their report pipes, in one call to the supervisor. On an error,
+    /// every child of the call is killed and reaped before this returns.
+    pub fn adopt_all(&self, children: Vec<Adoption>) -> Result<Vec<usize>, Error> {
+        let group = self.inner.clone();
+        let result = call(|reply| Request::Adopt {
+            group,
+            children,
+            reply,
+        });
+        settle(self, result)
+    }
+
+    /// Takes on one child this process forked itself; see [`Group::adopt_all`].
+    pub fn adopt(&self, pid: i32, report: Option<std::os::fd::OwnedFd>) -> Result<usize, Error> {
+        let indices = self.adopt_all(vec![Adoption::forked(pid, report)])?;
+        Ok(indices[0])
+    }
+}
+
+/// Has the supervisor read `notices` (a zygote's announcements of its blank children) as
+/// they arrive, keeping what it learns in `reserve`.
+pub(crate) fn watch_blanks(reserve: &Reserve, notices: Endpoint) -> Result<(), Error> {
+    let reserve = reserve.clone();
+    call(|reply| Request::Watch {
+        reserve,
+        notices,
+        reply,
+    })
+}
