@@ -108,10 +108,24 @@ fn choose_temp_dir() -> Result<PathBuf, String> {
     Err(format!("{candidates:?}"))
 }
 
-/// Whether a file can be created (and written) in `dir`; the file is removed again.
+/// Whether a file can be created (and written) in `dir`: an unnamed file (O_TMPFILE), which
+/// leaves nothing behind even if the launcher is killed at that moment; where the file
+/// system has no unnamed files, a named one, removed again.
 fn can_create_in(dir: &Path) -> bool {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
+    let unnamed = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_TMPFILE)
+        .mode(0o600)
+        .open(dir);
+    match unnamed {
+        Ok(mut file) => return file.write_all(b"tether").is_ok(),
+        Err(err) if !matches!(err.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EISDIR)) => {
+            return false
+        }
+        Err(_) => {}
+    }
     let probe = dir.join(format!(".tether-probe-{}", crate::config::random_id()));
     let made = std::fs::OpenOptions::new()
         .write(true)
