@@ -19,10 +19,11 @@
 //! those it never started go back to the head of the queue, and cancelled ones are dropped.
 //!
 //! The files: `types.rs` (what the set takes and hands out), `set.rs` (the set behind its
-//! lock, its epoll and its calls), `table.rs` (the workers, what is in flight to each, and
-//! the dispatch of queued tasks), `read.rs` (messages and deaths sorted into events),
-//! `wait.rs` (a thread that takes its task's result itself), `lease.rs`, [`gate`], [`spin`],
-//! [`wire`] (the link's messages), and [`end`] (the worker's side).
+//! lock, its [`Poller`](crate::channel::Poller) and its calls), `table.rs` (the workers,
+//! what is in flight to each, and the dispatch of queued tasks), `read.rs` (messages and
+//! deaths sorted into events), `wait.rs` (a thread that takes its task's result itself),
+//! `lease.rs`, [`gate`], [`spin`], [`wire`] (the link's messages), and [`end`] (the
+//! worker's side).
 
 pub mod end;
 pub mod gate;

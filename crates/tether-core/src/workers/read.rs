@@ -6,15 +6,13 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rustix::event::epoll;
-
 use super::end;
 use super::gate::Claim;
 use super::lease::{Lease, LeaseEnd};
 use super::table::{Sent, State, Worker};
 use super::types::{Crash, Death, Event, Outcome, Task};
 use super::wire::{self, Kind};
-use crate::channel::{Message, Recv};
+use crate::channel::{Message, Poller, Recv};
 use crate::group::Group;
 use crate::status::ExitStatus;
 use crate::supervisor::waitid;
@@ -172,7 +170,7 @@ impl Worker {
 }
 
 impl State {
-    pub(super) fn on_ready(&mut self, token: u64, epoll_fd: &OwnedFd, events: &mut Vec<Event>) {
+    pub(super) fn on_ready(&mut self, token: u64, poller: &Poller, events: &mut Vec<Event>) {
         let Some(&slot) = self.by_generation.get(&(token >> 1)) else {
             return;
         };
@@ -186,7 +184,7 @@ impl State {
             if !w.read(slot, events) {
                 // The worker closed its end (it is exiting): its pidfd tells the rest.
                 w.ctl_open = false;
-                let _ = epoll::delete(epoll_fd, &w.ctl);
+                let _ = poller.remove(w.ctl.as_fd());
             }
             return;
         }
@@ -196,9 +194,9 @@ impl State {
         self.by_generation.remove(&w.generation);
         if w.ctl_open {
             w.read(slot, events);
-            let _ = epoll::delete(epoll_fd, &w.ctl);
+            let _ = poller.remove(w.ctl.as_fd());
         }
-        let _ = epoll::delete(epoll_fd, &w.pidfd);
+        let _ = poller.remove(w.pidfd.as_fd());
         let (death, requeue) = w.bury(slot);
         for task in requeue.into_iter().rev() {
             self.pending.push_front(task);

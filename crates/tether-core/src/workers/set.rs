@@ -1,23 +1,23 @@
-//! [`WorkerSet`]: the table behind one lock, the epoll set that watches every worker's
+//! [`WorkerSet`]: the table behind one lock, the [`Poller`] that watches every worker's
 //! socket and pidfd, and the calls the pool makes from any thread.
 
 use std::collections::HashSet;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rustix::buffer::spare_capacity;
-use rustix::event::{epoll, eventfd, EventfdFlags, PollFd, PollFlags, Timespec};
+use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::io::Errno;
 
 use super::gate::{self, Claim};
 use super::lease::{Lease, LeaseEnd};
 use super::read::{exit_status, lease_code};
 use super::spin::Spin;
-use super::table::{ctl_token, pidfd_token, Process, Sent, State, Worker, WAKE};
+use super::table::{ctl_token, pidfd_token, Process, Sent, State, Worker};
 use super::types::{Closing, Config, Event, Link, Task, WorkerInfo};
 use super::{wire, WorkersError};
+use crate::channel::Poller;
 use crate::group::Group;
 
 /// The worker set (see the module's documentation).
@@ -25,7 +25,7 @@ use crate::group::Group;
 pub struct WorkerSet {
     pub(super) config: Config,
     pub(super) state: Mutex<State>,
-    /// The epoll set and its wake-up; dropped at close (a `poll` under way keeps its own
+    /// The poller and its wake-up; dropped at close (a `poll` under way keeps its own
     /// reference until it returns).
     pub(super) poller: Mutex<Option<Arc<Poller>>>,
     /// The polling policies of `poll` and of `wait_for`.
@@ -36,28 +36,9 @@ pub struct WorkerSet {
     pub(super) owner: u32,
 }
 
-#[derive(Debug)]
-pub(super) struct Poller {
-    pub(super) epoll: OwnedFd,
-    pub(super) wake: OwnedFd,
-}
-
-impl Poller {
-    pub(super) fn wake(&self) {
-        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
-    }
-}
-
 impl WorkerSet {
     pub fn new(config: Config) -> Result<WorkerSet, WorkersError> {
-        let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
-        let wake = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
-        epoll::add(
-            &epoll,
-            &wake,
-            epoll::EventData::new_u64(WAKE),
-            epoll::EventFlags::IN,
-        )?;
+        let poller = Poller::new()?;
         let window = config.window.max(1);
         let max_batch = config.max_batch.clamp(1, gate::max_in_flight() / window);
         Ok(WorkerSet {
@@ -67,7 +48,7 @@ impl WorkerSet {
                 spin: config.spin,
             },
             state: Mutex::new(State::default()),
-            poller: Mutex::new(Some(Arc::new(Poller { epoll, wake }))),
+            poller: Mutex::new(Some(Arc::new(poller))),
             poll_spin: Spin::new(config.spin),
             wait_spin: Spin::new(config.spin),
             owner: std::process::id(),
@@ -84,7 +65,7 @@ impl WorkerSet {
         std::process::id() == self.owner
     }
 
-    /// The epoll set; `Closed` once the set is closed, or in a process that is not ours.
+    /// The poller; `Closed` once the set is closed, or in a process that is not ours.
     pub(super) fn poller(&self) -> Result<Arc<Poller>, WorkersError> {
         if !self.ours() {
             return Err(WorkersError::Closed);
@@ -120,10 +101,10 @@ impl WorkerSet {
         let generation = state.next_generation;
         state.next_generation += 1;
         let poller = self.poller()?;
-        watch(&poller.epoll, parent.as_fd(), ctl_token(generation))?;
-        if let Err(err) = watch(&poller.epoll, pidfd.as_fd(), pidfd_token(generation)) {
-            let _ = epoll::delete(&poller.epoll, &parent);
-            return Err(err);
+        poller.add(ctl_token(generation), parent.as_fd())?;
+        if let Err(err) = poller.add(pidfd_token(generation), pidfd.as_fd()) {
+            let _ = poller.remove(parent.as_fd());
+            return Err(err.into());
         }
         if state.workers.len() <= slot {
             state.workers.resize_with(slot + 1, || None);
@@ -319,7 +300,7 @@ impl WorkerSet {
     /// Makes a current or the next [`WorkerSet::poll`] return at once.
     pub fn wake(&self) {
         if let Ok(poller) = self.poller() {
-            poller.wake();
+            let _ = poller.wake();
         }
     }
 
@@ -335,7 +316,7 @@ impl WorkerSet {
         }
         let mut events = std::mem::take(&mut state.deferred);
         for token in tokens {
-            state.on_ready(token, &poller.epoll, &mut events);
+            state.on_ready(token, &poller, &mut events);
         }
         state.dispatch(&self.config);
         Ok(events)
@@ -362,7 +343,7 @@ impl WorkerSet {
         };
         let poller = self.poller.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(poller) = &poller {
-            poller.wake();
+            let _ = poller.wake();
         }
         drop(poller);
         for w in &workers {
@@ -411,52 +392,21 @@ fn stop(workers: Vec<Worker>, kill: bool, grace: Duration) -> Vec<Arc<Lease>> {
     ended
 }
 
-/// The tokens of the fds that are ready (the wake-up eventfd is read, not returned).
+/// The tokens of the fds that are ready (a wake-up is taken, not returned).
 fn ready_tokens(
     poller: &Poller,
     timeout: Option<Duration>,
     spin: &Spin,
 ) -> Result<Vec<u64>, WorkersError> {
-    let mut events = Vec::with_capacity(64);
-    let wait = |timeout: Option<Duration>, events: &mut Vec<epoll::Event>| {
-        let ts = timeout.map(|t| Timespec {
-            tv_sec: t.as_secs() as i64,
-            tv_nsec: t.subsec_nanos() as i64,
-        });
-        events.clear();
-        match epoll::wait(&poller.epoll, spare_capacity(events), ts.as_ref()) {
-            Ok(_) | Err(Errno::INTR) => Ok(()),
-            Err(e) => Err(WorkersError::from(e)),
-        }
-    };
     let polled = spin.poll(|| {
-        wait(Some(Duration::ZERO), &mut events)?;
-        Ok::<_, WorkersError>((!events.is_empty()).then_some(()))
+        let (tokens, woken) = poller.wait(Some(Duration::ZERO))?;
+        Ok::<_, WorkersError>((woken || !tokens.is_empty()).then_some(tokens))
     })?;
-    if polled.is_none() && timeout != Some(Duration::ZERO) {
-        wait(timeout, &mut events)?;
+    match polled {
+        Some(tokens) => Ok(tokens),
+        None if timeout == Some(Duration::ZERO) => Ok(Vec::new()),
+        None => Ok(poller.wait(timeout)?.0),
     }
-    let mut tokens = Vec::with_capacity(events.len());
-    for event in events {
-        let token = event.data.u64();
-        if token == WAKE {
-            let mut buf = [0u8; 8];
-            let _ = rustix::io::read(&poller.wake, &mut buf);
-        } else {
-            tokens.push(token);
-        }
-    }
-    Ok(tokens)
-}
-
-fn watch(epoll_fd: &OwnedFd, fd: BorrowedFd<'_>, token: u64) -> Result<(), WorkersError> {
-    epoll::add(
-        epoll_fd,
-        fd,
-        epoll::EventData::new_u64(token),
-        epoll::EventFlags::IN,
-    )?;
-    Ok(())
 }
 
 /// Waits until the process behind `pidfd` has exited, or `deadline` passes.

@@ -44,8 +44,6 @@ pub(super) struct Worker {
     pub(super) seq: u32,
 }
 
-pub(super) const WAKE: u64 = u64::MAX;
-
 pub(super) fn ctl_token(generation: u64) -> u64 {
     generation << 1
 }

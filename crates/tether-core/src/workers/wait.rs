@@ -2,7 +2,7 @@
 //!
 //! Without this, a result travels worker -> polling thread -> waiting thread: two wake-ups
 //! after the worker's. [`WorkerSet::wait_for`] lends the socket of the worker that holds the
-//! task to the waiting thread (the shared epoll set stops watching it meanwhile), so the
+//! task to the waiting thread (the set's poller stops watching it meanwhile), so the
 //! result wakes the waiter alone. Whatever else arrives on that socket is handed to the
 //! polling thread as events; a worker that dies is left to the polling thread, which sees
 //! its pidfd.
@@ -10,7 +10,7 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-use rustix::event::{epoll, PollFd, PollFlags, Timespec};
+use rustix::event::{PollFd, PollFlags, Timespec};
 
 use super::table::ctl_token;
 use super::{Event, Outcome, WorkerSet, WorkersError};
@@ -40,7 +40,7 @@ impl WorkerSet {
         got
     }
 
-    /// Takes the socket of the worker holding task `id` out of the epoll set; a duplicate
+    /// Takes the socket of the worker holding task `id` out of the set's poller; a duplicate
     /// of its fd for this thread (the worker's own may close meanwhile).
     fn lend(&self, id: u64) -> Result<Option<(usize, u64, OwnedFd)>, WorkersError> {
         let poller = self.poller()?;
@@ -55,8 +55,7 @@ impl WorkerSet {
             return Ok(None);
         }
         let ctl = w.ctl.as_fd().try_clone_to_owned()?;
-        let token = epoll::EventData::new_u64(ctl_token(w.generation));
-        epoll::modify(&poller.epoll, &w.ctl, token, epoll::EventFlags::empty())?;
+        poller.set_readable(ctl_token(w.generation), w.ctl.as_fd(), false)?;
         w.lent = true;
         Ok(Some((slot, w.generation, ctl)))
     }
@@ -74,8 +73,7 @@ impl WorkerSet {
         }
         w.lent = false;
         if w.ctl_open {
-            let token = epoll::EventData::new_u64(ctl_token(generation));
-            let _ = epoll::modify(&poller.epoll, &w.ctl, token, epoll::EventFlags::IN);
+            let _ = poller.set_readable(ctl_token(generation), w.ctl.as_fd(), true);
         }
     }
 
@@ -127,12 +125,12 @@ impl WorkerSet {
         let open = w.read(slot, &mut events);
         if !open {
             w.ctl_open = false;
-            let _ = epoll::delete(&poller.epoll, &w.ctl);
+            let _ = poller.remove(w.ctl.as_fd());
         }
         let mine = take_outcome(&mut events, id);
         if !events.is_empty() {
             state.deferred.append(&mut events);
-            poller.wake();
+            let _ = poller.wake();
         }
         state.dispatch(&self.config);
         Ok(match mine {
