@@ -10,10 +10,11 @@
 //!   length, fd count per result; then the bytes.
 //! - `D` (worker to pool): a leased process ended: its lease id and exit code.
 //!
-//! Integers are little-endian.
+//! Integers are little-endian, written and read with the crate's codec (`wire.rs`).
 
 use std::ops::Range;
 
+use crate::wire::{Reader, Writer};
 use crate::workers::WorkersError;
 
 pub const BATCH: u8 = b'B';
@@ -67,49 +68,43 @@ pub struct Record<T> {
     pub fds: Range<usize>,
 }
 
-fn u32_at(data: &[u8], at: usize) -> Result<u32, WorkersError> {
-    data.get(at..at + 4)
-        .and_then(|b| b.try_into().ok())
-        .map(u32::from_le_bytes)
-        .ok_or(WorkersError::Wire("short message"))
+/// What the codec's errors call a message of this format.
+const WHAT: &str = "worker message";
+
+/// A field ran past the end of the message.
+fn short(_: std::io::Error) -> WorkersError {
+    WorkersError::Wire("short message")
 }
 
-fn u64_at(data: &[u8], at: usize) -> Result<u64, WorkersError> {
-    data.get(at..at + 8)
-        .and_then(|b| b.try_into().ok())
-        .map(u64::from_le_bytes)
-        .ok_or(WorkersError::Wire("short message"))
-}
-
-fn encode_records<'a>(
+fn encode_records<T: Copy>(
     kind: u8,
     record: usize,
-    items: impl ExactSizeIterator<Item = (u64, [u8; 4], usize, &'a [u8], usize)> + Clone,
+    items: &[(u64, T, &[u8], usize)],
+    tag: impl Fn(Writer, T) -> Writer,
 ) -> Vec<u8> {
-    let count = items.len();
-    let body: usize = items.clone().map(|item| item.3.len()).sum();
-    let mut out = Vec::with_capacity(COUNT + count * record + body);
-    out.push(kind);
-    out.extend_from_slice(&(count as u32).to_le_bytes());
-    for (id, tag, tag_len, bytes, nfds) in items.clone() {
-        out.extend_from_slice(&id.to_le_bytes());
-        out.extend_from_slice(&tag[..tag_len]);
-        out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(nfds as u32).to_le_bytes());
+    let body: usize = items.iter().map(|item| item.2.len()).sum();
+    let capacity = COUNT + items.len() * record + body;
+    let mut w = Writer::with_capacity(capacity)
+        .u8(kind)
+        .u32(items.len() as u32);
+    for &(id, t, bytes, nfds) in items {
+        w = tag(w.u64(id), t).u32(bytes.len() as u32).u32(nfds as u32);
     }
     for item in items {
-        out.extend_from_slice(item.3);
+        w = w.raw(item.2);
     }
-    out
+    w.finish()
 }
 
 fn decode_records<T>(
     data: &[u8],
     record: usize,
-    tag: impl Fn(&[u8]) -> Result<T, WorkersError>,
+    tag: impl Fn(&mut Reader<'_>) -> Result<T, WorkersError>,
     nfds_total: usize,
 ) -> Result<Vec<Record<T>>, WorkersError> {
-    let count = u32_at(data, 1)? as usize;
+    let mut r = Reader::new(data, WHAT);
+    r.u8().map_err(short)?;
+    let count = r.u32().map_err(short)? as usize;
     let mut offset = COUNT
         .checked_add(
             count
@@ -119,15 +114,11 @@ fn decode_records<T>(
         .ok_or(WorkersError::Wire("bad count"))?;
     let mut fd_at = 0usize;
     let mut out = Vec::with_capacity(count.min(4096));
-    for n in 0..count {
-        let at = COUNT + n * record;
-        let id = u64_at(data, at)?;
-        let tag_len = record - 16;
-        let tag = tag(data
-            .get(at + 8..at + 8 + tag_len)
-            .ok_or(WorkersError::Wire("short"))?)?;
-        let len = u32_at(data, at + 8 + tag_len)? as usize;
-        let nfds = u32_at(data, at + 12 + tag_len)? as usize;
+    for _ in 0..count {
+        let id = r.u64().map_err(short)?;
+        let tag = tag(&mut r)?;
+        let len = r.u32().map_err(short)? as usize;
+        let nfds = r.u32().map_err(short)? as usize;
         if offset + len > data.len() || fd_at + nfds > nfds_total {
             return Err(WorkersError::Wire("record out of bounds"));
         }
@@ -145,68 +136,51 @@ fn decode_records<T>(
 
 /// A `B` message: `(id, seq, bytes, fd count)` per task.
 pub fn encode_batch(tasks: &[(u64, u32, &[u8], usize)]) -> Vec<u8> {
-    encode_records(
-        BATCH,
-        TASK,
-        tasks
-            .iter()
-            .map(|&(id, seq, bytes, nfds)| (id, seq.to_le_bytes(), 4, bytes, nfds)),
-    )
+    encode_records(BATCH, TASK, tasks, |w, seq| w.u32(seq))
 }
 
 pub fn decode_batch(data: &[u8], nfds: usize) -> Result<Vec<Record<u32>>, WorkersError> {
-    decode_records(data, TASK, |b| u32_at(b, 0), nfds)
+    decode_records(data, TASK, |r| r.u32().map_err(short), nfds)
 }
 
 /// An `R` message: `(id, kind, bytes, fd count)` per result.
 pub fn encode_results(results: &[(u64, Kind, &[u8], usize)]) -> Vec<u8> {
-    encode_records(
-        RESULTS,
-        RESULT,
-        results
-            .iter()
-            .map(|&(id, kind, bytes, nfds)| (id, [kind.byte(), 0, 0, 0], 1, bytes, nfds)),
-    )
+    encode_records(RESULTS, RESULT, results, |w, kind| w.u8(kind.byte()))
 }
 
 pub fn decode_results(data: &[u8], nfds: usize) -> Result<Vec<Record<Kind>>, WorkersError> {
-    decode_records(
-        data,
-        RESULT,
-        |b| Kind::from_byte(*b.first().unwrap_or(&255)),
-        nfds,
-    )
+    let kind = |r: &mut Reader<'_>| Kind::from_byte(r.u8().map_err(short)?);
+    decode_records(data, RESULT, kind, nfds)
 }
 
 pub fn encode_lease(id: u64, bytes: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(9 + bytes.len());
-    out.push(LEASE);
-    out.extend_from_slice(&id.to_le_bytes());
-    out.extend_from_slice(bytes);
-    out
+    let w = Writer::with_capacity(9 + bytes.len()).u8(LEASE);
+    w.u64(id).raw(bytes).finish()
 }
 
 /// The lease id and where its bytes start.
 pub fn decode_lease(data: &[u8]) -> Result<(u64, usize), WorkersError> {
-    Ok((u64_at(data, 1)?, 9))
+    let mut r = Reader::new(data, WHAT);
+    r.u8().map_err(short)?;
+    Ok((r.u64().map_err(short)?, 9))
 }
 
 pub fn encode_done(id: u64, code: i32) -> Vec<u8> {
-    let mut out = Vec::with_capacity(13);
-    out.push(DONE);
-    out.extend_from_slice(&id.to_le_bytes());
-    out.extend_from_slice(&code.to_le_bytes());
-    out
+    Writer::with_capacity(13)
+        .u8(DONE)
+        .u64(id)
+        .i32(code)
+        .finish()
 }
 
 pub fn decode_done(data: &[u8]) -> Result<(u64, i32), WorkersError> {
-    Ok((u64_at(data, 1)?, u32_at(data, 9)? as i32))
+    let mut r = Reader::new(data, WHAT);
+    r.u8().map_err(short)?;
+    Ok((r.u64().map_err(short)?, r.i32().map_err(short)?))
 }
 
 pub fn encode_hello(pid: i32) -> Vec<u8> {
-    let mut out = vec![HELLO];
-    out.extend_from_slice(&pid.to_le_bytes());
-    out
+    Writer::with_capacity(5).u8(HELLO).i32(pid).finish()
 }
 
 #[cfg(test)]
@@ -237,5 +211,27 @@ mod tests {
         assert_eq!(decode_lease(&lease)?, (42, 9));
         assert_eq!(decode_done(&encode_done(42, -9))?, (42, -9));
         Ok(())
+    }
+
+    /// The layout, byte for byte: little-endian fields in the order the module names them.
+    #[test]
+    fn the_bytes_on_the_link() {
+        let mut batch = vec![b'B', 1, 0, 0, 0];
+        batch.extend_from_slice(&[7, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0]);
+        batch.extend_from_slice(b"ab");
+        assert_eq!(encode_batch(&[(7, 5, b"ab", 1)]), batch);
+        assert_eq!(batch.len(), COUNT + TASK + 2);
+
+        let mut results = vec![b'R', 1, 0, 0, 0];
+        results.extend_from_slice(&[9, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]);
+        results.push(b'e');
+        assert_eq!(encode_results(&[(9, Kind::Error, b"e", 0)]), results);
+        assert_eq!(results.len(), COUNT + RESULT + 1);
+
+        let lease = [b'P', 42, 0, 0, 0, 0, 0, 0, 0, b'x'];
+        assert_eq!(encode_lease(42, b"x"), lease);
+        let done = [b'D', 42, 0, 0, 0, 0, 0, 0, 0, 0xf7, 0xff, 0xff, 0xff];
+        assert_eq!(encode_done(42, -9), done);
+        assert_eq!(encode_hello(258), [b'H', 2, 1, 0, 0]);
     }
 }
