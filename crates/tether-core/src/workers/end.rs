@@ -6,10 +6,10 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use crate::channel::{Endpoint, Message, Recv};
+use crate::workers::error::WorkersError;
 use crate::workers::gate::Gate;
 use crate::workers::spin::Spin;
 use crate::workers::wire::{self, Kind};
-use crate::workers::WorkersError;
 
 /// One task of a received batch.
 #[derive(Debug)]

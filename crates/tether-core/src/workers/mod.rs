@@ -22,10 +22,11 @@
 //! lock, its [`Poller`](crate::channel::Poller) and its calls), `table.rs` (the workers,
 //! what is in flight to each, and the dispatch of queued tasks), `read.rs` (messages and
 //! deaths sorted into events), `wait.rs` (a thread that takes its task's result itself),
-//! `lease.rs`, [`gate`], [`spin`], [`wire`] (the link's messages), and [`end`] (the
-//! worker's side).
+//! `lease.rs`, `error.rs`, [`gate`], [`spin`], [`wire`] (the link's messages), and
+//! [`end`] (the worker's side).
 
 pub mod end;
+mod error;
 pub mod gate;
 mod lease;
 mod read;
@@ -36,38 +37,12 @@ mod types;
 mod wait;
 pub mod wire;
 
-use std::io;
-
-use rustix::io::Errno;
-
 pub use end::{Incoming, IncomingTask, WorkerEnd};
+pub use error::WorkersError;
 pub use lease::{Lease, LeaseEnd};
 pub use set::WorkerSet;
 pub use types::{Closing, Config, Crash, Death, Event, Link, Outcome, Task, WorkerInfo};
 pub use wait::Waited;
-
-/// Errors of the worker set.
-#[derive(Debug, thiserror::Error)]
-pub enum WorkersError {
-    #[error("the worker set is closed")]
-    Closed,
-    #[error("no worker in slot {0}")]
-    NoWorker(usize),
-    #[error("the worker in slot {0} is already leased")]
-    Leased(usize),
-    #[error("slot {0} already has a worker")]
-    Occupied(usize),
-    #[error("bad message on a worker link: {0}")]
-    Wire(&'static str),
-    #[error(transparent)]
-    Io(#[from] io::Error),
-}
-
-impl From<Errno> for WorkersError {
-    fn from(errno: Errno) -> WorkersError {
-        WorkersError::Io(errno.into())
-    }
-}
 
 #[cfg(test)]
 mod tests;

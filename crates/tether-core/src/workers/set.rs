@@ -10,13 +10,14 @@ use std::time::{Duration, Instant};
 use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::io::Errno;
 
+use super::error::WorkersError;
 use super::gate::{self, Claim};
 use super::lease::{Lease, LeaseEnd};
 use super::read::{exit_status, lease_code};
 use super::spin::Spin;
 use super::table::{ctl_token, pidfd_token, Process, Sent, State, Worker};
 use super::types::{Closing, Config, Event, Link, Task, WorkerInfo};
-use super::{wire, WorkersError};
+use super::wire;
 use crate::channel::Poller;
 use crate::group::Group;
 

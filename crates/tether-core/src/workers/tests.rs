@@ -7,11 +7,19 @@ use std::time::{Duration, Instant};
 use std::collections::HashSet;
 use std::os::fd::{AsFd, AsRawFd};
 
-use super::set::wait_exit;
+use std::io;
+
+use rustix::io::Errno;
+
+use super::end::{Incoming, IncomingTask, WorkerEnd};
+use super::error::WorkersError;
+use super::lease::LeaseEnd;
+use super::set::{wait_exit, WorkerSet};
+use super::types::{Config, Crash, Death, Event, Link, Task};
+use super::wait::Waited;
 use super::wire::Kind;
-use super::*;
 use crate::group::Group;
-use crate::LaunchSpec;
+use crate::launch::LaunchSpec;
 
 const WORKER_ENV: &str = "TETHER_TEST_WORKER_FDS";
 

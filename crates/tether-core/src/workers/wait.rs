@@ -12,8 +12,10 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec};
 
+use super::error::WorkersError;
+use super::set::WorkerSet;
 use super::table::ctl_token;
-use super::{Event, Outcome, WorkerSet, WorkersError};
+use super::types::{Event, Outcome};
 
 /// What [`WorkerSet::wait_for`] found.
 #[derive(Debug)]

@@ -15,7 +15,7 @@
 use std::ops::Range;
 
 use crate::wire::{Reader, Writer};
-use crate::workers::WorkersError;
+use crate::workers::error::WorkersError;
 
 pub const BATCH: u8 = b'B';
 pub const LEASE: u8 = b'P';
