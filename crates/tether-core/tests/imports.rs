@@ -343,11 +343,6 @@ fn cycle_from(edges: &BTreeMap<String, BTreeSet<String>>, start: &str) -> Option
     dfs(edges, start, start, &mut path, &mut seen).then_some(path)
 }
 
-/// Modules whose files still import each other (`workers/mod.rs` and the files it
-/// declares): their cycles are reported, not failed, until the worker set is cut along its
-/// own seams. A cycle that leaves such a module fails like any other.
-const NOT_YET_CUT: &[&str] = &["workers/"];
-
 #[test]
 fn no_file_of_tether_core_imports_itself_through_another() {
     let edges = graph();
@@ -355,18 +350,11 @@ fn no_file_of_tether_core_imports_itself_through_another() {
         let list: Vec<&str> = targets.iter().map(String::as_str).collect();
         println!("{file} -> {}", list.join(", "));
     }
-    let (tolerated, cycles): (Vec<Vec<String>>, Vec<Vec<String>>) = edges
+    let cycles: Vec<String> = edges
         .keys()
         .filter_map(|file| cycle_from(&edges, file))
-        .partition(|cycle| {
-            NOT_YET_CUT
-                .iter()
-                .any(|dir| cycle.iter().all(|file| file.starts_with(dir)))
-        });
-    for cycle in &tolerated {
-        println!("not yet cut: {}", cycle.join(" -> "));
-    }
-    let cycles: Vec<String> = cycles.iter().map(|cycle| cycle.join(" -> ")).collect();
+        .map(|cycle| cycle.join(" -> "))
+        .collect();
     assert!(cycles.is_empty(), "import cycles:\n{}", cycles.join("\n"));
 }
 
