@@ -38,6 +38,17 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, TextIO
 
+from ._rendezvous_say import (
+    Say,
+    call_with_deadline,
+    cause_text,
+    connect_hint,
+    fail,
+    join_failed,
+    join_timed_out,
+    listens_on,
+)
+
 # Keys this helper keeps in each round's store, beside torch's own.
 ALIVE = "tether.alive."
 LEFT = "tether.left."
@@ -52,67 +63,6 @@ RUNS = "tether.runs"
 RUN = "tether.run."
 
 WATCH_EVERY = 0.1
-NO_HOST = (
-    ": no node hosts the store there (the node whose address is the endpoint's host hosts "
-    "it, or the one given --rdzv-conf is_host=true)"
-)
-
-
-class Say:
-    """The launcher's end of the conversation: one JSON object per line."""
-
-    def __init__(self, out: TextIO) -> None:
-        self._out = out
-        self._lock = threading.Lock()
-
-    def __call__(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"kind": kind, **fields})
-        with self._lock:
-            self._out.write(line + "\n")
-            self._out.flush()
-
-
-def fail(say: Say, message: str) -> None:
-    say("error", message=message)
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def call_with_deadline(say: Say, seconds: float, endpoint: str, what: str, fn: Any) -> Any:
-    """``fn()``, or an error after `seconds`: torch's store client waits for ever on an
-    endpoint that accepts connections and never answers."""
-    box: Dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # reported below, with the endpoint named
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="tether-rdzv-connect", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        if accepts(endpoint):
-            fail(
-                say,
-                f"{what} accepted a connection but did not answer as a c10d store within "
-                f"{seconds:g} s (read_timeout + 5): another service may listen there",
-            )
-        fail(say, f"cannot reach {what} within {seconds:g} s (read_timeout + 5){NO_HOST}")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-def accepts(endpoint: str) -> bool:
-    """Whether something accepts TCP connections at `endpoint` (HOST:PORT)."""
-    host, _, port = endpoint.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]") or endpoint, int(port)), timeout=2):
-            return True
-    except (OSError, ValueError):
-        return False
 
 
 class Node:
@@ -256,28 +206,13 @@ class Node:
             fail(self.say, f"the rendezvous of run {self.run_id!r} at {self.endpoint} is closed")
         if isinstance(exc, RendezvousTimeoutError):
             others = self.other_run_ids()
-            also = ""
-            if others:
-                also = f"; nodes at this endpoint joined other run ids: {', '.join(others)}"
-            self.say(
-                "error",
-                message=f"the rendezvous of run {self.run_id!r} at {self.endpoint} did not "
-                f"complete within join_timeout ({self.join_timeout:g} s): fewer than "
-                f"{self.opts['min_nodes']} node(s) joined{also} (set it with --rdzv-conf "
-                "join_timeout=SECONDS)",
+            message = join_timed_out(
+                self.run_id, self.endpoint, self.join_timeout, self.opts["min_nodes"], others
             )
+            self.say("error", message=message)
             self.linger_if_hosting()
             os._exit(1)
-        if "Connection was likely closed" in str(innermost(exc)):
-            fail(
-                self.say,
-                f"the store at {self.endpoint} closed the connection: the node that hosted it "
-                "ended (its own rendezvous failed or finished)",
-            )
-        fail(
-            self.say,
-            f"the rendezvous at {self.endpoint} failed: {cause_text(exc)}",
-        )
+        fail(self.say, join_failed(self.endpoint, exc))
 
     def linger_if_hosting(self) -> None:
         """The node hosting the store keeps it a while after its own join timeout, so that
@@ -475,49 +410,6 @@ def poll_sooner(module: Any, every: float) -> None:
         delay(seconds=every if seconds == 1 else seconds)
 
     module._delay = quicker
-
-
-def listens_on(port: int) -> bool:
-    """Whether this process listens on TCP `port` (it hosts the store)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = open(table).read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") in inodes:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def innermost(exc: BaseException) -> BaseException:
-    while (exc.__cause__ or exc.__context__) is not None:
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return exc
-
-
-def cause_text(exc: BaseException) -> str:
-    """The real error (torch wraps it: "See inner exception for details")."""
-    inner = innermost(exc)
-    text = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {text[0] if text else ''}"
-
-
-def connect_hint(exc: BaseException) -> str:
-    text = str(innermost(exc))
-    if "invalid value returned from server" in text:
-        return "; the service listening there is not a c10d store"
-    if "timed out" in text or "refused" in text:
-        return NO_HOST
-    return ""
 
 
 def serve(node: Node, commands: TextIO) -> None:
