@@ -38,6 +38,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, TextIO
 
+from . import _rendezvous_torch
 from ._rendezvous_say import (
     Say,
     call_with_deadline,
@@ -86,24 +87,12 @@ class Node:
     # -- joining ------------------------------------------------------------------------
 
     def build(self) -> None:
-        from torch.distributed.elastic.rendezvous import RendezvousParameters
-        from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
-
-        conf: Dict[str, Any] = _parse_rendezvous_config(self.opts.get("conf") or "")
-        conf.setdefault("timeout", 900)
+        conf = _rendezvous_torch.rendezvous_conf(self.opts)
         self.read_timeout = float(conf.get("read_timeout", 60))
         self.join_timeout = float(conf.get("join_timeout", 600))
         interval = float(conf.get("keep_alive_interval", 5))
         self.dead_after = interval * float(conf.get("keep_alive_max_attempt", 3))
-        params = RendezvousParameters(
-            backend=self.opts["backend"],
-            endpoint=self.endpoint,
-            run_id=self.run_id,
-            min_nodes=self.opts["min_nodes"],
-            max_nodes=self.opts["max_nodes"],
-            local_addr=self.opts.get("local_addr"),
-            **conf,
-        )
+        params = _rendezvous_torch.parameters(self.opts, conf)
         what = f"the rendezvous endpoint {self.endpoint} ({self.opts['backend']})"
         reach = f"cannot reach {what} within read_timeout ({self.read_timeout:g} s)"
         try:
@@ -124,18 +113,7 @@ class Node:
         self.announce_run_id()
 
     def c10d_handler(self, params: Any) -> Any:
-        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
-
-        poll = poll_interval(self.opts["max_nodes"])
-        poll_sooner(dynamic_rendezvous, poll)
-
-        backend, store = create_backend(params)
-        self.base_store = store
-        handler = dynamic_rendezvous.create_handler(store, backend, params)
-        holder = getattr(handler, "_state_holder", None)
-        if holder is not None and hasattr(holder, "_cache_duration"):
-            holder._cache_duration = poll  # torch keeps a read state for 1 s
+        handler, self.base_store = _rendezvous_torch.c10d_handler(params, self.opts["max_nodes"])
         return handler
 
     def announce_run_id(self) -> None:
@@ -174,7 +152,9 @@ class Node:
         self.rounds += 1
         self.store = info.store
         self.group_rank, self.nodes = info.rank, info.world_size
-        ranks = self.assign_ranks()
+        ranks = _rendezvous_torch.assign_ranks(
+            self.store, self.group_rank, self.nodes, self.opts["role"], self.opts["nproc"]
+        )
         addr, port, agent = self.master(info)
         self.store.set(f"{ALIVE}{self.group_rank}", json.dumps([0, self.host]))
         self.say(
@@ -225,24 +205,6 @@ class Node:
         holder = getattr(self.handler, "_state_holder", None)
         state = getattr(holder, "state", None)
         return int(getattr(state, "round", self.rounds - 1))
-
-    def assign_ranks(self) -> List[int]:
-        """Base global rank, world size, base role rank, role world size: torch's agent's
-        own assignment (the same store keys), so torchrun's nodes agree."""
-        from types import SimpleNamespace
-
-        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
-
-        spec = SimpleNamespace(role=self.opts["role"], local_world_size=self.opts["nproc"])
-        workers = SimpleElasticAgent._assign_worker_ranks(
-            None,
-            self.store,
-            self.group_rank,
-            self.nodes,
-            spec,
-        )
-        first = workers[0]
-        return [first.global_rank, first.world_size, first.role_rank, first.role_world_size]
 
     def master(self, info: Any) -> "tuple[str, int, bool]":
         """Where the ranks' store is, and whether it is the agent's (torch's shared one)."""
@@ -391,25 +353,6 @@ class Node:
                 self.store.set(f"{LEFT}{self.group_rank}", json.dumps(self.host))
             except Exception:
                 pass
-
-
-def poll_interval(max_nodes: int) -> float:
-    """How often a node reads the rendezvous's shared state while a round forms or runs:
-    torch's handler reads it at most once a second; a read is one small get from the store,
-    so up to 16 nodes read it every 0.1 s (a round forms within a tenth of a second of its
-    last node), and larger jobs less often, up to torch's second."""
-    return min(1.0, 0.1 * max(1.0, max_nodes / 16))
-
-
-def poll_sooner(module: Any, every: float) -> None:
-    """The handler's state machine stays torch's; only its wait between two reads of the
-    shared state (1 s) becomes `every`."""
-    delay = module._delay
-
-    def quicker(seconds: Any) -> None:  # torch passes it by name
-        delay(seconds=every if seconds == 1 else seconds)
-
-    module._delay = quicker
 
 
 def serve(node: Node, commands: TextIO) -> None:
