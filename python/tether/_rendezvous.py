@@ -108,7 +108,7 @@ class Node:
                 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
                 self.handler = get_rendezvous_handler(params)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported, with the endpoint named
             fail(self.say, f"{reach}: {cause_text(exc)}{connect_hint(exc)}")
         self.announce_run_id()
 
@@ -122,7 +122,7 @@ class Node:
         try:
             index = self.base_store.add(RUNS, 1)
             self.base_store.set(f"{RUN}{index}", json.dumps([self.run_id, self.host]))
-        except Exception:  # the store is torch's to complain about, at the join
+        except Exception:  # noqa: BLE001 - the store is torch's to complain about, at the join
             pass
 
     def other_run_ids(self) -> List[str]:
@@ -132,7 +132,7 @@ class Node:
             count = self.base_store.add(RUNS, 0)
             keys = [f"{RUN}{i}" for i in range(1, count + 1)]
             seen = [json.loads(v) for v in self.base_store.multi_get(keys)]
-        except Exception:
+        except Exception:  # noqa: BLE001 - only a hint in a message
             return []
         return sorted({f"{run!r} (from {host})" for run, host in seen if run != self.run_id})
 
@@ -146,7 +146,7 @@ class Node:
             handler._shared_tcp_store_server = None
         try:
             info = handler.next_rendezvous()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported, by its kind
             self.joining_failed(exc)
             return
         self.rounds += 1
@@ -246,7 +246,7 @@ class Node:
             count += 1
             try:
                 why = self.moved_on(store, count, beats, seen)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the ranks go on without the watch
                 print(
                     f"tether: the rendezvous store at {self.endpoint} stopped answering "
                     f"({cause_text(exc)}); the ranks go on",
@@ -292,7 +292,7 @@ class Node:
             return None
         try:
             return json.loads(self.store.get(END)) if self.store.check([END]) else None
-        except Exception:
+        except Exception:  # noqa: BLE001 - no store left to read
             return None
 
     # -- the end of an attempt ----------------------------------------------------------
@@ -310,7 +310,7 @@ class Node:
                 cause = min(self.failures() + [record], key=lambda r: r.get("time", 0.0))
                 self.store.set(END, json.dumps(cause))
             self.handler.set_closed()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the store is gone: this node's record
             cause = record
         self.say("cause", cause=cause)
 
@@ -331,7 +331,7 @@ class Node:
         def wait_for_everyone() -> None:
             try:
                 barrier(self.store, self.nodes, TERMINAL_STATE, self.opts.get("exit_barrier", 300))
-            except Exception:  # timed out, or the store's host finished and went
+            except Exception:  # noqa: BLE001 - timed out, or the store's host finished and went
                 pass
             passed.set()
 
@@ -342,7 +342,7 @@ class Node:
                 if self.store.check([END]):
                     self.say("ended", cause=json.loads(self.store.get(END)))
                     return
-        except Exception:  # the store's host finished and went: nothing left to wait for
+        except Exception:  # noqa: BLE001 - the store's host finished and went: nothing to wait for
             pass
         self.say("bye")
 
@@ -351,7 +351,7 @@ class Node:
         if self.store is not None and self.group_rank >= 0:
             try:
                 self.store.set(f"{LEFT}{self.group_rank}", json.dumps(self.host))
-            except Exception:
+            except Exception:  # noqa: BLE001 - leaving anyway
                 pass
 
 

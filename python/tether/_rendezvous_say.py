@@ -44,7 +44,7 @@ def call_with_deadline(say: Say, seconds: float, endpoint: str, what: str, fn: A
     def run() -> None:
         try:
             box["value"] = fn()
-        except BaseException as exc:  # reported below, with the endpoint named
+        except BaseException as exc:  # noqa: BLE001 - reported below, with the endpoint named
             box["error"] = exc
 
     thread = threading.Thread(target=run, name="tether-rdzv-connect", daemon=True)
