@@ -39,85 +39,22 @@ A storage taken back holds the previous batch's bytes, not zeros: torch's caller
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
+from ._recycle_page import PAGE, SLOTS, Mapped, Page, libc
+
 __all__ = ["begin", "end", "keep", "rebuild", "sending", "take", "unwatch"]
 
 #: Storages smaller than this are made afresh each time.
 MIN_SIZE = 1 << 16
-#: How many storages a worker keeps at most.
-SLOTS = 16
 #: How many storages a receiving process watches at most.
 WATCHED = 64
-_PAGE = 4096
-
-
-class _Libc:
-    """``mmap`` and ``munmap`` without an fd kept open (``mmap.mmap`` keeps a duplicate)."""
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.mmap = libc.mmap
-        self.mmap.restype = ctypes.c_void_p
-        self.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        self.munmap = libc.munmap
-        self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-
-    def map_page(self, fd: int) -> int:
-        address = self.mmap(None, _PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-        if address is None or address == ctypes.c_void_p(-1).value:
-            error = ctypes.get_errno()
-            raise OSError(error, os.strerror(error))
-        return int(address)
-
-
-_libc_instance: Optional[_Libc] = None
-
-
-def _libc() -> _Libc:
-    global _libc_instance
-    if _libc_instance is None:
-        _libc_instance = _Libc()
-    return _libc_instance
-
-
-def _words(address: int) -> Any:
-    return (ctypes.c_uint64 * SLOTS).from_address(address)
 
 
 # -- in the worker --------------------------------------------------------------------------
-
-
-class _Page:
-    """This worker's release page."""
-
-    def __init__(self) -> None:
-        self.fd = os.memfd_create("tether release page", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, _PAGE)
-            self.address = _libc().map_page(self.fd)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.words = _words(self.address)
-        #: The next generation: unique to this page (it starts anywhere in 2**62).
-        self.generation = int.from_bytes(os.urandom(8), "little") >> 2 | 1
-
-    def close(self) -> None:
-        _libc().munmap(self.address, _PAGE)
-        os.close(self.fd)
 
 
 class _Kept:
@@ -135,7 +72,7 @@ class _Kept:
 
 _lock = threading.Lock()
 _active = False
-_page: Optional[_Page] = None
+_page: Optional[Page] = None
 _slots: List[Optional[_Kept]] = [None] * SLOTS
 #: The kept storages by address (what a reduction knows of a storage).
 _by_address: Dict[int, _Kept] = {}
@@ -252,7 +189,7 @@ def sending(storage: Any) -> Optional[Tuple[int, int, int]]:
             _forget(kept)
             return None
         if _page is None:
-            _page = _Page()
+            _page = Page()
         kept.generation = _page.generation
         _page.generation += 1
         return _page.fd, kept.slot, kept.generation
@@ -292,30 +229,17 @@ def _after_fork_in_child() -> None:
         _page.close()
         _page = None
     for page in _pages.values():
-        _libc().munmap(page.address, _PAGE)
+        libc().munmap(page.address, PAGE)
     _pages.clear()
 
 
 # -- in the receiving process ---------------------------------------------------------------
 
 
-class _Mapped:
-    """A worker's release page, as a receiving process maps it while it watches storages of
-    that worker."""
-
-    __slots__ = ("key", "address", "words", "users")
-
-    def __init__(self, key: Tuple[int, int], fd: int) -> None:
-        self.key = key
-        self.address = _libc().map_page(fd)
-        self.words = _words(self.address)
-        self.users = 0
-
-
 class _Watch:
     __slots__ = ("ref", "page", "slot", "generation")
 
-    def __init__(self, ref: Any, page: _Mapped, slot: int, generation: int) -> None:
+    def __init__(self, ref: Any, page: Mapped, slot: int, generation: int) -> None:
         self.ref = ref
         self.page = page
         self.slot = slot
@@ -325,7 +249,7 @@ class _Watch:
 _watch_lock = threading.Lock()
 #: The storages watched, by address, oldest first.
 _watched: Dict[int, _Watch] = {}
-_pages: Dict[Tuple[int, int], _Mapped] = {}
+_pages: Dict[Tuple[int, int], Mapped] = {}
 _receiving = False
 
 
@@ -343,7 +267,7 @@ def rebuild(cls: Any, df: Any, size: int, page_df: Any, slot: int, generation: i
             _start_receiving()
             page = _pages.get(key)
             if page is None:
-                page = _pages[key] = _Mapped(key, page_fd)
+                page = _pages[key] = Mapped(key, page_fd)
             page.users += 1
             # First what is gone: a new mapping may take the address of one just unmapped.
             _release_gone()
@@ -375,11 +299,11 @@ def _drop_watch(address: int) -> None:
     _unuse(_watched.pop(address).page)
 
 
-def _unuse(page: _Mapped) -> None:
+def _unuse(page: Mapped) -> None:
     page.users -= 1
     if page.users == 0:
         del _pages[page.key]
-        _libc().munmap(page.address, _PAGE)
+        libc().munmap(page.address, PAGE)
 
 
 def unwatch(storage: Any) -> None:

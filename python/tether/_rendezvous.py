@@ -38,6 +38,18 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, TextIO
 
+from . import _rendezvous_torch
+from ._rendezvous_say import (
+    Say,
+    call_with_deadline,
+    cause_text,
+    connect_hint,
+    fail,
+    join_failed,
+    join_timed_out,
+    listens_on,
+)
+
 # Keys this helper keeps in each round's store, beside torch's own.
 ALIVE = "tether.alive."
 LEFT = "tether.left."
@@ -52,67 +64,6 @@ RUNS = "tether.runs"
 RUN = "tether.run."
 
 WATCH_EVERY = 0.1
-NO_HOST = (
-    ": no node hosts the store there (the node whose address is the endpoint's host hosts "
-    "it, or the one given --rdzv-conf is_host=true)"
-)
-
-
-class Say:
-    """The launcher's end of the conversation: one JSON object per line."""
-
-    def __init__(self, out: TextIO) -> None:
-        self._out = out
-        self._lock = threading.Lock()
-
-    def __call__(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"kind": kind, **fields})
-        with self._lock:
-            self._out.write(line + "\n")
-            self._out.flush()
-
-
-def fail(say: Say, message: str) -> None:
-    say("error", message=message)
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def call_with_deadline(say: Say, seconds: float, endpoint: str, what: str, fn: Any) -> Any:
-    """``fn()``, or an error after `seconds`: torch's store client waits for ever on an
-    endpoint that accepts connections and never answers."""
-    box: Dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # reported below, with the endpoint named
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="tether-rdzv-connect", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        if accepts(endpoint):
-            fail(
-                say,
-                f"{what} accepted a connection but did not answer as a c10d store within "
-                f"{seconds:g} s (read_timeout + 5): another service may listen there",
-            )
-        fail(say, f"cannot reach {what} within {seconds:g} s (read_timeout + 5){NO_HOST}")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-def accepts(endpoint: str) -> bool:
-    """Whether something accepts TCP connections at `endpoint` (HOST:PORT)."""
-    host, _, port = endpoint.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]") or endpoint, int(port)), timeout=2):
-            return True
-    except (OSError, ValueError):
-        return False
 
 
 class Node:
@@ -136,24 +87,12 @@ class Node:
     # -- joining ------------------------------------------------------------------------
 
     def build(self) -> None:
-        from torch.distributed.elastic.rendezvous import RendezvousParameters
-        from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
-
-        conf: Dict[str, Any] = _parse_rendezvous_config(self.opts.get("conf") or "")
-        conf.setdefault("timeout", 900)
+        conf = _rendezvous_torch.rendezvous_conf(self.opts)
         self.read_timeout = float(conf.get("read_timeout", 60))
         self.join_timeout = float(conf.get("join_timeout", 600))
         interval = float(conf.get("keep_alive_interval", 5))
         self.dead_after = interval * float(conf.get("keep_alive_max_attempt", 3))
-        params = RendezvousParameters(
-            backend=self.opts["backend"],
-            endpoint=self.endpoint,
-            run_id=self.run_id,
-            min_nodes=self.opts["min_nodes"],
-            max_nodes=self.opts["max_nodes"],
-            local_addr=self.opts.get("local_addr"),
-            **conf,
-        )
+        params = _rendezvous_torch.parameters(self.opts, conf)
         what = f"the rendezvous endpoint {self.endpoint} ({self.opts['backend']})"
         reach = f"cannot reach {what} within read_timeout ({self.read_timeout:g} s)"
         try:
@@ -169,23 +108,12 @@ class Node:
                 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
                 self.handler = get_rendezvous_handler(params)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported, with the endpoint named
             fail(self.say, f"{reach}: {cause_text(exc)}{connect_hint(exc)}")
         self.announce_run_id()
 
     def c10d_handler(self, params: Any) -> Any:
-        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
-
-        poll = poll_interval(self.opts["max_nodes"])
-        poll_sooner(dynamic_rendezvous, poll)
-
-        backend, store = create_backend(params)
-        self.base_store = store
-        handler = dynamic_rendezvous.create_handler(store, backend, params)
-        holder = getattr(handler, "_state_holder", None)
-        if holder is not None and hasattr(holder, "_cache_duration"):
-            holder._cache_duration = poll  # torch keeps a read state for 1 s
+        handler, self.base_store = _rendezvous_torch.c10d_handler(params, self.opts["max_nodes"])
         return handler
 
     def announce_run_id(self) -> None:
@@ -194,7 +122,7 @@ class Node:
         try:
             index = self.base_store.add(RUNS, 1)
             self.base_store.set(f"{RUN}{index}", json.dumps([self.run_id, self.host]))
-        except Exception:  # the store is torch's to complain about, at the join
+        except Exception:  # noqa: BLE001 - the store is torch's to complain about, at the join
             pass
 
     def other_run_ids(self) -> List[str]:
@@ -204,7 +132,7 @@ class Node:
             count = self.base_store.add(RUNS, 0)
             keys = [f"{RUN}{i}" for i in range(1, count + 1)]
             seen = [json.loads(v) for v in self.base_store.multi_get(keys)]
-        except Exception:
+        except Exception:  # noqa: BLE001 - only a hint in a message
             return []
         return sorted({f"{run!r} (from {host})" for run, host in seen if run != self.run_id})
 
@@ -218,13 +146,15 @@ class Node:
             handler._shared_tcp_store_server = None
         try:
             info = handler.next_rendezvous()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported, by its kind
             self.joining_failed(exc)
             return
         self.rounds += 1
         self.store = info.store
         self.group_rank, self.nodes = info.rank, info.world_size
-        ranks = self.assign_ranks()
+        ranks = _rendezvous_torch.assign_ranks(
+            self.store, self.group_rank, self.nodes, self.opts["role"], self.opts["nproc"]
+        )
         addr, port, agent = self.master(info)
         self.store.set(f"{ALIVE}{self.group_rank}", json.dumps([0, self.host]))
         self.say(
@@ -256,28 +186,13 @@ class Node:
             fail(self.say, f"the rendezvous of run {self.run_id!r} at {self.endpoint} is closed")
         if isinstance(exc, RendezvousTimeoutError):
             others = self.other_run_ids()
-            also = ""
-            if others:
-                also = f"; nodes at this endpoint joined other run ids: {', '.join(others)}"
-            self.say(
-                "error",
-                message=f"the rendezvous of run {self.run_id!r} at {self.endpoint} did not "
-                f"complete within join_timeout ({self.join_timeout:g} s): fewer than "
-                f"{self.opts['min_nodes']} node(s) joined{also} (set it with --rdzv-conf "
-                "join_timeout=SECONDS)",
+            message = join_timed_out(
+                self.run_id, self.endpoint, self.join_timeout, self.opts["min_nodes"], others
             )
+            self.say("error", message=message)
             self.linger_if_hosting()
             os._exit(1)
-        if "Connection was likely closed" in str(innermost(exc)):
-            fail(
-                self.say,
-                f"the store at {self.endpoint} closed the connection: the node that hosted it "
-                "ended (its own rendezvous failed or finished)",
-            )
-        fail(
-            self.say,
-            f"the rendezvous at {self.endpoint} failed: {cause_text(exc)}",
-        )
+        fail(self.say, join_failed(self.endpoint, exc))
 
     def linger_if_hosting(self) -> None:
         """The node hosting the store keeps it a while after its own join timeout, so that
@@ -290,24 +205,6 @@ class Node:
         holder = getattr(self.handler, "_state_holder", None)
         state = getattr(holder, "state", None)
         return int(getattr(state, "round", self.rounds - 1))
-
-    def assign_ranks(self) -> List[int]:
-        """Base global rank, world size, base role rank, role world size: torch's agent's
-        own assignment (the same store keys), so torchrun's nodes agree."""
-        from types import SimpleNamespace
-
-        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
-
-        spec = SimpleNamespace(role=self.opts["role"], local_world_size=self.opts["nproc"])
-        workers = SimpleElasticAgent._assign_worker_ranks(
-            None,
-            self.store,
-            self.group_rank,
-            self.nodes,
-            spec,
-        )
-        first = workers[0]
-        return [first.global_rank, first.world_size, first.role_rank, first.role_world_size]
 
     def master(self, info: Any) -> "tuple[str, int, bool]":
         """Where the ranks' store is, and whether it is the agent's (torch's shared one)."""
@@ -349,7 +246,7 @@ class Node:
             count += 1
             try:
                 why = self.moved_on(store, count, beats, seen)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the ranks go on without the watch
                 print(
                     f"tether: the rendezvous store at {self.endpoint} stopped answering "
                     f"({cause_text(exc)}); the ranks go on",
@@ -395,7 +292,7 @@ class Node:
             return None
         try:
             return json.loads(self.store.get(END)) if self.store.check([END]) else None
-        except Exception:
+        except Exception:  # noqa: BLE001 - no store left to read
             return None
 
     # -- the end of an attempt ----------------------------------------------------------
@@ -413,7 +310,7 @@ class Node:
                 cause = min(self.failures() + [record], key=lambda r: r.get("time", 0.0))
                 self.store.set(END, json.dumps(cause))
             self.handler.set_closed()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the store is gone: this node's record
             cause = record
         self.say("cause", cause=cause)
 
@@ -434,7 +331,7 @@ class Node:
         def wait_for_everyone() -> None:
             try:
                 barrier(self.store, self.nodes, TERMINAL_STATE, self.opts.get("exit_barrier", 300))
-            except Exception:  # timed out, or the store's host finished and went
+            except Exception:  # noqa: BLE001 - timed out, or the store's host finished and went
                 pass
             passed.set()
 
@@ -445,7 +342,7 @@ class Node:
                 if self.store.check([END]):
                     self.say("ended", cause=json.loads(self.store.get(END)))
                     return
-        except Exception:  # the store's host finished and went: nothing left to wait for
+        except Exception:  # noqa: BLE001 - the store's host finished and went: nothing to wait for
             pass
         self.say("bye")
 
@@ -454,70 +351,8 @@ class Node:
         if self.store is not None and self.group_rank >= 0:
             try:
                 self.store.set(f"{LEFT}{self.group_rank}", json.dumps(self.host))
-            except Exception:
+            except Exception:  # noqa: BLE001 - leaving anyway
                 pass
-
-
-def poll_interval(max_nodes: int) -> float:
-    """How often a node reads the rendezvous's shared state while a round forms or runs:
-    torch's handler reads it at most once a second; a read is one small get from the store,
-    so up to 16 nodes read it every 0.1 s (a round forms within a tenth of a second of its
-    last node), and larger jobs less often, up to torch's second."""
-    return min(1.0, 0.1 * max(1.0, max_nodes / 16))
-
-
-def poll_sooner(module: Any, every: float) -> None:
-    """The handler's state machine stays torch's; only its wait between two reads of the
-    shared state (1 s) becomes `every`."""
-    delay = module._delay
-
-    def quicker(seconds: Any) -> None:  # torch passes it by name
-        delay(seconds=every if seconds == 1 else seconds)
-
-    module._delay = quicker
-
-
-def listens_on(port: int) -> bool:
-    """Whether this process listens on TCP `port` (it hosts the store)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = open(table).read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") in inodes:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def innermost(exc: BaseException) -> BaseException:
-    while (exc.__cause__ or exc.__context__) is not None:
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return exc
-
-
-def cause_text(exc: BaseException) -> str:
-    """The real error (torch wraps it: "See inner exception for details")."""
-    inner = innermost(exc)
-    text = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {text[0] if text else ''}"
-
-
-def connect_hint(exc: BaseException) -> str:
-    text = str(innermost(exc))
-    if "invalid value returned from server" in text:
-        return "; the service listening there is not a c10d store"
-    if "timed out" in text or "refused" in text:
-        return NO_HOST
-    return ""
 
 
 def serve(node: Node, commands: TextIO) -> None:

@@ -1,0 +1,78 @@
+"""torch's pieces of the rendezvous helper (``_rendezvous``): the handler's parameters, built
+from the same options as torchrun builds them, the c10d handler (torch's, reading the shared
+state more often), and torch's agent's own assignment of ranks."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+
+def rendezvous_conf(opts: Dict[str, Any]) -> Dict[str, Any]:
+    """The handler's configuration (``--rdzv-conf``), with torchrun's default timeout."""
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    conf: Dict[str, Any] = _parse_rendezvous_config(opts.get("conf") or "")
+    conf.setdefault("timeout", 900)
+    return conf
+
+
+def parameters(opts: Dict[str, Any], conf: Dict[str, Any]) -> Any:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    return RendezvousParameters(
+        backend=opts["backend"],
+        endpoint=opts["endpoint"],
+        run_id=opts["run_id"],
+        min_nodes=opts["min_nodes"],
+        max_nodes=opts["max_nodes"],
+        local_addr=opts.get("local_addr"),
+        **conf,
+    )
+
+
+def c10d_handler(params: Any, max_nodes: int) -> Tuple[Any, Any]:
+    """torch's handler of a c10d rendezvous, and the store it made at the endpoint."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    poll = poll_interval(max_nodes)
+    poll_sooner(dynamic_rendezvous, poll)
+
+    backend, store = create_backend(params)
+    handler = dynamic_rendezvous.create_handler(store, backend, params)
+    holder = getattr(handler, "_state_holder", None)
+    if holder is not None and hasattr(holder, "_cache_duration"):
+        holder._cache_duration = poll  # torch keeps a read state for 1 s
+    return handler, store
+
+
+def poll_interval(max_nodes: int) -> float:
+    """How often a node reads the rendezvous's shared state while a round forms or runs:
+    torch's handler reads it at most once a second; a read is one small get from the store,
+    so up to 16 nodes read it every 0.1 s (a round forms within a tenth of a second of its
+    last node), and larger jobs less often, up to torch's second."""
+    return min(1.0, 0.1 * max(1.0, max_nodes / 16))
+
+
+def poll_sooner(module: Any, every: float) -> None:
+    """The handler's state machine stays torch's; only its wait between two reads of the
+    shared state (1 s) becomes `every`."""
+    delay = module._delay
+
+    def quicker(seconds: Any) -> None:  # torch passes it by name
+        delay(seconds=every if seconds == 1 else seconds)
+
+    module._delay = quicker
+
+
+def assign_ranks(store: Any, group_rank: int, nodes: int, role: str, nproc: int) -> List[int]:
+    """Base global rank, world size, base role rank, role world size of a node's ranks:
+    torch's agent's own assignment (the same store keys), so torchrun's nodes agree."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    spec = SimpleNamespace(role=role, local_world_size=nproc)
+    workers = SimpleElasticAgent._assign_worker_ranks(None, store, group_rank, nodes, spec)
+    first = workers[0]
+    return [first.global_rank, first.world_size, first.role_rank, first.role_world_size]
