@@ -228,8 +228,11 @@ def test_an_elastic_job_grows_when_a_node_joins_late_and_goes_on_when_one_is_kil
     assert wait_gone(sorted(left), 10) == [], "the killed node's processes outlived it"
     for node in first:
         assert node.end() == 0, node.err
+        # Rounds of 4 ranks, then 6, then 4 again (under load, a first node may also have
+        # started a round of its own before the second joined: elastic, and allowed).
         worlds = [world for _, world, _, _, _ in node.places()]
-        assert worlds[:2] == [4, 4] and worlds[2:4] == [6, 6] and worlds[-2:] == [4, 4], worlds
+        assert worlds[-2:] == [4, 4] and 6 in worlds, worlds
+        assert worlds.index(4) < worlds.index(6) < len(worlds) - 2, worlds
         assert {restarts for _, _, _, restarts, _ in node.places()} == {0}
         assert node.err.count("not counted as a restart") >= 2, node.err
         assert re.search(r"node \d \(\S+\) (left the job|stopped answering)", node.err), node.err
