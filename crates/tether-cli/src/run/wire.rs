@@ -78,10 +78,26 @@ impl Launcher {
             plumb(&mut wired, pump, &[Stream::Stdout, Stream::Stderr], done)?;
             return Ok(wired);
         }
-        let (out_file, err_file) = match logs {
+        let files = match logs {
             Some(root) => open_logs(&root.join(format!("rank_{rank}")))?,
             None => (None, None),
         };
+        self.plumb_apart(&mut wired, console, files, prefix, sinks, done)?;
+        Ok(wired)
+    }
+
+    /// Gives a rank's stdout and stderr a pipe and a pump each: its console streams, log
+    /// files (`files`) and filters; the tail keeps stderr.
+    fn plumb_apart(
+        &self,
+        wired: &mut Wired,
+        console: Streams,
+        files: (Option<File>, Option<File>),
+        prefix: Option<Prefix>,
+        sinks: &Sinks,
+        done: &mpsc::Sender<()>,
+    ) -> Result<(), RunError> {
+        let (out_file, err_file) = files;
         let streams = [
             (
                 Stream::Stdout,
@@ -107,9 +123,9 @@ impl Launcher {
                 filter: filter.clone(),
                 activity: Some(self.watchdog.activity.clone()),
             };
-            plumb(&mut wired, pump, &[stream], done)?;
+            plumb(wired, pump, &[stream], done)?;
         }
-        Ok(wired)
+        Ok(())
     }
 
     /// Rank `rank`'s TORCHELASTIC_ERROR_FILE in attempt `attempt`, its directory created.
