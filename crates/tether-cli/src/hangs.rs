@@ -8,7 +8,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,20 +17,12 @@ use tether_core::{signal_name, Group};
 
 use crate::clock;
 use crate::config::Config;
-use crate::output::{self, Prefix, Stream};
+use crate::output::{self, touch, Activity, Prefix, Stream};
 
 /// How long a request waits for the ranks' stacks.
 pub const STACKS_TIMEOUT: Duration = Duration::from_secs(5);
 /// The exit status of a run ended by a limit, as timeout(1) has it.
 pub const TIMED_OUT: i32 = 124;
-
-/// When some rank last wrote output (`CLOCK_MONOTONIC` nanoseconds), kept by the pumps.
-pub type Activity = Arc<AtomicU64>;
-
-/// Records output now.
-pub fn touch(activity: &Activity) {
-    activity.store(clock::monotonic().as_nanos() as u64, Ordering::Relaxed);
-}
 
 /// The signals that ask for the ranks' stacks: the stack signal always, SIGUSR1 unless
 /// `--signals-to-handle` made it a stop signal.

@@ -30,6 +30,8 @@ use std::time::{Duration, Instant};
 
 use rustix::io::Errno;
 
+use crate::clock;
+
 /// Lines longer than this (64 MiB) are cut into pieces of this size.
 pub const MAX_LINE: usize = 64 << 20;
 /// Lines kept per rank for the failure report.
@@ -257,6 +259,14 @@ impl FilterSink {
     }
 }
 
+/// When some rank last wrote output (`CLOCK_MONOTONIC` nanoseconds), kept by the pumps.
+pub type Activity = Arc<AtomicU64>;
+
+/// Records output now.
+pub fn touch(activity: &Activity) {
+    activity.store(clock::monotonic().as_nanos() as u64, Ordering::Relaxed);
+}
+
 /// Where one pipe of one rank goes.
 pub struct Pump {
     /// The launcher's stream its lines are printed on, if they reach the console.
@@ -267,7 +277,7 @@ pub struct Pump {
     pub tail: Option<SharedTail>,
     pub filter: Option<FilterSink>,
     /// Where the time of the last output is kept (for `--stall-timeout`).
-    pub activity: Option<crate::hangs::Activity>,
+    pub activity: Option<Activity>,
 }
 
 impl Pump {
@@ -307,7 +317,7 @@ impl Pump {
             };
             let chunk = &buf[..n];
             if let Some(activity) = &self.activity {
-                crate::hangs::touch(activity);
+                touch(activity);
             }
             if let Some(file) = &mut self.file {
                 if file.write_all(chunk).is_err() {

@@ -147,7 +147,7 @@ impl Rendezvous {
                 ),
             ));
         };
-        crate::config::parse_endpoint(&endpoint)?;
+        parse_endpoint(&endpoint)?;
         Ok(Rendezvous {
             backend,
             endpoint: endpoint.trim().to_string(),
@@ -364,4 +364,42 @@ impl Drop for Helper {
         }
         let _ = self.child.wait();
     }
+}
+
+/// `HOST[:PORT]`, `[IPV6]:PORT` or `[IPV6]`, as torch reads a rendezvous endpoint.
+pub fn parse_endpoint(endpoint: &str) -> Result<(String, Option<u16>), clap::Error> {
+    let bad = |why: &str| {
+        usage_error(
+            ErrorKind::ValueValidation,
+            format!("invalid --rdzv-endpoint {endpoint:?}: {why}"),
+        )
+    };
+    let ep = endpoint.trim();
+    let (host, port) = if ep.starts_with('[') && ep.ends_with(']') {
+        (ep, None)
+    } else {
+        match ep.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (ep, None),
+        }
+    };
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    let port = match port {
+        None => None,
+        Some(p) if (1..=5).contains(&p.len()) && p.bytes().all(|b| b.is_ascii_digit()) => Some(
+            p.parse::<u16>()
+                .map_err(|_| bad("the port must be below 65536"))?,
+        ),
+        Some(_) => return Err(bad("expected HOST:PORT with a numeric port")),
+    };
+    let host_ok = |c: char| c.is_alphanumeric() || matches!(c, '_' | '.' | ':' | '-');
+    if host.is_empty() || !host.chars().all(host_ok) {
+        return Err(bad(
+            "expected a host name, an IPv4 address or an [IPv6] address",
+        ));
+    }
+    Ok((host.to_string(), port))
 }

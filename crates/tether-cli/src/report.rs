@@ -276,6 +276,15 @@ pub fn render_cause(cause: &serde_json::Value) -> String {
     if let Some(hint) = text("hint") {
         let _ = writeln!(s, "  hint       : {hint}");
     }
+    write_evidence(&mut s, cause, &rank);
+    let _ = writeln!(s, "{RULE}");
+    s
+}
+
+/// What a root cause's record holds of the rank's own account: its error and traceback,
+/// else the last lines of its output.
+fn write_evidence(s: &mut String, cause: &serde_json::Value, rank: &str) {
+    let text = |key: &str| cause[key].as_str().map(str::to_string);
     if let Some(error) = text("error") {
         let _ = writeln!(s, "  error      : {error}");
         if let Some(tb) = text("traceback") {
@@ -301,8 +310,6 @@ pub fn render_cause(cause: &serde_json::Value) -> String {
             }
         }
     }
-    let _ = writeln!(s, "{RULE}");
-    s
 }
 
 /// The exit status a node ends with for the job's root cause.

@@ -5,45 +5,35 @@
 
 use std::collections::HashSet;
 use std::ffi::CString;
-use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::mpsc;
+use std::time::Duration;
 
-use rustix::event::{PollFd, PollFlags};
-use tether_core::{limit_hint, signal_name, strerror, Escalation, Group, LaunchSpec, WaitFor};
+use tether_core::{limit_hint, signal_name, strerror, Group, LaunchSpec, WaitFor};
 
 use crate::clock;
-use crate::config::{Config, Streams};
-use crate::env::rank_env;
-use crate::hangs::{self, Limit, Ranks, Watchdog};
-use crate::output::{self, FilterSink, Prefix, Pump, RankNames, SharedTail, Stream, Tail};
+use crate::config::Config;
+use crate::hangs::{self, Limit, Watchdog};
+use crate::output::{self, FilterSink, SharedTail};
 use crate::reaper;
-use crate::rendezvous::{Helper, Message};
-use crate::report::{oom_kills, ErrorFile, Failure, RankEnd};
+use crate::rendezvous::Helper;
+use crate::report::{oom_kills, Failure};
 use crate::signals::SignalFd;
 
+mod abandon;
+mod conclude;
 mod rounds;
+mod supervise;
+mod wire;
+
+use abandon::stop_launching;
 
 /// How long the supervisor waits for output pipes to drain once every rank has exited, and
 /// after which it says which leftovers are slow to die (it waits for them all the same).
 const DRAIN_LIMIT: Duration = Duration::from_secs(2);
-
-/// How long the ranks have after a forwarded SIGINT before they get SIGTERM.
-const INT_TO_TERM: Duration = Duration::from_secs(3);
-
-/// Held while an attempt creates its files and starts its ranks. A supervisor whose keeper
-/// died takes it for good ([`stop_launching`]) before it kills what runs, so that no rank
-/// starts behind its back and nothing recreates the directories it removes.
-static LAUNCHING: Mutex<()> = Mutex::new(());
-
-/// Waits for a launch in progress to end and forbids any other.
-pub fn stop_launching() -> MutexGuard<'static, ()> {
-    LAUNCHING.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -206,7 +196,7 @@ pub fn supervisor_main(cfg: Config, tmp: PathBuf, keeper: i32) -> ! {
     }))
     .unwrap_or(1);
     // The keeper died: the thread that kills what is left ends the process when it is done.
-    while crate::keeper::abandoned() {
+    while abandon::abandoned() {
         std::thread::park();
     }
     // SAFETY: ends this process without running the keeper's exit handlers or destructors,
@@ -255,7 +245,7 @@ fn supervisor(cfg: Config, tmp: PathBuf, keeper: i32) -> i32 {
             return 1;
         }
     };
-    if let Err(err) = crate::keeper::watch(keeper, tmp.clone()) {
+    if let Err(err) = abandon::watch(keeper, tmp.clone()) {
         output::message(&format!(
             "tether: warning: cannot watch the launcher ({}{}); if it is killed with SIGKILL, \
              what the ranks started may outlive it",
@@ -511,446 +501,12 @@ impl Launcher {
         }
         Ok(self.conclude(&group, attempt, stop_mono, &wired, oom, logs))
     }
-
-    /// The attempt's `filtered_stdout.log` and `filtered_stderr.log`, when asked for.
-    fn sinks(&self, logs: Option<&Path>) -> Result<Sinks, RunError> {
-        let (Some(dir), out) = (logs, &self.cfg.output) else {
-            return Ok(Sinks::default());
-        };
-        std::fs::create_dir_all(dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
-        let sink = |needles: &Vec<String>, name: &str| -> Result<Option<FilterSink>, RunError> {
-            if needles.is_empty() {
-                return Ok(None);
-            }
-            let path = dir.join(name);
-            let file =
-                File::create(&path).map_err(io_err(format!("cannot create {}", path.display())))?;
-            Ok(Some(FilterSink {
-                needles: Arc::new(needles.clone()),
-                file: Arc::new(Mutex::new(file)),
-            }))
-        };
-        Ok(Sinks {
-            stdout: sink(&out.stdout_filters, "filtered_stdout.log")?,
-            stderr: sink(&out.stderr_filters, "filtered_stderr.log")?,
-        })
-    }
-
-    /// Makes local rank `local`'s launch spec, pipes, log files and pumps. Its stdout and
-    /// stderr share one pipe when both reach a console that is one file and neither goes to
-    /// a log file, so that its lines keep their order.
-    fn wire(
-        &self,
-        local: usize,
-        attempt: u32,
-        logs: Option<&Path>,
-        sinks: &Sinks,
-        done: &mpsc::Sender<()>,
-    ) -> Result<Wired, RunError> {
-        let cfg = &self.cfg;
-        let rank = cfg.global_rank(local);
-        let error_file = self.error_file(attempt, rank)?;
-        let mut spec = LaunchSpec::new(cfg.command.clone());
-        spec.env = rank_env(cfg, local, attempt, &error_file, self.omp_unset);
-        spec.stacks = cfg.python_ranks;
-        let console = cfg.output.console(local);
-        let merged = logs.is_none() && console == Streams::BOTH && self.one_console;
-        let mut wired = Wired {
-            spec,
-            write_ends: Vec::with_capacity(2),
-            pumps: 0,
-            tail: Arc::new(Mutex::new(Tail::default())),
-            merged,
-            error_file,
-        };
-        let prefix = self.prefix(local);
-        if merged {
-            let pump = Pump {
-                console: Some(Stream::Stdout),
-                prefix,
-                file: None,
-                tail: Some(wired.tail.clone()),
-                filter: None,
-                activity: Some(self.watchdog.activity.clone()),
-            };
-            plumb(&mut wired, pump, &[Stream::Stdout, Stream::Stderr], done)?;
-            return Ok(wired);
-        }
-        let (out_file, err_file) = match logs {
-            Some(root) => open_logs(&root.join(format!("rank_{rank}")))?,
-            None => (None, None),
-        };
-        let streams = [
-            (
-                Stream::Stdout,
-                console.stdout,
-                out_file,
-                None,
-                &sinks.stdout,
-            ),
-            (
-                Stream::Stderr,
-                console.stderr,
-                err_file,
-                Some(wired.tail.clone()),
-                &sinks.stderr,
-            ),
-        ];
-        for (stream, shown, file, tail, filter) in streams {
-            let pump = Pump {
-                console: shown.then_some(stream),
-                prefix: prefix.clone(),
-                file,
-                tail,
-                filter: filter.clone(),
-                activity: Some(self.watchdog.activity.clone()),
-            };
-            plumb(&mut wired, pump, &[stream], done)?;
-        }
-        Ok(wired)
-    }
-
-    /// Rank `rank`'s TORCHELASTIC_ERROR_FILE in attempt `attempt`, its directory created.
-    fn error_file(&self, attempt: u32, rank: usize) -> Result<PathBuf, RunError> {
-        let dir = self.tmp.join(format!("attempt_{attempt}/rank_{rank}"));
-        std::fs::create_dir_all(&dir)
-            .map_err(io_err(format!("cannot create {}", dir.display())))?;
-        Ok(dir.join("error.json"))
-    }
-
-    /// Local rank `local`'s console prefix (`None` for `--no-prefix`).
-    fn prefix(&self, local: usize) -> Option<Prefix> {
-        let template = self.cfg.output.prefix.as_ref()?;
-        Some(self.render_prefix(template, local))
-    }
-
-    fn render_prefix(&self, template: &str, local: usize) -> Prefix {
-        let names = RankNames {
-            rank: self.cfg.global_rank(local),
-            local_rank: local,
-            role: &self.cfg.role,
-            hostname: &self.hostname,
-        };
-        Prefix::render(template, &names)
-    }
-
-    /// Waits until every rank has exited. On the first failure, on a stop signal to the
-    /// launcher, or past a limit (after every rank's stack is shown), stops the others (the
-    /// signal, the grace period, SIGKILL). A stack signal prints every rank's stack and the
-    /// run goes on. Returns when the stopping began (monotonic clock) and why the launcher
-    /// stopped the ranks itself, if it did.
-    fn supervise(&mut self, group: &Group) -> Result<(Option<Duration>, Option<Stop>), RunError> {
-        let ranks = self.ranks(group);
-        loop {
-            if let Some(first) = group.first_failure() {
-                log::info!(target: "tether::run", "rank {first} failed: stopping the others");
-                return Ok((Some(self.stop(group, libc::SIGTERM)), None));
-            }
-            let live: Vec<usize> = (0..group.len())
-                .filter(|&i| group.exit(i).is_none())
-                .collect();
-            if live.is_empty() {
-                return Ok((None, None));
-            }
-            if let Some(limit) = self.watchdog.passed() {
-                log::info!(target: "tether::run", "past a limit: {limit:?}");
-                let python = self.cfg.command.first().filter(|_| self.cfg.python_ranks);
-                hangs::print_stacks_at_limit(&ranks, limit, python);
-                return Ok((
-                    Some(self.stop(group, libc::SIGTERM)),
-                    Some(Stop::Limit(limit)),
-                ));
-            }
-            let (ready, signals, said) = self.poll(group, &live)?;
-            if let Some(stop) = said.and_then(|message| self.moved_on(message)) {
-                return Ok((Some(self.stop(group, libc::SIGTERM)), Some(stop)));
-            }
-            for sig in signals {
-                if sig == libc::SIGCHLD {
-                    reaper::reap_orphans(&self.live_pids(group));
-                    continue;
-                }
-                if self.stack_signals.contains(&sig) {
-                    hangs::print_stacks_in_background(&ranks, sig);
-                    continue;
-                }
-                output::message(&self.stopping_words(sig, live.len()));
-                return Ok((Some(self.stop(group, sig)), Some(Stop::Signal(sig))));
-            }
-            if !ready.is_empty() {
-                // The pidfd is readable once the rank exited; the supervisor thread records
-                // the exit right after.
-                group.wait(
-                    Some(&ready),
-                    WaitFor::AllExited,
-                    Some(Duration::from_secs(1)),
-                );
-            }
-        }
-    }
-
-    /// The ranks of `group` with the prefix of each (the default one under `--no-prefix`).
-    fn ranks(&self, group: &Group) -> Ranks {
-        let prefixes = (0..self.cfg.nproc)
-            .map(|local| {
-                self.prefix(local)
-                    .unwrap_or_else(|| self.render_prefix(crate::config::DEFAULT_PREFIX, local))
-            })
-            .collect();
-        Ranks {
-            group: group.clone(),
-            prefixes: Arc::new(prefixes),
-        }
-    }
-
-    /// The escalation that follows `sig` when the launcher forwards it: a SIGINT (Ctrl-C) is
-    /// followed by SIGTERM after [`INT_TO_TERM`] (or half the grace period, if shorter).
-    fn escalation(&self, sig: i32) -> Option<Escalation> {
-        (sig == libc::SIGINT).then(|| Escalation {
-            signal: libc::SIGTERM,
-            after: INT_TO_TERM.min(self.cfg.grace / 2),
-        })
-    }
-
-    /// What the launcher says when it got `sig` and forwards it to `live` ranks.
-    fn stopping_words(&self, sig: i32, live: usize) -> String {
-        let grace = self.cfg.grace;
-        let steps = match self.escalation(sig) {
-            Some(then) => format!(
-                "those still running {:?} later get {}, and SIGKILL {grace:?} after the {}",
-                then.after,
-                signal_name(then.signal),
-                signal_name(sig)
-            ),
-            None => format!("SIGKILL after {grace:?}"),
-        };
-        format!(
-            "tether: got {}; forwarding it to {live} rank(s); {steps}; press Ctrl-C again to \
-             kill them at once",
-            signal_name(sig)
-        )
-    }
-
-    /// Stops every rank with tether-core's termination (`sig`, SIGTERM after a SIGINT, the
-    /// grace period, SIGKILL), saying so at each step; meanwhile orphans are reaped, and a
-    /// SIGINT kills at once. Returns when it began.
-    fn stop(&self, group: &Group, sig: i32) -> Duration {
-        let began = clock::monotonic();
-        let kill_now = std::cell::Cell::new(false);
-        let mut interrupted = || {
-            while let Some(got) = self.signals.next() {
-                if got == libc::SIGCHLD {
-                    reaper::reap_orphans(&self.live_pids(group));
-                } else if got == libc::SIGINT {
-                    output::message("tether: SIGINT while stopping: killing every rank now");
-                    kill_now.set(true);
-                }
-            }
-            kill_now.get()
-        };
-        let grace = self.cfg.grace;
-        let then = self.escalation(sig);
-        let mut sent = |signal: i32, count: usize| {
-            if signal == libc::SIGKILL {
-                output::message(&format!(
-                    "tether: {count} rank(s) still running at the end of the grace period \
-                     ({grace:?}): SIGKILL"
-                ));
-            } else if let Some(then) = then {
-                output::message(&format!(
-                    "tether: {count} rank(s) still running {:?} after {}: {}; SIGKILL in {:?}",
-                    then.after,
-                    signal_name(sig),
-                    signal_name(signal),
-                    grace.saturating_sub(then.after),
-                ));
-            }
-        };
-        group.terminate_escalating(sig, then, grace, &mut interrupted, &mut sent);
-        began
-    }
-
-    /// Polls the signalfd, the pidfds of the `live` ranks and the rendezvous helper until one
-    /// is ready or a limit may have been reached; returns the ranks that exited, the signals
-    /// that arrived and what the helper said.
-    fn poll(&mut self, group: &Group, live: &[usize]) -> Result<Polled, RunError> {
-        if self.helper.as_ref().is_some_and(Helper::has_buffered) {
-            let said = self.helper.as_mut().map(Helper::read);
-            return Ok((Vec::new(), Vec::new(), said));
-        }
-        let sentinels: Vec<(usize, i32)> = live
-            .iter()
-            .filter_map(|&i| group.with_member(i, |m| (i, m.sentinel())))
-            .collect();
-        let mut fds = Vec::with_capacity(sentinels.len() + 2);
-        fds.push(PollFd::new(&self.signals, PollFlags::IN));
-        if let Some(helper) = &self.helper {
-            fds.push(PollFd::from_borrowed_fd(helper.fd(), PollFlags::IN));
-        }
-        let first_rank = fds.len();
-        for &(_, raw) in &sentinels {
-            // SAFETY: the pidfd belongs to a member of `group`, which outlives this poll.
-            let fd = unsafe { BorrowedFd::borrow_raw(raw) };
-            fds.push(PollFd::from_borrowed_fd(fd, PollFlags::IN));
-        }
-        // A limit is checked at most 10 ms late, and never in a busy loop.
-        let timeout = self.watchdog.next_check().map(|left| {
-            let left = left.max(Duration::from_millis(10));
-            rustix::event::Timespec {
-                tv_sec: left.as_secs() as _,
-                tv_nsec: left.subsec_nanos() as _,
-            }
-        });
-        match rustix::event::poll(&mut fds, timeout.as_ref()) {
-            Ok(_) | Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(io_err("poll")(e.into())),
-        }
-        let helper_ready = first_rank == 2 && !fds[1].revents().is_empty();
-        let ready = fds[first_rank..]
-            .iter()
-            .zip(&sentinels)
-            .filter(|(fd, _)| !fd.revents().is_empty())
-            .map(|(_, &(i, _))| i)
-            .collect();
-        drop(fds);
-        let signals = std::iter::from_fn(|| self.signals.next()).collect();
-        let said = match helper_ready {
-            true => self.helper.as_mut().map(Helper::read),
-            false => None,
-        };
-        Ok((ready, signals, said))
-    }
-
-    /// After every rank has exited: kill and reap what they left behind, every one of them
-    /// (the next attempt starts only then), and let the output pumps finish.
-    fn cleanup(&self, group: &Group, done: &mpsc::Receiver<()>, pumps: usize) {
-        let live = self.live_pids(group);
-        let slow = |left: &[i32]| {
-            output::message(&format!(
-                "tether: {} process(es) that the ranks left are not dead yet after SIGKILL \
-                 (pids {left:?}); waiting for them, nothing else starts before they are gone",
-                left.len()
-            ))
-        };
-        // A stop signal ends the wait (and the run): no attempt starts after it.
-        let stopped = || {
-            while let Some(sig) = self.signals.next() {
-                if sig != libc::SIGCHLD && !self.stack_signals.contains(&sig) {
-                    self.stop_pending.set(Some(sig));
-                }
-            }
-            self.stop_pending.get().is_some()
-        };
-        reaper::kill_orphans(&live, DRAIN_LIMIT, slow, stopped);
-        let deadline = Instant::now() + DRAIN_LIMIT;
-        for _ in 0..pumps {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if done.recv_timeout(left).is_err() {
-                break;
-            }
-        }
-        reaper::reap_orphans(&live);
-    }
-
-    /// How each rank ended, and when (monotonic clock); `stop_mono` is when the stopping
-    /// began.
-    fn rank_ends(&self, group: &Group, stop_mono: Option<Duration>) -> Vec<(RankEnd, Duration)> {
-        (0..group.len())
-            .filter_map(|i| {
-                let exit = group.exit(i)?;
-                let end = RankEnd {
-                    rank: self.cfg.global_rank(i),
-                    local_rank: i,
-                    pid: group.pid(i).unwrap_or(0),
-                    status: exit.status,
-                    stopped: stop_mono.is_some_and(|t| exit.at > t),
-                };
-                Some((end, exit.at))
-            })
-            .collect()
-    }
-
-    /// The attempt's outcome: success, or the failure that came first in time.
-    fn conclude(
-        &self,
-        group: &Group,
-        attempt: u32,
-        stop_mono: Option<Duration>,
-        wired: &[Wired],
-        oom: Option<(u64, u64)>,
-        logs: Option<PathBuf>,
-    ) -> AttemptEnd {
-        let ends = self.rank_ends(group, stop_mono);
-        let first = group.first_failure();
-        let Some((root, at)) = ends
-            .iter()
-            .find(|(e, _)| Some(e.local_rank) == first)
-            .cloned()
-        else {
-            return AttemptEnd::Success;
-        };
-        let rank_io = wired.get(root.local_rank);
-        AttemptEnd::Failed(Box::new(Failure {
-            node_rank: self.cfg.place.node_rank,
-            host: self.hostname.clone(),
-            attempt,
-            ended_at: clock::wall_time_of(at),
-            error: rank_io.and_then(|w| ErrorFile::read(&w.error_file)),
-            tail: rank_io
-                .map(|w| w.tail.lock().unwrap_or_else(|e| e.into_inner()).lines())
-                .unwrap_or_default(),
-            tail_is_merged: rank_io.is_some_and(|w| w.merged),
-            oom,
-            others: ends
-                .into_iter()
-                .map(|(e, _)| e)
-                .filter(|e| e.local_rank != root.local_rank)
-                .collect(),
-            log_dir: logs.map(|p| p.display().to_string()),
-            root,
-        }))
-    }
 }
-
-/// What one poll saw: ranks that exited, signals, and the rendezvous helper's message.
-type Polled = (Vec<usize>, Vec<i32>, Option<Message>);
 
 /// SIGKILL to every rank, and a bounded wait for their exits.
 fn kill_all(group: &Group) {
     group.signal_all(libc::SIGKILL);
     group.wait(None, WaitFor::AllExited, Some(DRAIN_LIMIT));
-}
-
-/// Makes the pipe that carries a rank's `streams` to `pump`, and starts the pump.
-fn plumb(
-    wired: &mut Wired,
-    pump: Pump,
-    streams: &[Stream],
-    done: &mpsc::Sender<()>,
-) -> Result<(), RunError> {
-    let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
-        .map_err(|e| io_err("cannot create a pipe")(e.into()))?;
-    for stream in streams {
-        match stream {
-            Stream::Stdout => wired.spec.stdout = Some(write.as_raw_fd()),
-            Stream::Stderr => wired.spec.stderr = Some(write.as_raw_fd()),
-        }
-    }
-    wired.write_ends.push(write);
-    pump.spawn(read, done.clone())
-        .map_err(io_err("cannot start an output thread"))?;
-    wired.pumps += 1;
-    Ok(())
-}
-
-/// `dir/stdout.log` and `dir/stderr.log`, created.
-fn open_logs(dir: &Path) -> Result<(Option<File>, Option<File>), RunError> {
-    std::fs::create_dir_all(dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
-    let open = |name: &str| {
-        let path = dir.join(name);
-        File::create(&path).map_err(io_err(format!("cannot create {}", path.display())))
-    };
-    Ok((Some(open("stdout.log")?), Some(open("stderr.log")?)))
 }
 
 /// This machine's name, for the `${hostname}` of prefix templates.

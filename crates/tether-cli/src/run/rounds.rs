@@ -10,7 +10,7 @@ use crate::hangs;
 use crate::output;
 use crate::reaper;
 use crate::rendezvous::{nodes_spec, Helper, Message, Place};
-use crate::report::{cause_code, render_cause};
+use crate::report::{cause_code, render_cause, Failure};
 
 /// How waiting for the helper ended.
 enum Heard {
@@ -102,23 +102,28 @@ impl Launcher {
                         helper.failed(failure.record(), false);
                     }
                 }
-                AttemptEnd::Failed(failure) => {
-                    let Some(helper) = &mut self.helper else {
-                        return 1;
-                    };
-                    helper.failed(failure.record(), true);
-                    return match self.hear() {
-                        Heard::Said(Message::Cause(cause) | Message::Ended(cause))
-                            if !is_own(&cause, &failure.record(), &self.cfg.place) =>
-                        {
-                            report_cause(&cause)
-                        }
-                        _ => {
-                            output::message(&failure.render());
-                            failure.root.status.as_shell_code()
-                        }
-                    };
-                }
+                AttemptEnd::Failed(failure) => return self.end_the_job(&failure),
+            }
+        }
+    }
+
+    /// This node's failure with no restart left ends the job on every node: reports the
+    /// job's root cause (another node's, when it failed first, else this one) and returns
+    /// the exit status.
+    fn end_the_job(&mut self, failure: &Failure) -> i32 {
+        let Some(helper) = &mut self.helper else {
+            return 1;
+        };
+        helper.failed(failure.record(), true);
+        match self.hear() {
+            Heard::Said(Message::Cause(cause) | Message::Ended(cause))
+                if !is_own(&cause, &failure.record(), &self.cfg.place) =>
+            {
+                report_cause(&cause)
+            }
+            _ => {
+                output::message(&failure.render());
+                failure.root.status.as_shell_code()
             }
         }
     }

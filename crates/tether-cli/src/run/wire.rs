@@ -1,0 +1,186 @@
+//! The wiring of a rank before its launch: its launch spec, the pipes of its stdout and
+//! stderr, its log files and the pumps that read them.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc, Mutex};
+
+use tether_core::LaunchSpec;
+
+use super::{io_err, Launcher, RunError, Sinks, Wired};
+use crate::config::Streams;
+use crate::env::rank_env;
+use crate::output::{FilterSink, Prefix, Pump, RankNames, Stream, Tail};
+
+impl Launcher {
+    /// The attempt's `filtered_stdout.log` and `filtered_stderr.log`, when asked for.
+    pub(super) fn sinks(&self, logs: Option<&Path>) -> Result<Sinks, RunError> {
+        let (Some(dir), out) = (logs, &self.cfg.output) else {
+            return Ok(Sinks::default());
+        };
+        std::fs::create_dir_all(dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
+        let sink = |needles: &Vec<String>, name: &str| -> Result<Option<FilterSink>, RunError> {
+            if needles.is_empty() {
+                return Ok(None);
+            }
+            let path = dir.join(name);
+            let file =
+                File::create(&path).map_err(io_err(format!("cannot create {}", path.display())))?;
+            Ok(Some(FilterSink {
+                needles: Arc::new(needles.clone()),
+                file: Arc::new(Mutex::new(file)),
+            }))
+        };
+        Ok(Sinks {
+            stdout: sink(&out.stdout_filters, "filtered_stdout.log")?,
+            stderr: sink(&out.stderr_filters, "filtered_stderr.log")?,
+        })
+    }
+
+    /// Makes local rank `local`'s launch spec, pipes, log files and pumps. Its stdout and
+    /// stderr share one pipe when both reach a console that is one file and neither goes to
+    /// a log file, so that its lines keep their order.
+    pub(super) fn wire(
+        &self,
+        local: usize,
+        attempt: u32,
+        logs: Option<&Path>,
+        sinks: &Sinks,
+        done: &mpsc::Sender<()>,
+    ) -> Result<Wired, RunError> {
+        let cfg = &self.cfg;
+        let rank = cfg.global_rank(local);
+        let error_file = self.error_file(attempt, rank)?;
+        let mut spec = LaunchSpec::new(cfg.command.clone());
+        spec.env = rank_env(cfg, local, attempt, &error_file, self.omp_unset);
+        spec.stacks = cfg.python_ranks;
+        let console = cfg.output.console(local);
+        let merged = logs.is_none() && console == Streams::BOTH && self.one_console;
+        let mut wired = Wired {
+            spec,
+            write_ends: Vec::with_capacity(2),
+            pumps: 0,
+            tail: Arc::new(Mutex::new(Tail::default())),
+            merged,
+            error_file,
+        };
+        let prefix = self.prefix(local);
+        if merged {
+            let pump = Pump {
+                console: Some(Stream::Stdout),
+                prefix,
+                file: None,
+                tail: Some(wired.tail.clone()),
+                filter: None,
+                activity: Some(self.watchdog.activity.clone()),
+            };
+            plumb(&mut wired, pump, &[Stream::Stdout, Stream::Stderr], done)?;
+            return Ok(wired);
+        }
+        let files = match logs {
+            Some(root) => open_logs(&root.join(format!("rank_{rank}")))?,
+            None => (None, None),
+        };
+        self.plumb_apart(&mut wired, console, files, prefix, sinks, done)?;
+        Ok(wired)
+    }
+
+    /// Gives a rank's stdout and stderr a pipe and a pump each: its console streams, log
+    /// files (`files`) and filters; the tail keeps stderr.
+    fn plumb_apart(
+        &self,
+        wired: &mut Wired,
+        console: Streams,
+        files: (Option<File>, Option<File>),
+        prefix: Option<Prefix>,
+        sinks: &Sinks,
+        done: &mpsc::Sender<()>,
+    ) -> Result<(), RunError> {
+        let (out_file, err_file) = files;
+        let streams = [
+            (
+                Stream::Stdout,
+                console.stdout,
+                out_file,
+                None,
+                &sinks.stdout,
+            ),
+            (
+                Stream::Stderr,
+                console.stderr,
+                err_file,
+                Some(wired.tail.clone()),
+                &sinks.stderr,
+            ),
+        ];
+        for (stream, shown, file, tail, filter) in streams {
+            let pump = Pump {
+                console: shown.then_some(stream),
+                prefix: prefix.clone(),
+                file,
+                tail,
+                filter: filter.clone(),
+                activity: Some(self.watchdog.activity.clone()),
+            };
+            plumb(wired, pump, &[stream], done)?;
+        }
+        Ok(())
+    }
+
+    /// Rank `rank`'s TORCHELASTIC_ERROR_FILE in attempt `attempt`, its directory created.
+    pub(super) fn error_file(&self, attempt: u32, rank: usize) -> Result<PathBuf, RunError> {
+        let dir = self.tmp.join(format!("attempt_{attempt}/rank_{rank}"));
+        std::fs::create_dir_all(&dir)
+            .map_err(io_err(format!("cannot create {}", dir.display())))?;
+        Ok(dir.join("error.json"))
+    }
+
+    /// Local rank `local`'s console prefix (`None` for `--no-prefix`).
+    pub(super) fn prefix(&self, local: usize) -> Option<Prefix> {
+        let template = self.cfg.output.prefix.as_ref()?;
+        Some(self.render_prefix(template, local))
+    }
+
+    pub(super) fn render_prefix(&self, template: &str, local: usize) -> Prefix {
+        let names = RankNames {
+            rank: self.cfg.global_rank(local),
+            local_rank: local,
+            role: &self.cfg.role,
+            hostname: &self.hostname,
+        };
+        Prefix::render(template, &names)
+    }
+}
+
+/// Makes the pipe that carries a rank's `streams` to `pump`, and starts the pump.
+fn plumb(
+    wired: &mut Wired,
+    pump: Pump,
+    streams: &[Stream],
+    done: &mpsc::Sender<()>,
+) -> Result<(), RunError> {
+    let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(|e| io_err("cannot create a pipe")(e.into()))?;
+    for stream in streams {
+        match stream {
+            Stream::Stdout => wired.spec.stdout = Some(write.as_raw_fd()),
+            Stream::Stderr => wired.spec.stderr = Some(write.as_raw_fd()),
+        }
+    }
+    wired.write_ends.push(write);
+    pump.spawn(read, done.clone())
+        .map_err(io_err("cannot start an output thread"))?;
+    wired.pumps += 1;
+    Ok(())
+}
+
+/// `dir/stdout.log` and `dir/stderr.log`, created.
+fn open_logs(dir: &Path) -> Result<(Option<File>, Option<File>), RunError> {
+    std::fs::create_dir_all(dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
+    let open = |name: &str| {
+        let path = dir.join(name);
+        File::create(&path).map_err(io_err(format!("cannot create {}", path.display())))
+    };
+    Ok((Some(open("stdout.log")?), Some(open("stderr.log")?)))
+}
