@@ -1,14 +1,12 @@
 """One node's side of a dynamic rendezvous, for `tether run` (``python -m tether._rendezvous``).
 
-The launcher (Rust) starts this helper once per node, with the interpreter its ranks use,
-for torchrun's dynamic forms: ``--rdzv-backend c10d`` (or ``etcd``, ``etcd-v2``) on several
-nodes, or an elastic ``--nnodes MIN:MAX``. The joining, the node ranks, the heartbeats, the
-last-call window and the rounds are torch's own (`torch.distributed.elastic.rendezvous`,
-built from the same options as torchrun builds it), so ``tether run`` and ``torchrun`` nodes
-can form one job. The launcher keeps everything else: the ranks, their output, the reports.
-
-The helper talks to the launcher in JSON lines: commands on stdin, answers and events on
-stdout (the helper's own prints go to stderr).
+The launcher (Rust) starts it once per node, with the ranks' interpreter, for torchrun's
+dynamic forms (``--rdzv-backend c10d``, ``etcd``, ``etcd-v2`` on several nodes, or an elastic
+``--nnodes MIN:MAX``). Joining, node ranks, heartbeats, the last call and the rounds are
+torch's own (`torch.distributed.elastic.rendezvous`, built as torchrun builds it), so
+``tether run`` and ``torchrun`` nodes form one job; the launcher keeps the ranks, their
+output and the reports. It talks to the launcher in JSON lines: commands on stdin, answers
+and events on stdout (its own prints go to stderr).
 
 Commands: ``{"cmd": "next"}`` joins the next round; ``{"cmd": "failed", "record": {...},
 "final": bool}`` records a failure of this node's ranks (``final``: no restart is left, the
@@ -20,11 +18,9 @@ Answers and events: ``round`` (this node's place in the round that formed), ``re
 (another node ended the job; its root cause), ``cause`` (the job's root cause, after a final
 failure), ``bye``, and ``error`` (a message naming the endpoint, the option or the node).
 
-Rounds: torch's handler shares its TCPStore with the ranks by default, which breaks the
-second round (a late node waits for a master address nobody publishes again; nodes whose
-restart counts differ look for each other under different prefixes). The first round is
-torch's exactly; every later round gets a store of its own: rank 0's node publishes a fresh
-port in the round's store and rank 0 hosts it (``TORCHELASTIC_USE_AGENT_STORE=False``).
+Rounds: torch shares its TCPStore with the ranks, which breaks later rounds (nobody
+publishes the master address again; restart counts that differ give different prefixes),
+so only round 0 is torch's exactly; each later round gets a store of its own.
 """
 
 from __future__ import annotations
@@ -241,12 +237,16 @@ class Node:
     def watch(self, store: Any, stop: threading.Event) -> None:
         beats: Dict[int, Any] = {}
         seen: Dict[int, float] = {}
-        count = 0
+        count, failing_since = 0, 0.0
         while not stop.wait(WATCH_EVERY):
             count += 1
             try:
                 why = self.moved_on(store, count, beats, seen)
-            except Exception as exc:  # noqa: BLE001 - the ranks go on without the watch
+                failing_since = 0.0
+            except Exception as exc:  # noqa: BLE001 - a store silent for read_timeout ends it
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since < self.read_timeout:
+                    continue
                 print(
                     f"tether: the rendezvous store at {self.endpoint} stopped answering "
                     f"({cause_text(exc)}); the ranks go on",
