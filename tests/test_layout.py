@@ -12,7 +12,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The Rust crates (names under crates/) held to the rules, as the Python package is.
-RUST_CRATES: tuple[str, ...] = ("tether-cli",)
+RUST_CRATES: tuple[str, ...] = ("tether-core", "tether-cli", "tether-py")
 
 
 def _layout() -> Any:
