@@ -22,23 +22,8 @@ class Command(NamedTuple):
     run: Callable[[List[str]], int]
 
 
-def _ps(args: List[str]) -> int:
-    from ._status import ps_main
-
-    return ps_main(args)
-
-
-def _stacks(args: List[str]) -> int:
-    from ._stacks import stacks_main
-
-    return stacks_main(args)
-
-
-#: Python subcommands by name.
-COMMANDS: Dict[str, Command] = {
-    "ps": Command("List the processes tether started for this user, as a tree", _ps),
-    "stacks": Command("Print every rank's stack in a running `tether run` (its PID)", _stacks),
-}
+#: Python subcommands by name (``tether ps`` and ``tether stacks`` are the launcher's own).
+COMMANDS: Dict[str, Command] = {}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> NoReturn:

@@ -19,7 +19,6 @@ __all__ = [
     "MAX_BLANKS",
     "ZYGOTE_FDS_ENV",
     "cli_main",
-    "STACKS_SIGNAL",
     "STACKS_FD_ENV",
     "PY_SPY_ENV",
     "install_stack_handler",
@@ -72,7 +71,6 @@ class ZygoteError(RuntimeError):
 REPORT_LIMIT: int
 MAX_BLANKS: int
 ZYGOTE_FDS_ENV: str
-STACKS_SIGNAL: int
 STACKS_FD_ENV: str
 PY_SPY_ENV: str
 

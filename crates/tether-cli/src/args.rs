@@ -78,6 +78,19 @@ pub enum Command {
         args_override_self = true
     )]
     Run(Box<RunArgs>),
+    /// List the processes tether started for this user, as a tree
+    #[command(disable_help_flag = true, disable_version_flag = true)]
+    Ps(OwnArgs),
+    /// Print every rank's stack in a running `tether run` (its PID)
+    #[command(disable_help_flag = true, disable_version_flag = true)]
+    Stacks(OwnArgs),
+}
+
+/// The arguments of a subcommand that reads them itself (`ps`, `stacks`).
+#[derive(Debug, Args)]
+pub struct OwnArgs {
+    #[arg(num_args = 0.., trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<OsString>,
 }
 
 #[derive(Debug, Args)]
@@ -436,6 +449,8 @@ pub struct AcceptedArgs {
 #[derive(Debug)]
 pub enum Parsed {
     Run(Box<RunArgs>),
+    Ps(Vec<OsString>),
+    Stacks(Vec<OsString>),
     /// A subcommand that the host (the Python package) implements; `main` never sees it
     /// when the host dispatched it first.
     Hosted(String),
@@ -471,8 +486,11 @@ pub fn parse(argv: Vec<OsString>, hosted: &[(String, String)]) -> Result<Parsed,
         }
     }
     let cli = Cli::from_arg_matches(&matches).map_err(|e| e.format(&mut cmd))?;
-    let Command::Run(run) = cli.command;
-    Ok(Parsed::Run(run))
+    Ok(match cli.command {
+        Command::Run(run) => Parsed::Run(run),
+        Command::Ps(own) => Parsed::Ps(own.args),
+        Command::Stacks(own) => Parsed::Stacks(own.args),
+    })
 }
 
 /// A usage error of `tether run`: message, usage line, exit status 2.
@@ -580,7 +598,7 @@ pub fn parse_run(list: &[&str]) -> Result<RunArgs, clap::Error> {
     argv.extend_from_slice(list);
     match parse(argv.iter().map(OsString::from).collect(), &[])? {
         Parsed::Run(run) => Ok(*run),
-        Parsed::Hosted(name) => panic!("hosted {name}"),
+        other => panic!("not `run`: {other:?}"),
     }
 }
 
@@ -718,13 +736,24 @@ mod tests {
     }
 
     #[test]
+    fn ps_and_stacks_take_their_arguments_as_they_come() {
+        let parsed = |words: &[&str]| parse(words.iter().map(OsString::from).collect(), &[]);
+        assert!(matches!(parsed(&["tether", "ps"]), Ok(Parsed::Ps(a)) if a.is_empty()));
+        assert!(matches!(parsed(&["tether", "ps", "-a"]), Ok(Parsed::Ps(a)) if a == ["-a"]));
+        let help = parsed(&["tether", "stacks", "--help"]);
+        assert!(matches!(help, Ok(Parsed::Stacks(a)) if a == ["--help"]));
+        let version = parsed(&["tether", "stacks", "--version"]);
+        assert!(matches!(version, Ok(Parsed::Stacks(a)) if a == ["--version"]));
+    }
+
+    #[test]
     fn hosted_subcommands_are_listed() {
-        let hosted = [("ps".to_string(), "List the runs".to_string())];
-        let argv = ["tether", "ps", "-a"].map(OsString::from).to_vec();
-        assert!(matches!(parse(argv, &hosted), Ok(Parsed::Hosted(name)) if name == "ps"));
+        let hosted = [("top".to_string(), "List the runs".to_string())];
+        let argv = ["tether", "top", "-a"].map(OsString::from).to_vec();
+        assert!(matches!(parse(argv, &hosted), Ok(Parsed::Hosted(name)) if name == "top"));
         let help = command(&hosted).render_help().to_string();
         assert!(
-            help.contains("ps") && help.contains("List the runs"),
+            help.contains("top") && help.contains("List the runs"),
             "{help}"
         );
     }

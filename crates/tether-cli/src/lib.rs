@@ -6,7 +6,9 @@
 //! command line and environment, prints their output line by line with a rank prefix, stops
 //! them all on the first failure and reports it, and leaves no orphan. Two processes do
 //! it: the keeper ([`keeper`], the process that called [`main`]) and the supervisor it
-//! forks ([`run`]), which starts and watches the ranks.
+//! forks ([`run`]), which starts and watches the ranks. `tether ps` ([`ps`]) lists what
+//! tether runs for this user, and `tether stacks PID` ([`stacks_cmd`]) asks a `tether run`
+//! for every rank's stack.
 
 mod args;
 mod clock;
@@ -15,12 +17,14 @@ mod env;
 mod hangs;
 mod keeper;
 mod output;
+mod ps;
 mod reaper;
 mod rendezvous;
 mod report;
 mod run;
 mod signals;
 mod slurm;
+mod stacks_cmd;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -67,6 +71,8 @@ pub fn main(argv: Vec<OsString>, host: Host) -> i32 {
     };
     let run_args = match parsed {
         Parsed::Run(run_args) => run_args,
+        Parsed::Ps(args) => return ps::main(&args),
+        Parsed::Stacks(args) => return stacks_cmd::main(&args),
         Parsed::Hosted(name) => {
             output::message(&format!("tether: `{name}` is run by the Python package"));
             return 2;

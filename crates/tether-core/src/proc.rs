@@ -79,6 +79,46 @@ impl Stat {
     pub fn number(&self, n: usize) -> Option<u64> {
         self.field(n)?.parse().ok()
     }
+
+    /// The command (field 2, `comm`), without its parentheses.
+    pub fn command(&self) -> Option<&str> {
+        self.0.get(self.0.find('(')? + 1..self.0.rfind(')')?)
+    }
+}
+
+fn read_bytes(of: Of, file: &str) -> Option<Vec<u8>> {
+    std::fs::read(path(of, file)).ok()
+}
+
+/// `/proc/PID/cmdline`: the arguments of a process, as raw bytes each (what a process that
+/// set its title wrote there, split at its NULs).
+pub fn cmdline(pid: i32) -> Option<Vec<Vec<u8>>> {
+    let raw = read_bytes(Of::Pid(pid), "cmdline")?;
+    Some(nul_separated(&raw))
+}
+
+/// `/proc/PID/environ`: the environment a process started with, `(name, value)`.
+pub fn environ(pid: i32) -> Option<Vec<(Vec<u8>, Vec<u8>)>> {
+    let raw = read_bytes(Of::Pid(pid), "environ")?;
+    let pairs = nul_separated(&raw).into_iter().filter_map(|entry| {
+        let at = entry.iter().position(|&b| b == b'=')?;
+        Some((entry[..at].to_vec(), entry[at + 1..].to_vec()))
+    });
+    Some(pairs.collect())
+}
+
+fn nul_separated(raw: &[u8]) -> Vec<Vec<u8>> {
+    let raw = raw.strip_suffix(b"\0").unwrap_or(raw);
+    if raw.is_empty() {
+        return Vec::new();
+    }
+    raw.split(|&b| b == 0).map(<[u8]>::to_vec).collect()
+}
+
+/// The user who owns a process (the owner of `/proc/PID`).
+pub fn owner(pid: i32) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    Some(std::fs::metadata(path(Of::Pid(pid), "")).ok()?.uid())
 }
 
 /// The state letter of a process (R, S, D, T, t, Z, ...).
@@ -230,6 +270,7 @@ mod tests {
         assert_eq!(stat.field(3), Some("S"));
         assert_eq!(stat.number(5), Some(42));
         assert_eq!(stat.field(2), None);
+        assert_eq!(stat.command(), Some("a (b) c"));
         assert!(process_start_time(std::process::id() as i32).is_some());
     }
 
@@ -267,5 +308,23 @@ mod tests {
         assert!(exists(me));
         assert!(pids().contains(&me));
         assert!(fd_targets(me).is_some_and(|fds| !fds.is_empty()));
+        assert_eq!(owner(me), Some(rustix::process::getuid().as_raw()));
+        assert!(cmdline(me).is_some_and(|args| !args.is_empty()));
+        let path = std::env::var_os("PATH").map(std::os::unix::ffi::OsStringExt::into_vec);
+        let env = environ(me).unwrap();
+        assert_eq!(
+            env.into_iter().find(|(k, _)| k == b"PATH").map(|(_, v)| v),
+            path
+        );
+    }
+
+    #[test]
+    fn nul_separated_fields_keep_empty_ones_but_the_last() {
+        assert_eq!(
+            nul_separated(b"a\0\0b\0"),
+            vec![b"a".to_vec(), vec![], b"b".to_vec()]
+        );
+        assert_eq!(nul_separated(b"a b"), vec![b"a b".to_vec()]);
+        assert!(nul_separated(b"").is_empty());
     }
 }

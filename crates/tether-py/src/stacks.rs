@@ -269,7 +269,6 @@ fn stacks(
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("STACKS_SIGNAL", core_stacks::signal())?;
     m.add("STACKS_FD_ENV", core_stacks::FD_ENV)?;
     m.add("PY_SPY_ENV", core_stacks::PY_SPY_ENV)?;
     m.add_class::<SignalGuard>()?;

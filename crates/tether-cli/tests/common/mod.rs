@@ -58,6 +58,8 @@ pub struct Launcher {
     err: Option<std::thread::JoinHandle<Vec<u8>>>,
     /// What the launcher has written to its stdout so far.
     seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    /// What the launcher has written to its stderr so far.
+    seen_err: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
 }
 
 pub fn command(args: &[&str]) -> Command {
@@ -87,10 +89,14 @@ impl Launcher {
             }
             std::mem::take(&mut *so_far.lock().unwrap())
         });
+        let seen_err = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let err_so_far = seen_err.clone();
         let err = std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            let _ = stderr.read_to_end(&mut buf);
-            buf
+            let mut chunk = [0u8; 1 << 16];
+            while let Ok(n @ 1..) = stderr.read(&mut chunk) {
+                err_so_far.lock().unwrap().extend_from_slice(&chunk[..n]);
+            }
+            std::mem::take(&mut *err_so_far.lock().unwrap())
         });
         Launcher {
             child,
@@ -99,12 +105,18 @@ impl Launcher {
             out: Some(out),
             err: Some(err),
             seen,
+            seen_err,
         }
     }
 
     /// What the launcher has written to its stdout so far.
     pub fn stdout_so_far(&self) -> String {
         String::from_utf8_lossy(&self.seen.lock().unwrap()).into_owned()
+    }
+
+    /// What the launcher has written to its stderr so far.
+    pub fn stderr_so_far(&self) -> String {
+        String::from_utf8_lossy(&self.seen_err.lock().unwrap()).into_owned()
     }
 
     fn signal_killed(&self, status: &std::process::ExitStatus) -> bool {
