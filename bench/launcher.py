@@ -21,6 +21,9 @@ no ``--node-rank``), the same command line for both launchers:
 - restart: from a rank's failure (it writes the time, then exits 1) to every node's ranks
   running again in the new round (``--max-restarts 1``).
 
+Beside them, the floor of any start through torch's own rendezvous: two interpreters (one
+per node) importing torch's rendezvous handler at once, as both launchers' first step does.
+
     python bench/launcher.py [--reps 5] [--nproc 4] [--tether PATH] [--torchrun PATH]
                              [--skip-one-node] [--skip-two-nodes]
 """
@@ -132,15 +135,34 @@ def two_nodes(launcher: List[str], script: str, marks: Path, what: str) -> float
     return max(float(marks.joinpath(f"start-1-{rank}").read_text()) for rank in range(4)) - failed
 
 
+#: What a node imports before it can join torch's rendezvous (both launchers do).
+RENDEZVOUS_IMPORT = (
+    "import torch.distributed.elastic.rendezvous.dynamic_rendezvous, "
+    "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend"
+)
+
+
+def import_floor() -> float:
+    """Seconds for two interpreters, started at once, to import torch's rendezvous."""
+    began = time.time()
+    argv = [sys.executable, "-c", RENDEZVOUS_IMPORT]
+    procs = [subprocess.Popen(argv) for _ in range(2)]
+    if any(proc.wait(timeout=600) != 0 for proc in procs):
+        sys.exit("importing torch's rendezvous failed")
+    return time.time() - began
+
+
 def bench_two_nodes(launchers: Dict[str, List[str]], reps: int, tmp: str) -> None:
     script = os.path.join(tmp, "rank.py")
     Path(script).write_text(TWO_NODE_RANK)
     marks = Path(tmp, "marks")
     times = {what: {name: [] for name in launchers} for what in ("start", "restart")}
+    floor: List[float] = []
     for _ in range(reps):
         for what, by_launcher in times.items():
             for name, launcher in launchers.items():
                 by_launcher[name].append(two_nodes(launcher, script, marks, what))
+        floor.append(import_floor())
     print(f"\ntwo nodes x 2 ranks, c10d on 127.0.0.1, {reps} repetitions each")
     print(f"{'measure':<12} {'launcher':<12} {'median s':>10} {'min s':>10} {'max s':>10}")
     for what, by_launcher in times.items():
@@ -152,6 +174,12 @@ def bench_two_nodes(launchers: Dict[str, List[str]], reps: int, tmp: str) -> Non
     for what, by_launcher in times.items():
         ours, theirs = (statistics.median(by_launcher[n]) for n in ("tether run", "torchrun"))
         print(f"{what}: tether run takes {ours / theirs:.2f}x torchrun's time (median)")
+    print(
+        f"floor of a start: two nodes' import of torch's rendezvous takes "
+        f"{statistics.median(floor):.3f} s (median; min {min(floor):.3f}, max {max(floor):.3f}),"
+        f" {statistics.median(floor) / statistics.median(times['start']['torchrun']):.2f}x"
+        " torchrun's start"
+    )
 
 
 def main() -> None:
