@@ -5,6 +5,7 @@ with elastic node counts, restarts across nodes, a torchrun node in the same job
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -182,6 +183,12 @@ def descendants(pid: int) -> Set[int]:
     return found
 
 
+def signal_each(pids: List[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 def test_is_host_decides_which_node_hosts_the_store(tmp_path: Path, nodes: List[Node]) -> None:
     port = free_port()
     script = [ELASTIC, "--sleep", "3"]
@@ -237,6 +244,39 @@ def test_an_elastic_job_grows_when_a_node_joins_late_and_goes_on_when_one_is_kil
         assert node.err.count("not counted as a restart") >= 2, node.err
         assert re.search(r"node \d \(\S+\) (left the job|stopped answering)", node.err), node.err
     sums = sorted(re.findall(r"sum (\d+) rank (\d+)", first[0].out + first[1].out))
+    assert sums == [("4", "0"), ("4", "1"), ("4", "2"), ("4", "3")], sums
+
+
+def test_a_node_whose_machine_is_lost_is_noticed_by_its_heartbeats_without_spending_a_restart(
+    tmp_path: Path, nodes: List[Node]
+) -> None:
+    port = free_port()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = ["--nproc-per-node=2", "--max-restarts=0", "--grace-period=3", ELASTIC]
+    script += ["--finish-at", "4", "--after", f"{marks}:6"]
+    survivors = [start(nodes, tmp_path, tether(*c10d(port, "lost", "1:3"), *script))]
+    survivors.append(start(nodes, tmp_path, tether(*c10d(port, "lost", "1:3"), *script)))
+    # The lost node never hosts the store: a frozen host freezes every node's rendezvous.
+    guest = c10d(port, "lost", "1:3", conf=QUICK + ",is_host=false")
+    lost = start(nodes, tmp_path, tether(*guest, *script))
+    for node in nodes:
+        node.wait_for("place RANK=.* WORLD_SIZE=6")
+    # The machine is lost: every process of that node stops at once (nothing says goodbye).
+    frozen = sorted({lost.proc.pid} | descendants(lost.proc.pid))
+    signal_each(frozen, signal.SIGSTOP)
+    try:
+        # --max-restarts 0: a change of membership that spent a restart would end the job.
+        for node in survivors:
+            assert node.end(limit=120) == 0, node.err
+            assert re.search(r"node \d \(\S+\) stopped answering for 3 s", node.err), node.err
+            assert {restarts for _, _, _, restarts, _ in node.places()} == {0}
+            assert [world for _, world, _, _, _ in node.places()][-2:] == [4, 4]
+    finally:
+        signal_each(frozen, signal.SIGKILL)
+    assert lost.end() == -signal.SIGKILL
+    assert wait_gone(frozen, 10) == []
+    sums = sorted(re.findall(r"sum (\d+) rank (\d+)", survivors[0].out + survivors[1].out))
     assert sums == [("4", "0"), ("4", "1"), ("4", "2"), ("4", "3")], sums
 
 
