@@ -83,3 +83,14 @@ def seconds(value: Any, name: str) -> Optional[float]:
     if math.isnan(seconds):
         raise ValueError(f"{name} must be a number of seconds or None, not NaN")
     return seconds
+
+
+def positive_seconds(value: Any, name: str) -> float:
+    """A number of seconds above 0 (``inf`` allowed), as a stacks request's timeout: None, a
+    bool, NaN and other values are errors."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    number = float(value)
+    if math.isnan(number) or number <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    return number

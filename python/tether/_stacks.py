@@ -4,14 +4,12 @@ native frames."""
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 import shutil
 import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
-from . import _native
+from . import _native, _process
 
 #: How long a request waits for the stacks by default.
 DEFAULT_TIMEOUT = 5.0
@@ -27,16 +25,6 @@ def py_spy() -> Optional[str]:
     return shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
 
 
-def check_timeout(value: Any, name: str = "timeout") -> float:
-    """A positive number of seconds (``inf`` allowed); anything else is an error."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
-    seconds = float(value)
-    if math.isnan(seconds) or seconds <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
-    return seconds
-
-
 def ask(
     targets: Sequence[Tuple[_native.Group, int]],
     timeout: Any,
@@ -48,5 +36,5 @@ def ask(
     out when it is not). ``dump_after`` (seconds) is how long a process may take to begin
     answering from its interpreter before its main thread is dumped from a signal handler
     (0.1 s by default)."""
-    seconds = check_timeout(timeout)
+    seconds = _process.positive_seconds(timeout, "timeout")
     return _native.stacks(list(targets), seconds, py_spy() if native else None, dump_after)

@@ -151,7 +151,7 @@ def main() -> None:
         # to: keep the garbage collector from walking it (and copying every page it visits)
         # in each child.
         gc.freeze()
-        threads = len(os.listdir("/proc/self/task"))
+        threads = _threads()
         ready = pickle.dumps({"failures": failures, "threads": threads, "left_out": left_out})
         served = _native.zygote_serve(
             request_fd, notices_fd, os.getppid(), ready, config["reserve"]

@@ -297,7 +297,7 @@ def start_processes(
     ``ProcessTimeoutError`` (a ``TimeoutError``) whose ``stacks`` shows where each rank was."""
     _launch.check_start_method(start_method, "tether")
     if timeout is not None:
-        timeout = _stacks.check_timeout(timeout)
+        timeout = _process.positive_seconds(timeout, "timeout")
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 0:
         raise ValueError(f"nprocs must be a non-negative int, got {nprocs!r}")
     if getattr(multiprocessing.process.current_process(), "_inheriting", False):

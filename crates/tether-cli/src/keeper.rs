@@ -71,7 +71,7 @@ fn keep(cfg: Config, handled: &[i32]) -> i32 {
     };
     let keeper = std::process::id() as i32;
     // The children the host process had already are its own: never killed nor reaped.
-    let hosts: HashSet<i32> = reaper::children().into_iter().collect();
+    let hosts: HashSet<i32> = tether_core::proc::children().into_iter().collect();
     // SAFETY: the process has a single thread (checked by `main`), so the child may run any
     // code; it never returns here (see `supervisor_main`).
     let pid = unsafe { libc::fork() };

@@ -78,7 +78,7 @@ pub fn main(argv: Vec<OsString>, host: Host) -> i32 {
             return 2;
         }
     };
-    let threads = std::fs::read_dir("/proc/self/task").map_or(1, |d| d.count());
+    let threads = tether_core::proc::threads();
     if threads > 1 {
         output::message(&format!(
             "tether: `tether run` must start in a process with one thread (this one has \

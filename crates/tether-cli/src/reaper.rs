@@ -11,6 +11,8 @@ use std::collections::HashSet;
 use std::io;
 use std::time::{Duration, Instant};
 
+use tether_core::proc;
+
 /// Makes this process the reaper of its orphaned descendants.
 pub fn become_subreaper() -> io::Result<()> {
     // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) only sets a flag of this process.
@@ -18,49 +20,6 @@ pub fn become_subreaper() -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
-}
-
-/// The pids of this process's children (every thread's), from
-/// `/proc/self/task/*/children`, or from every process's parent where the kernel has no
-/// such file.
-pub fn children() -> Vec<i32> {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return children_by_scan();
-    };
-    let mut pids = Vec::new();
-    let mut read_any = false;
-    for task in tasks.filter_map(Result::ok) {
-        if let Ok(text) = std::fs::read_to_string(task.path().join("children")) {
-            read_any = true;
-            pids.extend(
-                text.split_whitespace()
-                    .filter_map(|p| p.parse::<i32>().ok()),
-            );
-        }
-    }
-    if read_any {
-        pids
-    } else {
-        children_by_scan()
-    }
-}
-
-fn children_by_scan() -> Vec<i32> {
-    let me = std::process::id().to_string();
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    procs
-        .filter_map(Result::ok)
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                return false;
-            };
-            let fields = stat.rsplit_once(") ").map(|(_, rest)| rest);
-            fields.and_then(|f| f.split_whitespace().nth(1)) == Some(me.as_str())
-        })
-        .collect()
 }
 
 /// SIGKILL to child `pid`, and to the process group it leads.
@@ -93,7 +52,7 @@ pub fn reap_orphans(ranks: &HashSet<i32>) -> Vec<i32> {
             None => return reaped,
         }
     }
-    for pid in children() {
+    for pid in proc::children() {
         if !ranks.contains(&pid) && exited(pid) && reap(pid) {
             reaped.push(pid);
         }
@@ -187,7 +146,7 @@ pub fn kill_orphans(
     let mut told = false;
     let mut killed = HashSet::new();
     loop {
-        let mut orphans: Vec<i32> = children()
+        let mut orphans: Vec<i32> = proc::children()
             .into_iter()
             .filter(|p| !ranks.contains(p))
             .collect();
@@ -196,7 +155,7 @@ pub fn kill_orphans(
                 return killed.len();
             }
             // A child /proc/self/task/*/children missed: every process names its parent.
-            orphans = children_by_scan();
+            orphans = proc::children_by_parent();
         } else if orphans.is_empty() {
             return killed.len();
         }
@@ -222,7 +181,10 @@ pub fn kill_orphans(
 pub fn kill_every_child(limit: Duration) {
     let deadline = Instant::now() + limit;
     loop {
-        let live: Vec<i32> = children().into_iter().filter(|&p| !exited(p)).collect();
+        let live: Vec<i32> = proc::children()
+            .into_iter()
+            .filter(|&p| !exited(p))
+            .collect();
         if live.is_empty() || Instant::now() >= deadline {
             return;
         }
@@ -236,7 +198,7 @@ pub fn kill_every_child(limit: Duration) {
 /// `keep` are the host process's own children, which are not tether's to touch.
 pub fn kill_and_reap_all_but(keep: &HashSet<i32>) {
     loop {
-        let ours: Vec<i32> = children()
+        let ours: Vec<i32> = proc::children()
             .into_iter()
             .filter(|p| !keep.contains(p))
             .collect();

@@ -67,12 +67,9 @@ impl ErrorFile {
 /// The OOM-kill counter of this process's memory cgroup (v2 `memory.events`, or v1
 /// `memory.oom_control`), when it can be read.
 pub fn oom_kills() -> Option<u64> {
-    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     let mut candidates = Vec::new();
-    for line in cgroups.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        let path = path.trim_start_matches('/');
+    for cgroup in tether_core::proc::cgroups() {
+        let (controllers, path) = (&cgroup.controllers, cgroup.path.trim_start_matches('/'));
         if controllers.is_empty() {
             candidates.push(Path::new("/sys/fs/cgroup").join(path).join("memory.events"));
             candidates.push(Path::new("/sys/fs/cgroup/memory.events").to_path_buf());

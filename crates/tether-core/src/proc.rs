@@ -163,6 +163,37 @@ pub fn pids() -> Vec<i32> {
     names.filter_map(|n| n.to_str()?.parse().ok()).collect()
 }
 
+/// The threads of this process (`/proc/self/task`); 1 when it cannot be read.
+pub fn threads() -> usize {
+    std::fs::read_dir(path(Of::This, "task")).map_or(1, Iterator::count)
+}
+
+/// The pids of this process's children (every thread's), from
+/// `/proc/self/task/*/children`, or from every process's parent (field 4 of its stat)
+/// where the kernel has no such file.
+pub fn children() -> Vec<i32> {
+    let tasks = std::fs::read_dir(path(Of::This, "task"));
+    let lists: Vec<String> = tasks
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .collect();
+    if lists.is_empty() {
+        return children_by_parent();
+    }
+    let each = lists.iter().flat_map(|list| list.split_whitespace());
+    each.filter_map(|pid| pid.parse().ok()).collect()
+}
+
+/// The pids of this process's children, from every process's parent (field 4 of its
+/// stat): slower than [`children`], and exact for a child that `children` files miss.
+pub fn children_by_parent() -> Vec<i32> {
+    let me = u64::from(std::process::id());
+    let mine = |pid: &i32| stat(Of::Pid(*pid)).and_then(|s| s.number(4)) == Some(me);
+    pids().into_iter().filter(mine).collect()
+}
+
 /// What each fd of a process points at (`socket:[INODE]`, a path, ...); `None` when its
 /// fd directory cannot be read.
 pub fn fd_targets(pid: i32) -> Option<Vec<OsString>> {

@@ -3,6 +3,7 @@
 //! tells a zygote that died, stopped or stopped answering from one that is merely slow.
 
 use std::ffi::OsString;
+use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
@@ -123,7 +124,7 @@ impl Zygote {
                     log::info!(target: "tether::zygote", "zygote pid {} is ready", self.pid());
                     self.ready = Some(body)
                 }
-                _ => return Err(self.fail("sent an unexpected message")),
+                _ => return Err(self.fail(Fault::Unexpected)),
             }
         }
         Ok(self.ready.as_deref().unwrap_or_default())
@@ -208,7 +209,7 @@ impl Zygote {
                 };
                 (made, Some(err))
             }
-            Reply::Ready(_) => return Err(self.fail("sent an unexpected message")),
+            Reply::Ready(_) => return Err(self.fail(Fault::Unexpected)),
         };
         let mut reads: Vec<Option<OwnedFd>> = reads.into_iter().map(Some).collect();
         let children = made
@@ -236,7 +237,7 @@ impl Zygote {
                 Ok(true) => return Ok(()),
                 Ok(false) => self.check(&mut silent, Some(ANSWER_TIMEOUT))?,
                 Err(err) if matches!(err.raw_os_error(), Some(libc::EPIPE | libc::ECONNRESET)) => {
-                    return Err(self.fail("went away"))
+                    return Err(self.fail(Fault::WentAway))
                 }
                 Err(err) => {
                     return Err(Error::resource("cannot send a request to the zygote", err))
@@ -252,13 +253,13 @@ impl Zygote {
         loop {
             match self.request.recv(Some(CHECK_EVERY)) {
                 Ok(Recv::Message(m)) => {
-                    return Reply::decode(&m.data).map_err(|_| self.fail("sent a malformed reply"))
+                    return Reply::decode(&m.data).map_err(|_| self.fail(Fault::Malformed))
                 }
                 Ok(Recv::Timeout) => self.check(&mut silent, patience)?,
-                Ok(Recv::Closed) => return Err(self.fail("went away")),
+                Ok(Recv::Closed) => return Err(self.fail(Fault::WentAway)),
                 // A zygote that died with a message of ours unread resets the channel.
                 Err(err) if err.raw_os_error() == Some(libc::ECONNRESET) => {
-                    return Err(self.fail("went away"))
+                    return Err(self.fail(Fault::WentAway))
                 }
                 Err(err) => return Err(Error::resource("cannot read the zygote's reply", err)),
             }
@@ -269,37 +270,33 @@ impl Zygote {
     fn check(&mut self, silent: &mut Duration, patience: Option<Duration>) -> Result<(), Error> {
         *silent += CHECK_EVERY;
         if self.exit().is_some() {
-            return Err(self.fail("went away"));
+            return Err(self.fail(Fault::WentAway));
         }
         let state = process_state(self.pid());
         if matches!(state, Some('T') | Some('t')) && *silent >= STOPPED_PATIENCE {
-            return Err(self.fail(&format!("is stopped (state {})", describe_state(state))));
+            return Err(self.fail(Fault::Stopped(state)));
         }
         if patience.is_some_and(|p| *silent >= p) {
-            let what = format!(
-                "has not answered for {} s (state {})",
-                silent.as_secs(),
-                describe_state(state)
-            );
-            return Err(self.fail(&what));
+            return Err(self.fail(Fault::Silent(*silent, state)));
         }
         Ok(())
     }
 
     /// Marks the zygote broken and stops it (its blanks exit with it); the error says why.
-    /// `why` is "went away" when its end of the channel closed: it died on its own, and the
-    /// error shows what it reported.
-    fn fail(&mut self, why: &str) -> Error {
+    /// When its end of the channel closed ([`Fault::WentAway`]) it died on its own, and the
+    /// error shows how it ended and what it reported.
+    fn fail(&mut self, fault: Fault) -> Error {
         let pid = self.pid();
         let one_second = Some(Duration::from_secs(1));
-        self.vanished =
-            why == "went away" && self.process.wait(None, WaitFor::AllExited, one_second);
+        self.vanished = matches!(fault, Fault::WentAway)
+            && self.process.wait(None, WaitFor::AllExited, one_second);
         self.process.terminate(libc::SIGKILL, Duration::ZERO);
         // Its blanks would only exit once they noticed: nothing of it is left running.
         self.reserve.stop_all(Duration::from_secs(1));
-        let mut message = format!("the tether zygote (pid {pid}) {why}");
+        let who = format!("the tether zygote (pid {pid})");
+        let mut message = format!("{who} {fault}");
         if let (true, Some(exit)) = (self.vanished, self.exit()) {
-            message = format!("the tether zygote (pid {pid}) died with {}", exit.status);
+            message = exit.status.died(&who);
             let report = self
                 .process
                 .with_member(0, |m| crate::report::decode(m.report()));
@@ -328,6 +325,35 @@ impl Zygote {
         self.reserve.stop_all(grace.max(Duration::from_secs(1)));
         self.broken
             .get_or_insert_with(|| "the tether zygote was closed".into());
+    }
+}
+
+/// Why a zygote stopped serving, as its client found it.
+enum Fault {
+    /// Its end of the channel closed, or it exited: it died on its own.
+    WentAway,
+    Unexpected,
+    Malformed,
+    /// Stopped (SIGSTOP, a debugger) for longer than the client waits; its /proc state.
+    Stopped(Option<char>),
+    /// Silent for this long; its /proc state.
+    Silent(Duration, Option<char>),
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Fault::WentAway => write!(f, "went away"),
+            Fault::Unexpected => write!(f, "sent an unexpected message"),
+            Fault::Malformed => write!(f, "sent a malformed reply"),
+            Fault::Stopped(state) => write!(f, "is stopped (state {})", describe_state(*state)),
+            Fault::Silent(silent, state) => write!(
+                f,
+                "has not answered for {} s (state {})",
+                silent.as_secs(),
+                describe_state(*state)
+            ),
+        }
     }
 }
 
