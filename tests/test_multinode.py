@@ -183,6 +183,13 @@ def descendants(pid: int) -> Set[int]:
     return found
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def signal_each(pids: List[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -308,6 +315,38 @@ def test_a_rank_failure_restarts_every_node_and_the_last_one_ends_the_job_on_bot
         assert "rank 2" in report and "exit code 3" in report, report
         assert f"host {host}" in report and "node rank 1" in report, report
         assert "rank 2 fails on purpose" in report, report
+
+
+def test_the_node_hosting_the_store_keeps_it_until_every_node_has_read_the_end_of_the_job(
+    tmp_path: Path, nodes: List[Node]
+) -> None:
+    port = free_port()
+    common = ["--nproc-per-node=1", "--max-restarts=0", "--grace-period=3", ELASTIC]
+    # The host's rank fails once told to; the guest's waits to be stopped. A node is dead
+    # after 6 s without heartbeats, longer than the guest's helper is frozen below.
+    trigger = tmp_path / "fail now"
+    failing = [*common, "--fail-here", "--fail-after", "0", "--fail-when", str(trigger)]
+    conf = "last_call_timeout=1,keep_alive_interval=2,keep_alive_max_attempt=3"
+    hosting, guesting = (c10d(port, "end", conf=f"{conf},is_host={h}") for h in ("true", "false"))
+    host = start(nodes, tmp_path, tether(*hosting, *failing))
+    guest = start(nodes, tmp_path, tether(*guesting, *common))
+    for node in nodes:
+        node.wait_for("place RANK=")
+    # The guest's helper is frozen while the job ends: it cannot read the end before the
+    # host's launcher has reported it, and a host that went at once would take the store.
+    helper = [p for p in descendants(guest.proc.pid) if "tether._rendezvous" in cmdline(p)]
+    assert len(helper) == 1, helper
+    signal_each(helper, signal.SIGSTOP)
+    try:
+        trigger.touch()
+        host.wait_for("failed first", limit=30)
+        time.sleep(1)
+    finally:
+        signal_each(helper, signal.SIGCONT)
+    assert guest.end(limit=60) == 3, guest.err
+    assert host.end(limit=60) == 3, host.err
+    report = guest.err[guest.err.index("failed first") :]
+    assert "exit code 3" in report and re.search(r"rank \d fails on purpose", report), report
 
 
 def test_a_torchrun_node_and_a_tether_node_train_in_one_job(

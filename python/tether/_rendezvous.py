@@ -37,13 +37,15 @@ from typing import Any, Dict, List, Optional, TextIO
 from . import _rendezvous_torch
 from ._rendezvous_say import (
     Say,
+    announce_run_id,
     call_with_deadline,
     cause_text,
     connect_hint,
     fail,
+    hosts,
     join_failed,
     join_timed_out,
-    listens_on,
+    other_run_ids,
 )
 
 # Keys this helper keeps in each round's store, beside torch's own.
@@ -51,13 +53,12 @@ ALIVE = "tether.alive."
 LEFT = "tether.left."
 FAILURE = "tether.failure."
 END = "tether.end"
+# Each node sets it once it has read END (the node hosting the store waits for them).
+END_SEEN = "tether.end_seen."
 # torch's agents wait for each other there when their ranks succeeded.
 TERMINAL_STATE = "torchelastic/agent/terminal_state"
 FINISHED = "tether.finished."
 MASTER = "tether.master"
-# Keys in the endpoint's store itself, to name nodes that joined under another run id.
-RUNS = "tether.runs"
-RUN = "tether.run."
 
 WATCH_EVERY = 0.1
 
@@ -106,31 +107,11 @@ class Node:
                 self.handler = get_rendezvous_handler(params)
         except Exception as exc:  # noqa: BLE001 - reported, with the endpoint named
             fail(self.say, f"{reach}: {cause_text(exc)}{connect_hint(exc)}")
-        self.announce_run_id()
+        announce_run_id(self.base_store, self.run_id, self.host)
 
     def c10d_handler(self, params: Any) -> Any:
         handler, self.base_store = _rendezvous_torch.c10d_handler(params, self.opts["max_nodes"])
         return handler
-
-    def announce_run_id(self) -> None:
-        if self.base_store is None:
-            return
-        try:
-            index = self.base_store.add(RUNS, 1)
-            self.base_store.set(f"{RUN}{index}", json.dumps([self.run_id, self.host]))
-        except Exception:  # noqa: BLE001 - the store is torch's to complain about, at the join
-            pass
-
-    def other_run_ids(self) -> List[str]:
-        if self.base_store is None:
-            return []
-        try:
-            count = self.base_store.add(RUNS, 0)
-            keys = [f"{RUN}{i}" for i in range(1, count + 1)]
-            seen = [json.loads(v) for v in self.base_store.multi_get(keys)]
-        except Exception:  # noqa: BLE001 - only a hint in a message
-            return []
-        return sorted({f"{run!r} (from {host})" for run, host in seen if run != self.run_id})
 
     def next_round(self) -> None:
         self.stop_watch()
@@ -178,24 +159,36 @@ class Node:
             cause = self.read_end()
             if cause is not None:
                 self.say("ended", cause=cause)
+                self.hold_the_end()
                 os._exit(0)
             fail(self.say, f"the rendezvous of run {self.run_id!r} at {self.endpoint} is closed")
         if isinstance(exc, RendezvousTimeoutError):
-            others = self.other_run_ids()
+            others = other_run_ids(self.base_store, self.run_id)
             message = join_timed_out(
                 self.run_id, self.endpoint, self.join_timeout, self.opts["min_nodes"], others
             )
             self.say("error", message=message)
-            self.linger_if_hosting()
+            # The node hosting the store keeps it a while, so that the others reach their
+            # own join timeout and can say which run ids they met.
+            if hosts(self.endpoint):
+                time.sleep(min(self.join_timeout, 10.0))
             os._exit(1)
         fail(self.say, join_failed(self.endpoint, exc))
 
-    def linger_if_hosting(self) -> None:
-        """The node hosting the store keeps it a while after its own join timeout, so that
-        the others reach theirs and can say which run ids they met."""
-        port = self.endpoint.rsplit(":", 1)[-1]
-        if port.isdigit() and listens_on(int(port)):
-            time.sleep(min(self.join_timeout, 10.0))
+    def hold_the_end(self) -> None:
+        """Once the job ended, the node hosting the store keeps it until every other node
+        read the end (or finished, left, or stopped answering): none misses it and runs on."""
+        try:
+            if not (self.store is not None and self.store.check([END]) and hosts(self.endpoint)):
+                return
+            others = [n for n in range(self.nodes) if n != self.group_rank]
+            deadline = time.monotonic() + self.dead_after + 1
+            while others and time.monotonic() < deadline:
+                keys = (END_SEEN, FINISHED, LEFT)
+                others = [n for n in others if not any(self.store.check([f"{k}{n}"]) for k in keys)]
+                time.sleep(WATCH_EVERY)
+        except Exception:  # noqa: BLE001 - the store is gone: nothing left to hold
+            pass
 
     def round_number(self) -> int:
         holder = getattr(self.handler, "_state_holder", None)
@@ -264,6 +257,7 @@ class Node:
     ) -> Optional["tuple[str, Dict[str, Any]]"]:
         store.set(f"{ALIVE}{self.group_rank}", json.dumps([count, self.host]))
         if store.check([END]):
+            store.set(f"{END_SEEN}{self.group_rank}", "1")
             return "ended", {"cause": json.loads(store.get(END))}
         now = time.monotonic()
         for node in range(self.nodes):
@@ -291,7 +285,10 @@ class Node:
         if self.store is None:
             return None
         try:
-            return json.loads(self.store.get(END)) if self.store.check([END]) else None
+            if not self.store.check([END]):
+                return None
+            self.store.set(f"{END_SEEN}{self.group_rank}", "1")
+            return json.loads(self.store.get(END))
         except Exception:  # noqa: BLE001 - no store left to read
             return None
 
@@ -340,7 +337,9 @@ class Node:
             threading.Thread(target=wait_for_everyone, daemon=True).start()
             while not passed.wait(WATCH_EVERY):
                 if self.store.check([END]):
+                    self.store.set(f"{END_SEEN}{self.group_rank}", "1")
                     self.say("ended", cause=json.loads(self.store.get(END)))
+                    self.hold_the_end()
                     return
         except Exception:  # noqa: BLE001 - the store's host finished and went: nothing to wait for
             pass
@@ -369,6 +368,7 @@ def serve(node: Node, commands: TextIO) -> None:
             node.done()
             return
         elif cmd == "leave":
+            node.hold_the_end()
             break
     node.leave()
 

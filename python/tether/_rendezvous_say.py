@@ -1,5 +1,6 @@
 """What the rendezvous helper (``_rendezvous``) says to the launcher: the conversation, one
-JSON object per line, and the wording of its failures to reach the endpoint or to join."""
+JSON object per line, and the wording of its failures to reach the endpoint or to join
+(with the run ids other nodes joined under, which each node records at the endpoint)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,12 @@ def accepts(endpoint: str) -> bool:
         return False
 
 
+def hosts(endpoint: str) -> bool:
+    """Whether this process hosts the store at `endpoint` (it listens on its port)."""
+    port = endpoint.rsplit(":", 1)[-1]
+    return port.isdigit() and listens_on(int(port))
+
+
 def listens_on(port: int) -> bool:
     """Whether this process listens on TCP `port` (it hosts the store)."""
     inodes = set()
@@ -105,6 +112,35 @@ def cause_text(exc: BaseException) -> str:
     inner = innermost(exc)
     text = str(inner).strip().splitlines()
     return f"{type(inner).__name__}: {text[0] if text else ''}"
+
+
+# Keys in the endpoint's store itself, to name nodes that joined under another run id.
+RUNS = "tether.runs"
+RUN = "tether.run."
+
+
+def announce_run_id(base_store: Any, run_id: str, host: str) -> None:
+    """Records, at the endpoint, that a node of `host` joins under `run_id`."""
+    if base_store is None:
+        return
+    try:
+        index = base_store.add(RUNS, 1)
+        base_store.set(f"{RUN}{index}", json.dumps([run_id, host]))
+    except Exception:  # noqa: BLE001 - the store is torch's to complain about, at the join
+        pass
+
+
+def other_run_ids(base_store: Any, run_id: str) -> List[str]:
+    """The other run ids nodes joined under at the endpoint, with their hosts."""
+    if base_store is None:
+        return []
+    try:
+        count = base_store.add(RUNS, 0)
+        keys = [f"{RUN}{i}" for i in range(1, count + 1)]
+        seen = [json.loads(v) for v in base_store.multi_get(keys)]
+    except Exception:  # noqa: BLE001 - only a hint in a message
+        return []
+    return sorted({f"{run!r} (from {host})" for run, host in seen if run != run_id})
 
 
 def join_timed_out(

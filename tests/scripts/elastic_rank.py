@@ -4,6 +4,9 @@ stopped, fails, or joins its peers in one all-reduce and ends.
     --finish-at N         all-reduce and end in a world of N ranks (else wait to be stopped)
     --after DIR:N         ... but only once a world of N ranks has been seen (DIR holds marks)
     --fail-node G         local rank 0 of node rank G fails with exit code 3
+    --fail-here           local rank 0 of this node fails with exit code 3
+    --fail-after S        ... after S seconds (0.5 by default)
+    --fail-when FILE      ... once FILE exists
     --sleep S             the longest wait, in seconds
 """
 
@@ -27,6 +30,9 @@ def main() -> None:
     parser.add_argument("--finish-at", type=int, default=0)
     parser.add_argument("--after", default="")
     parser.add_argument("--fail-node", type=int, default=-1)
+    parser.add_argument("--fail-here", action="store_true")
+    parser.add_argument("--fail-after", type=float, default=0.5)
+    parser.add_argument("--fail-when", default="")
     parser.add_argument("--sleep", type=float, default=120)
     args = parser.parse_args()
     print(f"place {place()}", flush=True)
@@ -36,8 +42,11 @@ def main() -> None:
         Path(marks, f"world{world}").touch()
         if not Path(marks, f"world{seen}").exists():
             world = -1
-    if int(os.environ["GROUP_RANK"]) == args.fail_node and os.environ["LOCAL_RANK"] == "0":
-        time.sleep(0.5)
+    failing = args.fail_here or int(os.environ["GROUP_RANK"]) == args.fail_node
+    if failing and os.environ["LOCAL_RANK"] == "0":
+        time.sleep(args.fail_after)
+        while args.fail_when and not Path(args.fail_when).exists():
+            time.sleep(0.05)
         print(f"rank {os.environ['RANK']} fails on purpose", file=sys.stderr, flush=True)
         sys.exit(3)
     if world != args.finish_at:
