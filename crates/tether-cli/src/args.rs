@@ -506,6 +506,16 @@ pub fn usage_error(kind: ErrorKind, message: impl std::fmt::Display) -> clap::Er
     }
 }
 
+/// A usage error for a value that an option cannot take.
+pub fn invalid(message: impl std::fmt::Display) -> clap::Error {
+    usage_error(ErrorKind::ValueValidation, message)
+}
+
+/// A usage error for options that cannot be used together.
+pub fn conflict(message: impl std::fmt::Display) -> clap::Error {
+    usage_error(ErrorKind::ArgumentConflict, message)
+}
+
 #[cfg(test)]
 pub fn parse_run(list: &[&str]) -> Result<RunArgs, clap::Error> {
     let mut argv = vec!["tether", "run"];
