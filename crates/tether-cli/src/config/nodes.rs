@@ -3,8 +3,7 @@
 
 use clap::error::ErrorKind;
 
-use super::{conflict, invalid};
-use crate::args::{usage_error, NodeArgs, RunArgs};
+use crate::args::{conflict, invalid, usage_error, NodeArgs, RunArgs};
 use crate::rendezvous::{parse_endpoint, Backend, Place, Rendezvous};
 use crate::slurm::SlurmJob;
 
@@ -29,7 +28,6 @@ pub(super) fn place(
     let c10d = backend != Backend::Static;
     let (min_nodes, max_nodes) = node_counts(&args.nodes, slurm)?;
     let run_id = run_id(args.rdzv.id.as_deref(), args.nodes.standalone, slurm)?;
-    let stop = &args.stopping;
     let dynamic = c10d && !args.nodes.standalone && (max_nodes > 1 || min_nodes != max_nodes);
     if !c10d && min_nodes != max_nodes {
         return Err(conflict(format!(
@@ -51,14 +49,6 @@ pub(super) fn place(
     let nnodes = max_nodes;
     let node_rank = node_rank(&args.nodes, slurm, nnodes)?;
     let (master_addr, master_port) = master(args, nnodes, slurm, c10d)?;
-    if stop.max_restarts > 0 && nnodes > 1 {
-        return Err(conflict(format!(
-            "--max-restarts {} with --rdzv-backend static needs a single node: nodes with \
-             fixed ranks cannot restart in step (use --rdzv-backend c10d with \
-             --rdzv-endpoint HOST:PORT, which restarts every node's ranks together)",
-            stop.max_restarts
-        )));
-    }
     let place = Place::fixed(node_rank, nnodes, nproc, master_addr, master_port);
     Ok((place, None, run_id))
 }

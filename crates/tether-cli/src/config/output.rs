@@ -1,7 +1,157 @@
-//! The output options: where each rank's streams go, their prefix and filters.
+//! The output options resolved: where each rank's streams go, their prefix and filters.
 
-use super::{invalid, Context, Output, StreamSpec, DEFAULT_PREFIX};
-use crate::args::OutputArgs;
+use std::path::PathBuf;
+
+use crate::args::{invalid, OutputArgs};
+
+/// The default console prefix.
+pub const DEFAULT_PREFIX: &str = "[rank ${rank}]: ";
+
+/// Which of a rank's two streams something applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Streams {
+    pub stdout: bool,
+    pub stderr: bool,
+}
+
+impl Streams {
+    pub const NONE: Streams = Streams {
+        stdout: false,
+        stderr: false,
+    };
+    pub const BOTH: Streams = Streams {
+        stdout: true,
+        stderr: true,
+    };
+
+    fn from_code(code: &str) -> Option<Streams> {
+        let code: u8 = code.trim().parse().ok().filter(|&c| c <= 3)?;
+        Some(Streams {
+            stdout: code & 1 != 0,
+            stderr: code & 2 != 0,
+        })
+    }
+}
+
+/// torchrun's `--redirects`/`--tee` value: one code for every local rank, or
+/// `local_rank:code,...` (ranks not named get none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamSpec {
+    All(Streams),
+    PerRank(Vec<(usize, Streams)>),
+}
+
+impl Default for StreamSpec {
+    fn default() -> StreamSpec {
+        StreamSpec::All(Streams::NONE)
+    }
+}
+
+impl StreamSpec {
+    pub fn parse(spec: &str) -> Option<StreamSpec> {
+        if let Some(s) = Streams::from_code(spec) {
+            return Some(StreamSpec::All(s));
+        }
+        let mut per = Vec::new();
+        for part in spec.split(',') {
+            let (rank, code) = part.split_once(':')?;
+            per.push((rank.trim().parse().ok()?, Streams::from_code(code)?));
+        }
+        Some(StreamSpec::PerRank(per))
+    }
+
+    pub fn for_rank(&self, local_rank: usize) -> Streams {
+        match self {
+            StreamSpec::All(s) => *s,
+            StreamSpec::PerRank(per) => per
+                .iter()
+                .find(|(r, _)| *r == local_rank)
+                .map_or(Streams::NONE, |(_, s)| *s),
+        }
+    }
+
+    fn any(&self) -> bool {
+        match self {
+            StreamSpec::All(s) => *s != Streams::NONE,
+            StreamSpec::PerRank(per) => per.iter().any(|(_, s)| *s != Streams::NONE),
+        }
+    }
+}
+
+/// Where rank output goes.
+#[derive(Debug, Clone, Default)]
+pub struct Output {
+    /// The base log directory; `auto_log_dir` when tether makes one under the temporary
+    /// directory (torchrun's way when streams are redirected without `--log-dir`).
+    pub log_dir: Option<PathBuf>,
+    pub auto_log_dir: bool,
+    pub redirects: StreamSpec,
+    pub tee: StreamSpec,
+    /// Local ranks whose output reaches the console (`None`: all).
+    pub ranks_filter: Option<Vec<usize>>,
+    /// The prefix template (`None`: `--no-prefix`).
+    pub prefix: Option<String>,
+    pub stdout_filters: Vec<String>,
+    pub stderr_filters: Vec<String>,
+}
+
+impl Output {
+    /// Resolves the output options; `var` reads the environment (torchelastic's
+    /// TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE).
+    pub(super) fn resolve(
+        args: &OutputArgs,
+        var: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Output, clap::Error> {
+        let redirects = stream_spec("--redirects", &args.redirects)?;
+        let tee = stream_spec("--tee", &args.tee)?;
+        let ranks_filter = match args.ranks_filter.as_deref().map(str::trim) {
+            None | Some("") => None,
+            Some(spec) => Some(parse_rank_list(spec).ok_or_else(|| {
+                invalid(format!(
+                    "invalid --local-ranks-filter {spec:?}: expected local ranks such as \"0,3\""
+                ))
+            })?),
+        };
+        let prefix = (!args.no_prefix).then(|| {
+            args.prefix_template
+                .clone()
+                .or_else(|| var("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"))
+                .filter(|t| !t.is_empty())
+                .unwrap_or_else(|| DEFAULT_PREFIX.to_string())
+        });
+        let stdout_filters = filter_list(args.stdout_filters.as_deref());
+        let stderr_filters = filter_list(args.stderr_filters.as_deref());
+        let wants_files = redirects.any()
+            || tee.any()
+            || !stdout_filters.is_empty()
+            || !stderr_filters.is_empty();
+        Ok(Output {
+            auto_log_dir: args.log_dir.is_none() && wants_files,
+            log_dir: args.log_dir.clone(),
+            redirects,
+            tee,
+            ranks_filter,
+            prefix,
+            stdout_filters,
+            stderr_filters,
+        })
+    }
+
+    /// Which streams of `local_rank` reach the console: those not redirected, and those
+    /// teed, of the ranks the filter lets through.
+    pub fn console(&self, local_rank: usize) -> Streams {
+        let shown = self
+            .ranks_filter
+            .as_ref()
+            .map_or(true, |ranks| ranks.contains(&local_rank));
+        let redirected = self.redirects.for_rank(local_rank);
+        let teed = self.tee.for_rank(local_rank);
+        Streams {
+            stdout: shown && (teed.stdout || !redirected.stdout),
+            stderr: shown && (teed.stderr || !redirected.stderr),
+        }
+    }
+}
 
 /// `--redirects` or `--tee` (`name`).
 fn stream_spec(name: &str, spec: &Option<String>) -> Result<StreamSpec, clap::Error> {
@@ -13,40 +163,6 @@ fn stream_spec(name: &str, spec: &Option<String>) -> Result<StreamSpec, clap::Er
             "invalid {name} {spec:?}: expected 0 (no stream), 1 (stdout), 2 (stderr), \
              3 (both), or local_rank:code pairs such as \"0:3,1:2\""
         ))
-    })
-}
-
-pub(super) fn output(args: &OutputArgs, ctx: &Context) -> Result<Output, clap::Error> {
-    let redirects = stream_spec("--redirects", &args.redirects)?;
-    let tee = stream_spec("--tee", &args.tee)?;
-    let ranks_filter = match args.ranks_filter.as_deref().map(str::trim) {
-        None | Some("") => None,
-        Some(spec) => Some(parse_rank_list(spec).ok_or_else(|| {
-            invalid(format!(
-                "invalid --local-ranks-filter {spec:?}: expected local ranks such as \"0,3\""
-            ))
-        })?),
-    };
-    let prefix = (!args.no_prefix).then(|| {
-        args.prefix_template
-            .clone()
-            .or_else(|| (ctx.var)("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"))
-            .filter(|t| !t.is_empty())
-            .unwrap_or_else(|| DEFAULT_PREFIX.to_string())
-    });
-    let stdout_filters = filter_list(args.stdout_filters.as_deref());
-    let stderr_filters = filter_list(args.stderr_filters.as_deref());
-    let wants_files =
-        redirects.any() || tee.any() || !stdout_filters.is_empty() || !stderr_filters.is_empty();
-    Ok(Output {
-        auto_log_dir: args.log_dir.is_none() && wants_files,
-        log_dir: args.log_dir.clone(),
-        redirects,
-        tee,
-        ranks_filter,
-        prefix,
-        stdout_filters,
-        stderr_filters,
     })
 }
 

@@ -5,8 +5,7 @@ use std::path::Path;
 
 use clap::error::ErrorKind;
 
-use super::{conflict, invalid};
-use crate::args::{usage_error, ProgramArgs};
+use crate::args::{conflict, invalid, usage_error, ProgramArgs};
 
 /// The argv of every rank: `PYTHON -u SCRIPT ARGS`, `PYTHON -u -m MODULE ARGS`, or the
 /// command as it is with `--no-python`.
