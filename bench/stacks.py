@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -80,7 +81,8 @@ RANK = textwrap.dedent(
 def read_until(fd: int, needle: bytes, buffer: bytearray, limit: float) -> None:
     end = time.monotonic() + limit
     while needle not in buffer:
-        if time.monotonic() > end:
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
             raise RuntimeError(f"{needle!r} never came: {bytes(buffer[-2000:])!r}")
         chunk = os.read(fd, 1 << 16)
         if not chunk:

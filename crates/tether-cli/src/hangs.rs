@@ -120,6 +120,14 @@ pub struct Ranks {
 /// rank's prefix, in one block on the launcher's stderr: first `tether: {why}`, how many
 /// answered, and `then`.
 pub fn print_stacks(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) {
+    if let Some(block) = stacks_block(ranks, why, then, py_spy) {
+        output::write_console(Stream::Stderr, &block);
+    }
+}
+
+/// The block [`print_stacks`] prints, once every rank has answered or timed out; `None`
+/// (said on stderr) when the ranks cannot be asked.
+fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -> Option<Vec<u8>> {
     let request = Request::new(STACKS_TIMEOUT, py_spy);
     let started = Instant::now();
     let answers = match ranks.group.stacks(&request) {
@@ -128,7 +136,7 @@ pub fn print_stacks(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf
             output::message(&format!(
                 "tether: cannot ask the ranks for their stacks: {err}"
             ));
-            return;
+            return None;
         }
     };
     let answered = answers.iter().filter(|a| a.answered()).count();
@@ -149,7 +157,7 @@ pub fn print_stacks(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf
             block.push(b'\n');
         }
     }
-    output::write_console(Stream::Stderr, &block);
+    Some(block)
 }
 
 /// Prints the stacks in a thread of its own, so that the launcher keeps watching its ranks;
@@ -168,8 +176,13 @@ pub fn print_stacks_in_background(ranks: &Ranks, sig: i32) {
     let spawned = std::thread::Builder::new()
         .name("tether-stacks".into())
         .spawn(move || {
-            print_stacks(&ranks, &why, "", None);
+            // Every rank has answered: the next request may begin while this block prints
+            // (one refused after its block had been read would seem lost).
+            let block = stacks_block(&ranks, &why, "", None);
             BUSY.store(false, Ordering::SeqCst);
+            if let Some(block) = block {
+                output::write_console(Stream::Stderr, &block);
+            }
         });
     if spawned.is_err() {
         BUSY.store(false, Ordering::SeqCst);
