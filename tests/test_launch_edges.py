@@ -328,7 +328,7 @@ def test_exceptions_take_exactly_torchs_constructor_arguments():
 def test_native_errors_keep_their_errno():
     group = _native.Group()
     with pytest.raises(FileNotFoundError) as info:
-        group.launch([([b"/nonexistent/tether-program"], [], [], None)])
+        group.launch([_native.LaunchSpec([b"/nonexistent/tether-program"])])
     assert info.value.errno == 2 and "/nonexistent/tether-program" in str(info.value)
 
 
