@@ -328,8 +328,33 @@ def test_exceptions_take_exactly_torchs_constructor_arguments():
 def test_native_errors_keep_their_errno():
     group = _native.Group()
     with pytest.raises(FileNotFoundError) as info:
-        group.launch([([b"/nonexistent/tether-program"], [], [], None)])
+        group.launch([_native.LaunchSpec([b"/nonexistent/tether-program"])])
     assert info.value.errno == 2 and "/nonexistent/tether-program" in str(info.value)
+
+
+# What Python hands the native layer --------------------------------------------------------------
+
+
+def test_the_values_a_child_is_handed_pickle_with_their_fields():
+    for value, fields in [
+        (_native.StacksChannel(7, 12345), {"fd": 7, "inode": 12345}),
+        (_native.WorkerFds(5, 6), {"ctl": 5, "gate": 6}),
+    ]:
+        back = pickle.loads(pickle.dumps(value))
+        assert type(back) is type(value)
+        assert {name: getattr(back, name) for name in fields} == fields
+
+
+def test_a_value_handed_to_the_native_layer_is_checked_where_it_is_made():
+    spec = _native.LaunchSpec([b"prog", b"arg"], keep_fds=[3], payload=b"work")
+    assert (spec.argv, spec.env, spec.keep_fds) == ([b"prog", b"arg"], [], [3])
+    assert spec.payload == b"work"
+    with pytest.raises(ValueError, match="NaN"):
+        _native.Escalation(signal.SIGTERM, float("nan"))
+    with pytest.raises(ValueError, match="invalid fd -1"):
+        _native.Task(1, b"", [-1])
+    with pytest.raises(ValueError, match="invalid fd -1"):
+        _native.SharedFd(-1, 3)
 
 
 # A working directory that was deleted ------------------------------------------------------------

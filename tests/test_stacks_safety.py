@@ -18,7 +18,7 @@ import adversary
 import pytest
 
 import tether
-from tether import _stacks
+from tether import _native, _stacks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -36,7 +36,7 @@ def ask(ctx: tether.ProcessContext, times: int, limit: float) -> List[Dict[int, 
     """Asks every rank ``times`` times (each one dumped from a signal handler when it has
     not begun answering from its interpreter within 2 ms), within ``limit`` seconds;
     returns every answer."""
-    targets = [(ctx._group, i) for i in range(len(ctx.processes))]
+    targets = [_native.Member(ctx._group, i) for i in range(len(ctx.processes))]
     end = time.monotonic() + limit
     answers = []
     for _ in range(times):

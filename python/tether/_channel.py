@@ -123,9 +123,9 @@ class Queue:
             got = self._rx.recv(timeout)
         if got is None:
             raise queue.Empty
-        return loads(got[0], got[1])
+        return loads(got.data, got.fds)
 
-    def _get_watching(self, timeout: Optional[float]) -> Optional[Tuple[bytes, List[int]]]:
+    def _get_watching(self, timeout: Optional[float]) -> Optional[_native.Message]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             fds: List[int] = []

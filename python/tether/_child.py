@@ -110,28 +110,27 @@ def set_title(title: Optional[Title], rank: int) -> None:
         pass  # a name is a courtesy: never a reason to fail
 
 
-def install_stacks(channel: Optional[Tuple[int, int]]) -> None:
+def install_stacks(channel: Optional[_native.StacksChannel]) -> None:
     """Makes this process answer its parent's requests for its stacks through ``channel``
-    (the fd of its parent's stacks channel and that socket's inode; the fd is moved to a
-    private close-on-exec number): every thread's stack, written by the interpreter in the
-    main thread, or the main thread's by ``faulthandler`` when it cannot run Python (see
-    ``tether_core::stacks``). Without it the process only cannot answer: never a reason to
-    fail."""
+    (its parent's stacks channel; the fd is moved to a private close-on-exec number): every
+    thread's stack, written by the interpreter in the main thread, or the main thread's by
+    ``faulthandler`` when it cannot run Python (see ``tether_core::stacks``). Without it the
+    process only cannot answer: never a reason to fail."""
     if channel is None:
         return
     try:
-        _native.install_stack_handler(*channel)
+        _native.install_stack_handler(channel.fd, channel.inode)
     except Exception:  # noqa: BLE001 - a debugging aid must never stop a rank
         pass
 
 
-def stacks_channel_from_env() -> Optional[Tuple[int, int]]:
+def stacks_channel_from_env() -> Optional[_native.StacksChannel]:
     """The channel ``TETHER_STACKS_FD`` names (``FD:INODE``), taken out of the environment
     (so that this process's own children do not take an fd they do not hold)."""
     value = os.environ.pop(_native.STACKS_FD_ENV, None)
     fd, _, inode = (value or "").partition(":")
     try:
-        return int(fd), int(inode)
+        return _native.StacksChannel(int(fd), int(inode))
     except ValueError:
         return None
 
@@ -230,7 +229,7 @@ def run_forked(
     parent_pid: int,
     from_main_thread: bool,
     title: Optional[Title] = None,
-    stacks_channel: Optional[Tuple[int, int]] = None,
+    stacks_channel: Optional[_native.StacksChannel] = None,
 ) -> NoReturn:
     """Entry point of a fork child, right after ``os.fork()``; never returns."""
     code = 1

@@ -140,8 +140,9 @@ def _pickled(job: Start, stacks_channel: bool) -> Tuple[bytes, bytes, List[int]]
     data = _preparation_data(popen)
     data["tether_title"] = job.title
     if stacks_channel:
-        fd, inode = _native.stacks_fd()
-        data["tether_stacks_channel"] = (popen.duplicate_for_child(fd), inode)
+        channel = _native.stacks_fd()
+        fd = popen.duplicate_for_child(channel.fd)
+        data["tether_stacks_channel"] = _native.StacksChannel(fd, channel.inode)
     prep = _pickling.dumps(data, popen)
     # A function (or arguments) of a __main__ without a file travels by value.
     work = _pickling.dumps((job.fn, tuple(job.args)), popen)
@@ -154,7 +155,7 @@ def _start_forkserver(job: Start) -> _native.Group:
 
     prep, work, passed = _pickled(job, stacks_channel=True)
     group = _native.Group()
-    shared = [(fd, fd) for fd in dict.fromkeys([0, 1, 2, *passed]) if _is_open(fd)]
+    shared = [_native.SharedFd(fd, fd) for fd in dict.fromkeys([0, 1, 2, *passed]) if _is_open(fd)]
     payload = _child.make_payload(0, prep, work)
     _zygote.get(job.preload).fork(group, job.ranks, shared, payload)
     return group
@@ -186,11 +187,10 @@ def _start_spawn(job: Start) -> _native.Group:
     # interpreter starts (the child renames itself once it runs; it ignores the argument).
     group.launch(
         [
-            (
+            _native.LaunchSpec(
                 [*argv, os.fsencode(job.title[0].format(rank=i))],
-                [],
-                passed,
-                _child.make_payload(i, prep, work),
+                keep_fds=passed,
+                payload=_child.make_payload(i, prep, work),
             )
             for i in job.ranks
         ]
@@ -203,7 +203,7 @@ def _start_fork(job: Start) -> _native.Group:
     parent = os.getpid()
     from_main = threading.current_thread() is threading.main_thread()
     stacks_channel = _native.stacks_fd()
-    children: List[Tuple[int, int]] = []  # (pid, read end of its report pipe)
+    children: List[_native.ForkedChild] = []
     try:
         for rank in job.ranks:
             child = _fork_one(job, rank, parent, from_main, stacks_channel)
@@ -217,8 +217,12 @@ def _start_fork(job: Start) -> _native.Group:
 
 
 def _fork_one(
-    job: Start, rank: int, parent: int, from_main: bool, stacks_channel: Tuple[int, int]
-) -> Tuple[int, int]:
+    job: Start,
+    rank: int,
+    parent: int,
+    from_main: bool,
+    stacks_channel: _native.StacksChannel,
+) -> _native.ForkedChild:
     try:
         read_fd, write_fd = os.pipe()
     except OSError as exc:
@@ -246,7 +250,7 @@ def _fork_one(
         os.setpgid(pid, pid)
     except OSError:
         pass  # the child got there first, or has already exited
-    return pid, read_fd
+    return _native.ForkedChild(pid, read_fd)
 
 
 def _start_error(exc: OSError, what: str) -> OSError:
@@ -257,13 +261,14 @@ def _start_error(exc: OSError, what: str) -> OSError:
     return OSError(exc.errno, f"{what}: {exc.strerror}{hint}")
 
 
-def _stop_unsupervised(children: Sequence[Tuple[int, int]]) -> None:
+def _stop_unsupervised(children: Sequence[_native.ForkedChild]) -> None:
     """Kills and reaps children forked before a start failed, and closes their pipes."""
-    for pid, read_fd in children:
-        os.close(read_fd)
+    for child in children:
+        if child.report_fd is not None:
+            os.close(child.report_fd)
         try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            os.kill(child.pid, signal.SIGKILL)
+            os.waitpid(child.pid, 0)
         except OSError:
             pass  # already reaped (SIGCHLD ignored)
 

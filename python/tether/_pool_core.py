@@ -119,7 +119,7 @@ class Core:
             slots,
             self.start_method,
             preload=self.preload or None,
-            keep_fds=[fd for pair in fds.values() for fd in pair],
+            keep_fds=[fd for link in fds.values() for fd in (link.ctl, link.gate)],
             close_in_child=inherited,
             title=(
                 f"tether pool {self.number} worker {{rank}} [{self.start_method}, "

@@ -37,8 +37,8 @@ from .errors import WorkerCrashedError
 #: The most items of one ``map`` that travel as one task.
 MAX_CHUNK = 256
 
-#: (task id, pickled task, the fds it carries), as the worker set takes them.
-Task = Tuple[int, bytes, List[int]]
+#: A task as the worker set takes it: its id, its pickled call, the fds it carries.
+Task = _native.Task
 
 
 def crash_error(pid: int, exitcode: int, lost: bool) -> WorkerCrashedError:
@@ -103,7 +103,7 @@ class Tasks:
             return future
         task_id = next(self.ids)
         future._tether_tasks, future._tether_id = self, task_id
-        self._queue([(task_id, blob, collector.fds)], [(task_id, future)])
+        self._queue([Task(task_id, blob, collector.fds)], [(task_id, future)])
         return future
 
     def map(
@@ -198,7 +198,7 @@ class Tasks:
                 self._chunk(fn, [a for _, a in good], [i for i, _ in good], run, tasks, sinks)
             return
         task_id = next(self.ids)
-        tasks.append((task_id, blob, collector.fds))
+        tasks.append(Task(task_id, blob, collector.fds))
         sinks.append((task_id, Chunk(run, indices, fn, calls)))
 
     def started(self, task_id: int) -> bool:

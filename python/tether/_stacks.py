@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 from . import _native, _process
 
@@ -26,12 +26,12 @@ def py_spy() -> Optional[str]:
 
 
 def ask(
-    targets: Sequence[Tuple[_native.Group, int]],
+    targets: Sequence[_native.Member],
     timeout: Any,
     native: bool,
     dump_after: Optional[float] = None,
 ) -> List[_native.StackAnswer]:
-    """Asks every ``(group, index)`` at once; the answer of each, in order.
+    """Asks every member at once; the answer of each, in order.
     With ``native``, py-spy's view is added when py-spy is installed (and silently left
     out when it is not). ``dump_after`` (seconds) is how long a process may take to begin
     answering from its interpreter before its main thread is dumped from a signal handler

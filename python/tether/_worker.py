@@ -56,7 +56,6 @@ _seeded_by_lease = False
 
 #: An exception as it travels: type name, message, traceback text, pickled exception.
 ErrorInfo = Tuple[str, str, str, Optional[bytes]]
-Result = Tuple[int, int, bytes, List[int]]
 
 
 def describe(exc: BaseException) -> ErrorInfo:
@@ -153,12 +152,12 @@ def _run_batch(
             del task
             if not end.start(seq, task_id):
                 _pickling.close_all(fds)
-                end.send_results([(task_id, SKIPPED, b"", [])])
+                end.send_results([_native.Outcome(task_id, SKIPPED, b"")])
                 continue
             ran += 1
             kind, data, out_fds, keep = _run_task(end, blob, fds)
             del blob
-            end.send_results([(task_id, kind, data, out_fds)])
+            end.send_results([_native.Outcome(task_id, kind, data, out_fds)])
             del keep, data
     finally:
         end.idle()
@@ -257,7 +256,7 @@ def _initialize(config: Dict[str, Any]) -> None:
         raise
 
 
-def serve(rank: int, links: Dict[int, Tuple[int, int]], config: Dict[str, Any]) -> None:
+def serve(rank: int, links: Dict[int, _native.WorkerFds], config: Dict[str, Any]) -> None:
     """The worker's main loop (called by tether's child bootstrap as ``fn(rank, *args)``,
     ``rank`` being the worker's slot): ``links[rank]`` are its fds; the others belong to
     workers started alongside. With ``config["max_tasks"]``, it exits after that many
@@ -267,8 +266,8 @@ def serve(rank: int, links: Dict[int, Tuple[int, int]], config: Dict[str, Any]) 
     gc.freeze()
     for slot, fds in links.items():
         if slot != rank:
-            _pickling.close_all(fds)
-    end = _native.WorkerEnd(*links[rank], config.get("spin", 0.0))
+            _pickling.close_all([fds.ctl, fds.gate])
+    end = _native.WorkerEnd(links[rank].ctl, links[rank].gate, config.get("spin", 0.0))
     _initialize(config)
     end.hello(os.getpid())
     idle_gc = False

@@ -178,12 +178,11 @@ class Zygote:
         self,
         group: _native.Group,
         ranks: Sequence[int],
-        shared: Sequence[Tuple[int, int]],
+        shared: Sequence[_native.SharedFd],
         payload: bytes,
     ) -> None:
-        """Starts one child per rank into ``group``, each getting the fds ``shared`` as
-        ``(fd, number in the child)``. A zygote found dead before it started anything is
-        replaced once."""
+        """Starts one child per rank into ``group``, each getting the fds ``shared``. A
+        zygote found dead before it started anything is replaced once."""
         with self._lock:
             for attempt in (1, 2):
                 process = self._ensure_started()

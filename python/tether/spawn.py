@@ -97,7 +97,7 @@ class ProcessContext:
         says so, with its pid and state; it never holds up the others. With ``native`` and
         py-spy installed, py-spy's native frames follow each stack."""
         ranks = range(len(self.processes))
-        answers = _stacks.ask([(self._group, i) for i in ranks], timeout, native)
+        answers = _stacks.ask([_native.Member(self._group, i) for i in ranks], timeout, native)
         return {rank: answer.text for rank, answer in zip(ranks, answers)}
 
     def join(self, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> bool:
@@ -198,7 +198,8 @@ class ProcessContext:
                 )
 
         try:
-            self._group.terminate(grace, signal.SIGINT, (signal.SIGTERM, after), sent)
+            then = _native.Escalation(signal.SIGTERM, after)
+            self._group.terminate(grace, signal.SIGINT, then, sent)
         except KeyboardInterrupt:
             _say("tether: Ctrl-C again: every process was killed")
             raise

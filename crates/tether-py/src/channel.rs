@@ -120,20 +120,19 @@ impl Endpoint {
         Ok(sent.is_some())
     }
 
-    /// Receives one message as `(data, fds)` (the fds are the caller's to close), waiting up
-    /// to `timeout` seconds (for ever when None); None on timeout. Raises EOFError once every
+    /// Receives one `Message`, waiting up to `timeout` seconds (for ever when None); None on timeout. Raises EOFError once every
     /// peer end is closed.
     ///
     /// With `spin` (seconds), an empty channel is polled without sleeping (and without the
     /// GIL) that long before the thread sleeps: a message that comes soon is taken without
     /// the cost of a wake-up.
     #[pyo3(signature = (timeout=None, spin=0.0))]
-    fn recv<'py>(
+    fn recv(
         &self,
-        py: Python<'py>,
+        py: Python<'_>,
         timeout: Option<Timeout>,
         spin: f64,
-    ) -> PyResult<Option<(Bound<'py, PyBytes>, Vec<RawFd>)>> {
+    ) -> PyResult<Option<Py<Message>>> {
         let ep = self.inner.get()?;
         let until = Timeout::of(timeout).deadline();
         let mut first = ep.recv(Some(Duration::ZERO)).map_err(os_error)?;
@@ -167,7 +166,7 @@ impl Endpoint {
         };
         match got {
             None => Ok(None),
-            Some(Recv::Message(msg)) => Ok(Some((PyBytes::new(py, &msg.data), into_raw(msg.fds)))),
+            Some(Recv::Message(msg)) => Ok(Some(Message::new(py, msg)?)),
             Some(Recv::Closed) => Err(PyEOFError::new_err("the channel's peer is closed")),
             Some(Recv::Timeout) => Ok(None),
         }
@@ -179,7 +178,7 @@ impl Endpoint {
     }
 
     /// As `recv`, but the same wait also watches `watch` (fds the caller keeps open):
-    /// returns `(data, fds)`, or the index in `watch` of an fd that became readable, or None
+    /// returns a `Message`, or the index in `watch` of an fd that became readable, or None
     /// on timeout. A message already waiting comes before any fd.
     #[pyo3(signature = (timeout, watch))]
     fn recv_watching(
@@ -200,12 +199,26 @@ impl Endpoint {
         match got {
             None => Ok(None),
             Some(Watched::Ready(index)) => Ok(Some(index.into_pyobject(py)?.into_any().unbind())),
-            Some(Watched::Got(Recv::Message(msg))) => {
-                let pair = (PyBytes::new(py, &msg.data), into_raw(msg.fds));
-                Ok(Some(pair.into_pyobject(py)?.into_any().unbind()))
-            }
+            Some(Watched::Got(Recv::Message(msg))) => Ok(Some(Message::new(py, msg)?.into_any())),
             Some(Watched::Got(_)) => Err(PyEOFError::new_err("the channel's peer is closed")),
         }
+    }
+}
+
+/// A message received: its bytes and the fds that came with it (the caller's to close).
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct Message {
+    data: Py<PyBytes>,
+    fds: Vec<RawFd>,
+}
+
+impl Message {
+    fn new(py: Python<'_>, msg: channel::Message) -> PyResult<Py<Message>> {
+        let message = Message {
+            data: PyBytes::new(py, &msg.data).unbind(),
+            fds: into_raw(msg.fds),
+        };
+        Py::new(py, message)
     }
 }
 
@@ -278,6 +291,7 @@ impl SharedFlag {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Endpoint>()?;
+    m.add_class::<Message>()?;
     m.add_class::<SharedFlag>()?;
     Ok(())
 }

@@ -2,11 +2,13 @@
 //! seconds ([`Timeout`]), a wait condition ([`WaitFor`]) and an fd ([`Fd`]). A `#[pymethods]`
 //! parameter of one of these types is checked before the method's body runs.
 
+use std::convert::Infallible;
 use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyInt;
 
 /// A number of seconds as Python callers give it: inf, or one beyond what a deadline can
 /// hold (about 30 years), is "for ever"; a negative one is zero (poll once); NaN is a
@@ -96,6 +98,11 @@ impl Fd {
         unsafe { OwnedFd::from_raw_fd(self.0) }
     }
 
+    /// The fd number, still the caller's.
+    pub fn raw(self) -> RawFd {
+        self.0
+    }
+
     /// Borrows the fd for the duration of the call.
     pub fn borrow(&self) -> BorrowedFd<'_> {
         // SAFETY: a method taking an `Fd` to borrow documents that the caller keeps it open
@@ -110,6 +117,17 @@ impl<'py> FromPyObject<'py> for Fd {
             fd if fd < 0 => Err(PyValueError::new_err(format!("invalid fd {fd}"))),
             fd => Ok(Fd(fd)),
         }
+    }
+}
+
+/// The fd number again, as a field of a class shows it.
+impl<'py> IntoPyObject<'py> for Fd {
+    type Target = PyInt;
+    type Output = Bound<'py, PyInt>;
+    type Error = Infallible;
+
+    fn into_pyobject(self, py: Python<'py>) -> Result<Self::Output, Self::Error> {
+        self.0.into_pyobject(py)
     }
 }
 

@@ -1,4 +1,6 @@
-//! `Group` and `ExitStatus`: a set of supervised children, and how each one ended.
+//! `Group` and `ExitStatus`: a set of supervised children, and how each one ended; with
+//! what Python hands a group (`LaunchSpec`, `ForkedChild`, `Escalation`) and `Member`, one
+//! child of a group.
 
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
@@ -7,19 +9,105 @@ use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tether_core::attrs::ThreadAttributes;
-use tether_core::{Adoption, Escalation, LaunchSpec};
+use tether_core::{Adoption, LaunchSpec};
 
 use crate::convert::{Fd, Timeout, WaitFor};
 use crate::error::{core_error, os_error};
 use crate::wait;
 
-/// A launch as Python gives it: `(argv, env, keep_fds, payload)`, strings as bytes.
-type PySpec = (
-    Vec<Vec<u8>>,
-    Vec<(Vec<u8>, Vec<u8>)>,
-    Vec<i32>,
-    Option<Vec<u8>>,
-);
+/// A child for `Group.launch` to start: its command line and environment (bytes, as
+/// `os.fsencode` gives them), the fds it inherits under their own numbers, and the payload
+/// it reads from the pipe `TETHER_PAYLOAD_FD` names (none: no such pipe).
+#[pyclass(module = "tether._native", name = "LaunchSpec", frozen, get_all)]
+pub struct Spec {
+    argv: Vec<Vec<u8>>,
+    /// `(name, value)` pairs added to the child's environment.
+    env: Vec<(Vec<u8>, Vec<u8>)>,
+    keep_fds: Vec<i32>,
+    payload: Option<Vec<u8>>,
+}
+
+#[pymethods]
+impl Spec {
+    #[new]
+    #[pyo3(signature = (argv, env=Vec::new(), keep_fds=Vec::new(), payload=None))]
+    fn new(
+        argv: Vec<Vec<u8>>,
+        env: Vec<(Vec<u8>, Vec<u8>)>,
+        keep_fds: Vec<Fd>,
+        payload: Option<Vec<u8>>,
+    ) -> Spec {
+        Spec {
+            argv,
+            env,
+            keep_fds: keep_fds.into_iter().map(Fd::raw).collect(),
+            payload,
+        }
+    }
+}
+
+/// A child this process forked, for `Group.adopt_all`: its pid and the read end of its
+/// report pipe (the group takes that fd over), or None.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct ForkedChild {
+    pid: i32,
+    report_fd: Option<Fd>,
+}
+
+#[pymethods]
+impl ForkedChild {
+    #[new]
+    #[pyo3(signature = (pid, report_fd=None))]
+    fn new(pid: i32, report_fd: Option<Fd>) -> ForkedChild {
+        ForkedChild { pid, report_fd }
+    }
+}
+
+/// A further signal for `Group.terminate`: `signal`, to the members still running `after`
+/// seconds after the first one.
+#[pyclass(module = "tether._native", frozen)]
+pub struct Escalation {
+    #[pyo3(get)]
+    signal: i32,
+    /// The seconds as given.
+    #[pyo3(get)]
+    after: f64,
+    wait: Timeout,
+}
+
+#[pymethods]
+impl Escalation {
+    #[new]
+    fn new(signal: i32, after: f64) -> PyResult<Escalation> {
+        Ok(Escalation {
+            signal,
+            after,
+            wait: Timeout::from_secs(after)?,
+        })
+    }
+}
+
+/// One child of a group: the group and the child's index in it.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct Member {
+    group: Py<Group>,
+    index: usize,
+}
+
+#[pymethods]
+impl Member {
+    #[new]
+    pub fn new(group: Py<Group>, index: usize) -> Member {
+        Member { group, index }
+    }
+}
+
+impl Member {
+    /// The core group and the index.
+    pub fn target(&self) -> (tether_core::Group, usize) {
+        (self.group.get().inner.clone(), self.index)
+    }
+}
 
 /// How a child ended: the one typed exit status, from the supervisor.
 #[pyclass(module = "tether._native", frozen, eq)]
@@ -133,22 +221,23 @@ impl Group {
         }
     }
 
-    /// Starts one child per `(argv, env, keep_fds, payload)`; returns their indices. `argv`
-    /// and `env` items are bytes (`os.fsencode`); each child gets a report pipe, the stacks
-    /// channel (`TETHER_STACKS_FD`), and the CPU affinity and nice value of the calling
-    /// thread.
-    fn launch(&self, py: Python<'_>, specs: Vec<PySpec>) -> PyResult<Vec<usize>> {
+    /// Starts one child per `LaunchSpec`; returns their indices. Each child gets a report
+    /// pipe, the stacks channel (`TETHER_STACKS_FD`), and the CPU affinity and nice value
+    /// of the calling thread.
+    fn launch(&self, py: Python<'_>, specs: Vec<Bound<'_, Spec>>) -> PyResult<Vec<usize>> {
         let thread = ThreadAttributes::of_calling_thread().map_err(os_error)?;
         let specs: Vec<LaunchSpec> = specs
-            .into_iter()
-            .map(|(argv, env, keep_fds, payload)| LaunchSpec {
-                argv: argv.into_iter().map(OsString::from_vec).collect(),
-                env: env
-                    .into_iter()
-                    .map(|(k, v)| (OsString::from_vec(k), OsString::from_vec(v)))
+            .iter()
+            .map(|spec| spec.get())
+            .map(|spec| LaunchSpec {
+                argv: spec.argv.iter().cloned().map(OsString::from_vec).collect(),
+                env: spec
+                    .env
+                    .iter()
+                    .map(|(k, v)| (OsString::from_vec(k.clone()), OsString::from_vec(v.clone())))
                     .collect(),
-                keep_fds,
-                payload,
+                keep_fds: spec.keep_fds.clone(),
+                payload: spec.payload.clone(),
                 report: true,
                 stacks: true,
                 thread: Some(thread.clone()),
@@ -159,13 +248,18 @@ impl Group {
             .map_err(core_error)
     }
 
-    /// Takes on children this process forked, each `(pid, report_fd)`, in one call; the
-    /// group takes ownership of each report fd (the read end of the child's report pipe).
-    /// On an error every one of them is killed and reaped.
-    fn adopt_all(&self, py: Python<'_>, children: Vec<(i32, Option<Fd>)>) -> PyResult<Vec<usize>> {
+    /// Takes on children this process forked, in one call; the group takes ownership of
+    /// each report fd (the read end of the child's report pipe). On an error every one of
+    /// them is killed and reaped.
+    fn adopt_all(
+        &self,
+        py: Python<'_>,
+        children: Vec<Bound<'_, ForkedChild>>,
+    ) -> PyResult<Vec<usize>> {
         let children = children
-            .into_iter()
-            .map(|(pid, fd)| Adoption::forked(pid, fd.map(Fd::take)))
+            .iter()
+            .map(|child| child.get())
+            .map(|child| Adoption::forked(child.pid, child.report_fd.map(Fd::take)))
             .collect();
         py.allow_threads(|| self.inner.adopt_all(children))
             .map_err(core_error)
@@ -241,8 +335,8 @@ impl Group {
 
     /// Stops every running member: `signal` (SIGTERM) to its process group after any report
     /// in progress is written, `grace` seconds, then SIGKILL; returns once all are reaped.
-    /// With `then` (a signal and a number of seconds), the members still running that long
-    /// after `signal` get that signal too. `on_signal(signal, count)` is called for each
+    /// With `then`, the members still running its `after` seconds after `signal` get its
+    /// signal too. `on_signal(signal, count)` is called for each
     /// signal sent after the first (SIGKILL included), with the number of members it went
     /// to. Ctrl-C meanwhile sends SIGKILL at once, then raises KeyboardInterrupt.
     #[pyo3(signature = (grace, signal=libc::SIGTERM, then=None, on_signal=None))]
@@ -251,13 +345,13 @@ impl Group {
         py: Python<'_>,
         grace: Timeout,
         signal: i32,
-        then: Option<(i32, Timeout)>,
+        then: Option<Bound<'_, Escalation>>,
         on_signal: Option<PyObject>,
     ) -> PyResult<()> {
         let grace = grace.or_max();
-        let then = then.map(|(signal, after)| Escalation {
-            signal,
-            after: after.or_max(),
+        let then = then.map(|then| tether_core::Escalation {
+            signal: then.get().signal,
+            after: then.get().wait.or_max(),
         });
         let mut error = None;
         let mut told = None;

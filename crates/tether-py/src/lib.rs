@@ -91,6 +91,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     tether_core::logging::init_from_env();
     m.add_class::<group::Group>()?;
     m.add_class::<group::ExitStatus>()?;
+    m.add_class::<group::Spec>()?;
+    m.add_class::<group::ForkedChild>()?;
+    m.add_class::<group::Escalation>()?;
+    m.add_class::<group::Member>()?;
+    m.add_class::<zygote::SharedFd>()?;
     m.add_class::<zygote::Zygote>()?;
     m.add_class::<zygote::Job>()?;
     m.add_class::<zygote::ZygoteFailure>()?;

@@ -6,12 +6,12 @@ use std::path::PathBuf;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyDict, PyTuple, PyType};
 use tether_core::stacks::{self as core_stacks, Request};
 
-use crate::convert::Timeout;
+use crate::convert::{Fd, Timeout};
 use crate::error::{core_error, os_error};
-use crate::group::Group;
+use crate::group::Member;
 
 /// In a child: makes this process answer its parent's requests for its stacks through `fd`
 /// (the sending end of the parent's stacks channel; when `inode` is given, that very
@@ -212,11 +212,40 @@ fn every_thread(py: Python<'_>) -> PyResult<String> {
     Ok(out)
 }
 
-/// This process's stacks channel (the end its children write to): its fd number and its
-/// socket's inode.
+/// A stacks channel as a child finds it: the fd number of the end it writes to, and that
+/// socket's inode (so that the child can tell the channel from another file under that
+/// number). It pickles, to travel to a child.
+#[pyclass(module = "tether._native", frozen, get_all)]
+struct StacksChannel {
+    fd: RawFd,
+    inode: u64,
+}
+
+#[pymethods]
+impl StacksChannel {
+    #[new]
+    fn new(fd: Fd, inode: u64) -> StacksChannel {
+        StacksChannel {
+            fd: fd.raw(),
+            inode,
+        }
+    }
+
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyType>, (RawFd, u64))> {
+        let me = slf.get();
+        Ok((slf.get_type(), (me.fd, me.inode)))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("StacksChannel(fd={}, inode={})", self.fd, self.inode)
+    }
+}
+
+/// This process's stacks channel (the end its children write to).
 #[pyfunction]
-fn stacks_fd() -> PyResult<(RawFd, u64)> {
-    core_stacks::channel_fd().map_err(core_error)
+fn stacks_fd() -> PyResult<StacksChannel> {
+    let (fd, inode) = core_stacks::channel_fd().map_err(core_error)?;
+    Ok(StacksChannel { fd, inode })
 }
 
 /// A process's answer to a request for its stacks.
@@ -228,14 +257,14 @@ struct StackAnswer {
     text: String,
 }
 
-/// Asks each `(group, index)` for its stacks at once and waits (without the GIL) up to
+/// Asks each of `targets` for its stacks at once and waits (without the GIL) up to
 /// `timeout` seconds; with `py_spy`, its native view is added. Returns one answer per
 /// target, in order; the text of one that did not answer says why.
 #[pyfunction]
 #[pyo3(signature = (targets, timeout, py_spy=None, dump_after=None))]
 fn stacks(
     py: Python<'_>,
-    targets: Vec<(PyRef<'_, Group>, usize)>,
+    targets: Vec<Bound<'_, Member>>,
     timeout: Timeout,
     py_spy: Option<PathBuf>,
     dump_after: Option<Timeout>,
@@ -243,10 +272,8 @@ fn stacks(
     let timeout = timeout
         .duration()
         .unwrap_or(std::time::Duration::from_secs(1 << 30));
-    let groups: Vec<(tether_core::Group, usize)> = targets
-        .iter()
-        .map(|(group, index)| (group.inner.clone(), *index))
-        .collect();
+    let groups: Vec<(tether_core::Group, usize)> =
+        targets.iter().map(|member| member.get().target()).collect();
     let mut request = Request::new(timeout, py_spy);
     if let Some(after) = dump_after.and_then(Timeout::duration) {
         request.dump_after = after;
@@ -273,6 +300,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PY_SPY_ENV", core_stacks::PY_SPY_ENV)?;
     m.add_class::<SignalGuard>()?;
     m.add_class::<StackAnswer>()?;
+    m.add_class::<StacksChannel>()?;
     m.add_function(wrap_pyfunction!(install_stack_handler, m)?)?;
     m.add_function(wrap_pyfunction!(stacks_fd, m)?)?;
     m.add_function(wrap_pyfunction!(stacks, m)?)?;

@@ -47,6 +47,25 @@ impl ZygoteFailure {
     }
 }
 
+/// An fd of this process that every child of a `Zygote.fork` gets under the number
+/// `target`; it stays the caller's.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct SharedFd {
+    fd: Fd,
+    target: i32,
+}
+
+#[pymethods]
+impl SharedFd {
+    #[new]
+    fn new(fd: Fd, target: Fd) -> SharedFd {
+        SharedFd {
+            fd,
+            target: target.raw(),
+        }
+    }
+}
+
 /// The parent's handle on a zygote process (see `tether._zygote`).
 #[pyclass(module = "tether._native", frozen)]
 pub struct Zygote {
@@ -142,8 +161,8 @@ impl Zygote {
         Ok(PyBytes::new(py, &ready))
     }
 
-    /// Starts one child per rank in `group`, each running `payload`; `shared` are
-    /// `(fd, target)`: an fd of this process every child gets under the number `target`.
+    /// Starts one child per rank in `group`, each running `payload`, each with the fds
+    /// `shared`.
     /// The caller's attributes (umask, limits, affinity, nice, working directory,
     /// environment) are read now. Returns the children's indices in `group`.
     fn fork(
@@ -151,13 +170,13 @@ impl Zygote {
         py: Python<'_>,
         group: &Group,
         ranks: Vec<u32>,
-        shared: Vec<(Fd, i32)>,
+        shared: Vec<Bound<'_, SharedFd>>,
         payload: &[u8],
     ) -> PyResult<Vec<usize>> {
         let attrs = Attributes::of_caller().map_err(os_error)?;
         let shared: Vec<(BorrowedFd<'_>, i32)> = shared
             .iter()
-            .map(|(fd, target)| (fd.borrow(), *target))
+            .map(|shared| (shared.get().fd.borrow(), shared.get().target))
             .collect();
         let request = ForkRequest {
             ranks: &ranks,

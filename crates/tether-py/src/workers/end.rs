@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use pyo3::prelude::*;
 use tether_core::workers::{self, wire::Kind, Incoming};
 
-use super::{incoming, ResultKind};
+use super::{incoming, Outcome};
 use crate::convert::{borrowed, Fd, Timeout};
 use crate::error::{os_error, workers_error, workers_io};
 use crate::wait;
@@ -78,15 +78,19 @@ impl WorkerEnd {
         self.inner.idle()
     }
 
-    /// Sends `(id, kind, data, fds)` results; the fds stay the caller's.
-    fn send_results(
-        &self,
-        py: Python<'_>,
-        results: Vec<(u64, ResultKind, Vec<u8>, Vec<Fd>)>,
-    ) -> PyResult<()> {
+    /// Sends results; their fds stay the caller's.
+    fn send_results(&self, py: Python<'_>, results: Vec<Bound<'_, Outcome>>) -> PyResult<()> {
         let records: Vec<_> = results
             .iter()
-            .map(|(id, kind, data, fds)| (*id, Kind::from(*kind), data.as_slice(), borrowed(fds)))
+            .map(|result| result.get())
+            .map(|r| {
+                (
+                    r.id,
+                    Kind::from(r.kind),
+                    r.data.as_bytes(py),
+                    borrowed(&r.fds),
+                )
+            })
             .collect();
         let end = self.inner.clone();
         py.allow_threads(move || end.send_results(&records))

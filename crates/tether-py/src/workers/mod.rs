@@ -14,10 +14,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tether_core::workers::{self, wire::Kind, Event, Incoming};
 
-use crate::convert::into_raw;
+use crate::convert::{into_raw, owned, Fd};
 use crate::group::ExitStatus;
 pub use end::WorkerEnd;
-pub use set::{Lease, WorkerLink, WorkerSet};
+pub use set::{Lease, WorkerFds, WorkerLink, WorkerSet};
 
 /// The kind of a task's result a worker sends.
 #[pyclass(module = "tether._native", eq, eq_int, frozen, hash)]
@@ -40,6 +40,59 @@ impl From<ResultKind> for Kind {
             ResultKind::Ok => Kind::Ok,
             ResultKind::Error => Kind::Error,
             ResultKind::Skipped => Kind::Skipped,
+        }
+    }
+}
+
+/// A task for `WorkerSet.submit` to queue: its id, its bytes, and fds that go with it
+/// (the set owns them once it took the task).
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct Task {
+    id: u64,
+    data: Py<PyBytes>,
+    fds: Vec<Fd>,
+}
+
+#[pymethods]
+impl Task {
+    #[new]
+    #[pyo3(signature = (id, data, fds=Vec::new()))]
+    fn new(id: u64, data: Py<PyBytes>, fds: Vec<Fd>) -> Task {
+        Task { id, data, fds }
+    }
+}
+
+impl Task {
+    /// The task as the set takes it, its fds owned from now on.
+    pub(crate) fn take(&self, py: Python<'_>) -> workers::Task {
+        workers::Task {
+            id: self.id,
+            data: self.data.as_bytes(py).to_vec(),
+            fds: owned(self.fds.clone()),
+        }
+    }
+}
+
+/// A task's result for `WorkerEnd.send_results` to send: the task's id, the kind of
+/// result, its bytes, and fds that go with it (they stay the caller's).
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct Outcome {
+    id: u64,
+    kind: ResultKind,
+    data: Py<PyBytes>,
+    fds: Vec<Fd>,
+}
+
+#[pymethods]
+impl Outcome {
+    #[new]
+    #[pyo3(signature = (id, kind, data, fds=Vec::new()))]
+    fn new(id: u64, kind: ResultKind, data: Py<PyBytes>, fds: Vec<Fd>) -> Outcome {
+        Outcome {
+            id,
+            kind,
+            data,
+            fds,
         }
     }
 }
@@ -259,6 +312,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WorkerEnd>()?;
     m.add_class::<ResultKind>()?;
     m.add_class::<TaskResult>()?;
+    m.add_class::<Task>()?;
+    m.add_class::<Outcome>()?;
+    m.add_class::<WorkerFds>()?;
     m.add_class::<LeaseEnd>()?;
     m.add_class::<WorkerInfo>()?;
     m.add_class::<WorkerReady>()?;

@@ -6,13 +6,42 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyType;
 use tether_core::workers::{self, Waited, WorkersError};
 
-use super::{event, LeaseEnd, TaskResult, WorkerInfo};
-use crate::convert::{borrowed, owned, Fd, Timeout};
+use super::{event, LeaseEnd, Task, TaskResult, WorkerInfo};
+use crate::convert::{borrowed, Fd, Timeout};
 use crate::error::{os_error, workers_error, workers_io};
-use crate::group::Group;
+use crate::group::{Group, Member};
 use crate::wait;
+
+/// The fds a worker inherits: its end of its control socket, and its gate. It pickles, to
+/// travel to the worker.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct WorkerFds {
+    ctl: RawFd,
+    gate: RawFd,
+}
+
+#[pymethods]
+impl WorkerFds {
+    #[new]
+    fn new(ctl: Fd, gate: Fd) -> WorkerFds {
+        WorkerFds {
+            ctl: ctl.raw(),
+            gate: gate.raw(),
+        }
+    }
+
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> (Bound<'py, PyType>, (RawFd, RawFd)) {
+        let me = slf.get();
+        (slf.get_type(), (me.ctl, me.gate))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("WorkerFds(ctl={}, gate={})", self.ctl, self.gate)
+    }
+}
 
 /// The link of a worker about to start: pass `child_fds()` to it, then `WorkerSet.add`.
 #[pyclass(module = "tether._native", frozen)]
@@ -22,12 +51,15 @@ pub struct WorkerLink {
 
 #[pymethods]
 impl WorkerLink {
-    /// The fds the worker inherits: `(control socket, gate)`.
-    fn child_fds(&self) -> PyResult<(RawFd, RawFd)> {
+    /// The fds the worker inherits.
+    fn child_fds(&self) -> PyResult<WorkerFds> {
         let link = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let link = link.as_ref().ok_or_else(used)?;
         let (ctl, gate) = link.child_fds();
-        Ok((ctl.as_raw_fd(), gate.as_raw_fd()))
+        Ok(WorkerFds {
+            ctl: ctl.as_raw_fd(),
+            gate: gate.as_raw_fd(),
+        })
     }
 
     /// The pool's end of the control socket (a forked worker closes its copy).
@@ -134,16 +166,9 @@ impl WorkerSet {
             .map_err(workers_error)
     }
 
-    /// Queues `(id, data, fds)` tasks; the set owns the fds from now on.
-    fn submit(&self, tasks: Vec<(u64, Vec<u8>, Vec<Fd>)>) -> PyResult<()> {
-        let tasks = tasks
-            .into_iter()
-            .map(|(id, data, fds)| workers::Task {
-                id,
-                data,
-                fds: owned(fds),
-            })
-            .collect();
+    /// Queues tasks; the set owns their fds from now on.
+    fn submit(&self, py: Python<'_>, tasks: Vec<Bound<'_, Task>>) -> PyResult<()> {
+        let tasks = tasks.iter().map(|task| task.get().take(py)).collect();
         self.inner.submit(tasks).map_err(workers_error)
     }
 
@@ -171,12 +196,12 @@ impl WorkerSet {
         self.inner.pids()
     }
 
-    /// Each worker as `(group, member index)` (to ask it for its stack).
-    fn members(&self) -> Vec<(Group, usize)> {
+    /// Each worker as a member of its group (to ask it for its stack).
+    fn members(&self, py: Python<'_>) -> PyResult<Vec<Member>> {
         self.inner
             .members()
             .into_iter()
-            .map(|(inner, member)| (Group { inner }, member))
+            .map(|(inner, index)| Ok(Member::new(Py::new(py, Group { inner })?, index)))
             .collect()
     }
 
