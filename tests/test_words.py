@@ -31,6 +31,14 @@ class Status:
         return "exit status unavailable (reaped outside tether)"
 
 
+class Death:
+    """What the sentences read of a ``_native.WorkerDied``."""
+
+    def __init__(self, pid: int, exitcode: Optional[int]) -> None:
+        self.pid = pid
+        self.status = Status(exitcode)
+
+
 @pytest.mark.parametrize(
     "exitcode, said",
     [
@@ -52,21 +60,27 @@ def test_hints_name_the_oom_killer_and_dev_shm():
 
 
 def test_a_pool_worker_that_crashed_is_named_with_its_pid_its_end_and_a_hint():
-    assert _words.worker_crashed(12, KILLED, lost=False) == (
+    assert _words.worker_crashed(Death(12, KILLED), lost=False) == (
         f"tether.Pool worker (pid 12) was killed by signal SIGKILL (Killed) while running "
         f"this task ({OOM_HINT}); the pool started a new worker"
     )
-    assert _words.worker_crashed(12, 3, lost=True) == (
+    assert _words.worker_crashed(Death(12, 3), lost=True) == (
         "tether.Pool worker (pid 12) exited with code 3 after running this task, before its "
         "result was sent back; the pool started a new worker"
     )
 
 
+def test_a_pool_worker_whose_status_something_else_took_is_said_as_code_255():
+    assert "(pid 12) exited with code 255 while running" in _words.worker_crashed(
+        Death(12, None), lost=False
+    )
+
+
 def test_a_pool_worker_that_died_while_starting_shows_its_error():
-    assert _words.worker_not_started(7, 1, None) == (
+    assert _words.worker_not_started(Death(7, 1), None) == (
         "a tether.Pool worker (pid 7) exited with code 1 before it was ready"
     )
-    assert _words.worker_not_started(7, KILLED, "Traceback ...") == (
+    assert _words.worker_not_started(Death(7, KILLED), "Traceback ...") == (
         "a tether.Pool worker (pid 7) was killed by signal SIGKILL (Killed) before it was "
         "ready:\nTraceback ..."
     )

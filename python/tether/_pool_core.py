@@ -218,16 +218,14 @@ class Core:
         """A worker died: fail what it was running, and the results it never sent; start a
         replacement (or, when it died before it was ready, mark the pool broken)."""
         slot, pid, status = death.slot, death.pid, death.status
-        # 255 stands for a status something else took (a SIGCHLD set to SIG_IGN).
-        exitcode = 255 if status.exitcode is None else status.exitcode
         logger.info("pool %d: worker %d (pid %d) died with %s", self.number, slot, pid, status)
         if death.lease is not None:
             self.leases.running.pop(death.lease.id, None)
-        self.tasks.on_death(pid, exitcode, death.crashed, death.lost)
+        self.tasks.on_death(death)
         if not death.ready and self.state != "closed" and self.broken is None:
             report = _report.decode(death.report)
             text = None if report is None else report[0]
-            self._break(_words.worker_not_started(pid, exitcode, text))
+            self._break(_words.worker_not_started(death, text))
         elif self.state != "closed" and self.broken is None:
             thread = threading.Thread(
                 target=self._replace, args=(slot,), name="tether-pool-replace", daemon=True

@@ -41,9 +41,10 @@ MAX_CHUNK = 256
 Task = _native.Task
 
 
-def crash_error(pid: int, exitcode: int, lost: bool) -> WorkerCrashedError:
+def crash_error(death: _native.WorkerDied, lost: bool) -> WorkerCrashedError:
+    exitcode = _words.exitcode_of(death.status)
     name = _native.signal_name(-exitcode) if exitcode < 0 else None
-    return WorkerCrashedError(_words.worker_crashed(pid, exitcode, lost), pid, exitcode, name)
+    return WorkerCrashedError(_words.worker_crashed(death, lost), death.pid, exitcode, name)
 
 
 def _dumps(obj: Any, collector: _pickling.FdCollector) -> Tuple[Optional[bytes], Any]:
@@ -289,26 +290,24 @@ class Tasks:
 
     # -- crashes -----------------------------------------------------------------------------
 
-    def on_death(
-        self, pid: int, exitcode: int, crashed: Optional[_native.Crash], lost: List[int]
-    ) -> None:
+    def on_death(self, death: _native.WorkerDied) -> None:
         """A worker died: fails the item it was running (``crashed``: the task and the
         item) and the results it never sent (``lost``)."""
-        if crashed is not None:
-            self._on_crash(crashed.id, crashed.item, pid, exitcode)
-        for task_id in lost:
+        if death.crashed is not None:
+            self._on_crash(death.crashed.id, death.crashed.item, death)
+        for task_id in death.lost:
             sink = self.sinks.pop(task_id, None)
             if sink is not None:
-                self._fail(sink, crash_error(pid, exitcode, lost=True))
+                self._fail(sink, crash_error(death, lost=True))
 
-    def _on_crash(self, task_id: int, item: int, pid: int, exitcode: int) -> None:
+    def _on_crash(self, task_id: int, item: int, death: _native.WorkerDied) -> None:
         """Fails the item a dead worker ran; the items of its chunk it never reached run
         again, as chunks of their own."""
         sink = self.sinks.pop(task_id, None)
         if isinstance(sink, Chunk):
             done, rest = sink.indices[:item], sink.indices[item + 1 :]
-            sink.run.deliver((i, False, crash_error(pid, exitcode, lost=True)) for i in done)
-            sink.run.deliver([(sink.indices[item], False, crash_error(pid, exitcode, lost=False))])
+            sink.run.deliver((i, False, crash_error(death, lost=True)) for i in done)
+            sink.run.deliver([(sink.indices[item], False, crash_error(death, lost=False))])
             if rest and not sink.run.closed:
                 tasks: List[Task] = []
                 sinks: List[Tuple[int, Sink]] = []
@@ -319,4 +318,4 @@ class Tasks:
                     for _, chunk in sinks:
                         self._fail(chunk, exc)
         elif sink is not None:
-            settle(sink, False, crash_error(pid, exitcode, lost=False))
+            settle(sink, False, crash_error(death, lost=False))

@@ -53,9 +53,16 @@ def hint(exitcode: int) -> Optional[str]:
     return _native.signal_hint(-exitcode) if exitcode < 0 else None
 
 
-def worker_crashed(pid: int, exitcode: int, lost: bool) -> str:
+def exitcode_of(status: _native.ExitStatus) -> int:
+    """A status as ``multiprocessing`` gives it; 255 stands for one that something else
+    took (a SIGCHLD set to SIG_IGN)."""
+    return 255 if status.exitcode is None else status.exitcode
+
+
+def worker_crashed(death: _native.WorkerDied, lost: bool) -> str:
     """A pool worker died with a task in hand (``lost``: it had run the task, its result
-    was not sent yet)."""
+    was not sent yet). Every fact of the death is at hand here (``WorkerDied``)."""
+    pid, exitcode = death.pid, exitcode_of(death.status)
     when = (
         "after running this task, before its result was sent back"
         if lost
@@ -69,8 +76,9 @@ def worker_crashed(pid: int, exitcode: int, lost: bool) -> str:
     )
 
 
-def worker_not_started(pid: int, exitcode: int, report: Optional[str]) -> str:
+def worker_not_started(death: _native.WorkerDied, report: Optional[str]) -> str:
     """A pool worker died before it was ready; ``report`` is the error it wrote."""
+    pid, exitcode = death.pid, exitcode_of(death.status)
     message = f"a tether.Pool worker (pid {pid}) {ended(exitcode)} before it was ready"
     return message + (":\n" + report if report is not None else "")
 
