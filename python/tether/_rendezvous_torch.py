@@ -60,7 +60,9 @@ def poll_sooner(module: Any, every: float) -> None:
     the wait between two reads of the shared state (1 s) becomes `every`, and the random skew
     before a node joins a round (up to 0.3 s, which spreads many nodes' first writes) shrinks
     by the same factor. A backoff the user asked for (``cas_backoff_max_seconds``) is kept."""
-    delay = module._delay
+    delay = getattr(module, "_delay", None)
+    if delay is None:  # another torch: its own timing
+        return
 
     def quicker(seconds: Any) -> None:  # torch passes it by name
         if seconds == 1:
