@@ -456,3 +456,17 @@ def test_import_does_not_import_torch():
         check=True,
     )
     assert out.stdout.strip() == "False"
+
+
+def test_import_leaves_the_pools_machinery_until_a_pool_needs_it():
+    import subprocess
+
+    code = (
+        "import sys, tether, tether.errors as e; "
+        "print('concurrent.futures.process' in sys.modules); "
+        "import concurrent.futures.process as p; "
+        "print(issubclass(e.WorkerCrashedError, p.BrokenProcessPool), "
+        "tether.BrokenPool is e.BrokenPool)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True"], out.stdout

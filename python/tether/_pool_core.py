@@ -26,10 +26,10 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
 
 from . import _launch, _native, _report, _status, _words, _worker
 from ._log import logger
+from ._pool_errors import BrokenPool
 from ._pool_leases import Leases, worker_state
 from ._pool_tasks import Tasks, delivery
 from .context import Leased
-from .errors import BrokenPool
 
 #: Messages of executor tasks in flight per worker (one running, one waiting in its socket).
 WINDOW = 2

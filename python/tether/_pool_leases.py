@@ -16,8 +16,9 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 from . import _datasets, _native, _pickling, _shipment
+from ._pool_errors import BrokenPool
 from .context import Leased
-from .errors import BrokenPool, NoFreeWorkerError
+from .errors import NoFreeWorkerError
 
 _signatures: Dict[Any, Optional[inspect.Signature]] = {}
 

@@ -22,6 +22,7 @@ from typing import (
 )
 
 from . import _native, _pickling, _words, _worker
+from ._pool_errors import WorkerCrashedError
 from ._pool_futures import (
     Chunk,
     MapRun,
@@ -32,7 +33,6 @@ from ._pool_futures import (
     rebuild,
     settle,
 )
-from .errors import WorkerCrashedError
 
 #: The most items of one ``map`` that travel as one task.
 MAX_CHUNK = 256

@@ -1,10 +1,12 @@
 """The exceptions a failed child raises in its parent, with torch's names, messages and
 attributes (so code written against ``torch.multiprocessing`` keeps working), and those of
-``tether.Pool`` (``BrokenProcessPool``s, as ``concurrent.futures`` reports the same events)."""
+``tether.Pool``. Its ``BrokenProcessPool``s (``WorkerCrashedError``, ``BrokenPool``, as
+``concurrent.futures`` reports the same events) live in ``_pool_errors`` and are given here
+by name on first use, so that ``import tether`` does not import ``concurrent.futures.process``
+(and multiprocessing's queues with it)."""
 
 from __future__ import annotations
 
-from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Dict, Optional, Tuple
 
 
@@ -74,28 +76,6 @@ class ProcessTimeoutError(TimeoutError):
         return type(self), (self.msg, self.stacks, self.timeout)
 
 
-class WorkerCrashedError(BrokenProcessPool):
-    """A pool worker died while it ran (or had just run) a task; the pool started a new
-    worker and keeps running. ``pid`` is the worker's, ``exitcode`` its exit code (minus the
-    signal number when killed), ``signal_name`` the signal's name (``SIGSEGV``) or None.
-    A ``BrokenProcessPool``, as ``ProcessPoolExecutor`` reports the same event."""
-
-    def __init__(
-        self, message: str, pid: int, exitcode: int, signal_name: Optional[str] = None
-    ) -> None:
-        super().__init__(message)
-        self.pid = pid
-        self.exitcode = exitcode
-        self.signal_name = signal_name
-
-    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
-        return type(self), (self.args[0], self.pid, self.exitcode, self.signal_name)
-
-
-class BrokenPool(BrokenProcessPool):
-    """The pool cannot run tasks: a worker failed to start (its error is in the message)."""
-
-
 class NoFreeWorkerError(RuntimeError):
     """No worker is free for a leased process (a RuntimeError for the caller)."""
 
@@ -112,3 +92,12 @@ class RemoteError(Exception):
 
     def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
         return type(self), (self.type_name, self.message, self.traceback)
+
+
+def __getattr__(name: str) -> Any:
+    """``WorkerCrashedError`` and ``BrokenPool``, from ``_pool_errors`` when first asked for."""
+    if name in ("WorkerCrashedError", "BrokenPool"):
+        from . import _pool_errors
+
+        return getattr(_pool_errors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,8 +20,9 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 from . import _launch, _pool_core, _stacks
+from ._pool_errors import BrokenPool, WorkerCrashedError
 from .context import PoolContext
-from .errors import BrokenPool, NoFreeWorkerError, RemoteError, WorkerCrashedError
+from .errors import NoFreeWorkerError, RemoteError
 
 __all__ = ["BrokenPool", "NoFreeWorkerError", "Pool", "RemoteError", "WorkerCrashedError"]
 
