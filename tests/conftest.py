@@ -295,11 +295,16 @@ def leaves_nothing_behind() -> Iterator[None]:
     assert not any(leaked.values()), f"left behind: {leaked}"
 
 
-def _describe(pid: str) -> str:
-    """``pid (command line)`` for a leak report."""
+def cmdline(pid: "int | str") -> str:
+    """A process's command line, its arguments joined by spaces ("" once it is gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
-        return pid
-    return f"{pid} ({command})"
+        return ""
+
+
+def _describe(pid: str) -> str:
+    """``pid (command line)`` for a leak report."""
+    command = cmdline(pid)
+    return f"{pid} ({command})" if command else pid

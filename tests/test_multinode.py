@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
 
-from conftest import child_pids, wait_gone
+from conftest import child_pids, cmdline, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -181,13 +181,6 @@ def descendants(pid: int) -> Set[int]:
         todo.extend(kids - found)
         found |= kids
     return found
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 def signal_each(pids: List[int], sig: int) -> None:

@@ -16,14 +16,10 @@ from pathlib import Path
 import pytest
 
 import tether
+from conftest import cmdline
 from tether import _zygote
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def cmdline(pid):
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode().strip()
 
 
 def comm(pid):
