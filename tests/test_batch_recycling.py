@@ -4,6 +4,7 @@ in this process, in the worker or in another process it was sent to."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import tether
+from tether._recycle_page import SLOTS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,7 +143,18 @@ def test_a_batch_outlives_the_worker_that_made_it():
 
 
 def _fds(pid):
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    """The fds ``pid`` holds, by kind: a batch's storage is ``"/memfd:a tensor (deleted)"``."""
+    counts: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            kind = os.readlink(f"/proc/{pid}/fd/{fd}").split("[")[0]
+        except FileNotFoundError:  # the listing's own fd
+            continue
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+TENSOR = "/memfd:a tensor (deleted)"
 
 
 def _rss_kib(pid):
@@ -150,20 +163,29 @@ def _rss_kib(pid):
 
 
 def test_fds_and_memory_stay_flat_over_many_batches(pool):
+    gc.collect()
+    at_start = _fds(os.getpid())
     it = iter(loader(pool, 400, batch_size=BATCH * 4))
     workers = [w.pid for w in it._workers]
+    in_flight = it._prefetch_factor * len(workers)
     samples = []
     for i in range(400):
         batch = next(it)
         assert pdata.holds(batch, i * BATCH * 4)
         del batch
         if i in (40, 399):
-            samples.append(
-                (_fds(os.getpid()), [_fds(p) for p in workers], [_rss_kib(p) for p in workers])
-            )
+            fds = _fds(os.getpid())
+            # Batches that came ahead of their turn wait in the loader, each with its storage.
+            assert fds.pop(TENSOR, 0) <= in_flight, fds
+            # A worker keeps at most SLOTS storages to reuse, more of them as its batches come back.
+            worker_fds = [_fds(p) for p in workers]
+            assert all(w.pop(TENSOR, 0) <= SLOTS for w in worker_fds), worker_fds
+            samples.append((fds, worker_fds, [_rss_kib(p) for p in workers]))
     del it
+    gc.collect()
     (fds, worker_fds, rss), (fds_after, worker_fds_after, rss_after) = samples
     assert fds_after == fds
     assert worker_fds_after == worker_fds
+    assert _fds(os.getpid()) == at_start
     grown = [after - before for before, after in zip(rss, rss_after)]
     assert max(grown) < 8 * 1024, f"workers' RSS grew by {grown} KiB"
