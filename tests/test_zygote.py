@@ -7,10 +7,12 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,8 @@ from conftest import stray_children, wait_gone
 from tether import _zygote
 
 pytestmark = pytest.mark.timeout(120)
+
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture
@@ -383,3 +387,18 @@ def test_a_preloaded_package_that_prints_or_warns_at_import_stays_off_the_users_
     out, err = capfd.readouterr()
     assert "noisy" not in out + err, (out, err)
     assert out.count("hello from the zygote child") == 2, out
+
+
+def test_children_find_the_modules_of_tether_their_parent_imported_in_the_zygote():
+    # A child runs its parent's __main__ again; what that imports of tether beyond the
+    # package (tether.pool, a private module) is the zygote's already, never imported anew.
+    got = subprocess.run(
+        [sys.executable, "-X", "importtime", str(HERE / "scripts" / "own_modules.py")],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert got.returncode == 0, got.stderr[-3000:]
+    children = got.stderr.split("-- children start\n")[1].split("-- children done")[0]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in children.splitlines()]
+    assert not [m for m in imported if m.startswith("tether")], children

@@ -75,6 +75,14 @@ def installed_modules() -> Tuple[str, ...]:
     return tuple(sorted(names))
 
 
+def own_modules() -> List[str]:
+    """The modules of tether this process has imported (never ``tether.__main__``, which is
+    a command): the zygote imports them as well, so that a child whose ``__main__`` imports
+    one (``from tether import Pool``) finds it there instead of importing it anew."""
+    prefix = __name__.split(".")[0] + "."
+    return sorted(m for m in list(sys.modules) if m.startswith(prefix) and m != prefix + "__main__")
+
+
 _preload_override: Optional[Tuple[str, ...]] = None
 
 
@@ -132,7 +140,12 @@ class Zygote:
             if failure is not None and failure.kind != _native.ZygoteFailureKind.CLOSED:
                 warnings.warn(f"{failure.message}; starting a new one", RuntimeWarning, 4)
             process.close(0.0)
-        config = {"preload": self.preload, "sys_path": list(sys.path), "reserve": reserve}
+        config = {
+            "preload": self.preload,
+            "own": own_modules(),
+            "sys_path": list(sys.path),
+            "reserve": reserve,
+        }
         argv = _child.python_argv(_zygote_server.ENTRY)
         self._process = _native.Zygote(argv, [], pickle.dumps(config))
         self._ready = False

@@ -1,8 +1,8 @@
 """The zygote process (see ``_zygote`` for the parent's handle on it): it imports the
-preload once, leaving out a module whose import starts a thread (it starts again without
-it), then serves fork requests with tether-core's loop (``_native.zygote_serve``); in each
-child it forks, it installs the caller's environment and a fresh random state and runs the
-payload."""
+preload once, and the modules of tether its parent has, leaving out a module whose import
+starts a thread (it starts again without it), then serves fork requests with tether-core's
+loop (``_native.zygote_serve``); in each child it forks, it installs the caller's
+environment and a fresh random state and runs the payload."""
 
 from __future__ import annotations
 
@@ -139,6 +139,8 @@ def main() -> None:
         _name_zygote(preload)
         with _output_dropped():
             failures, threaded = _preload(preload)
+            for name in config["own"]:
+                importlib.import_module(name)  # tether's own: they start no thread
         if threaded and len(left_out) < 3 * len(config["preload"]):
             # Start again without them: a thread cannot be stopped from outside, and a
             # zygote must fork from a single thread.
