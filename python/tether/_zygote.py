@@ -80,7 +80,12 @@ def own_modules() -> List[str]:
     a command): the zygote imports them as well, so that a child whose ``__main__`` imports
     one (``from tether import Pool``) finds it there instead of importing it anew."""
     prefix = __name__.split(".")[0] + "."
-    return sorted(m for m in list(sys.modules) if m.startswith(prefix) and m != prefix + "__main__")
+    modules = list(sys.modules.items())
+    return sorted(
+        name
+        for name, module in modules
+        if name.startswith(prefix) and name != prefix + "__main__" and module is not None
+    )
 
 
 _preload_override: Optional[Tuple[str, ...]] = None

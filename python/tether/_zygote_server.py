@@ -140,7 +140,10 @@ def main() -> None:
         with _output_dropped():
             failures, threaded = _preload(preload)
             for name in config["own"]:
-                importlib.import_module(name)  # tether's own: they start no thread
+                # tether's own modules start no thread; one that cannot be imported here is
+                # imported (or not) by each child that needs it, as without this.
+                with contextlib.suppress(ImportError):
+                    importlib.import_module(name)
         if threaded and len(left_out) < 3 * len(config["preload"]):
             # Start again without them: a thread cannot be stopped from outside, and a
             # zygote must fork from a single thread.
