@@ -161,12 +161,13 @@ fn grace(stop: &StopArgs) -> Result<Duration, clap::Error> {
         (None, Some(seconds)) => (seconds, "--shutdown-timeout"),
         (None, None) => (DEFAULT_GRACE_SECONDS, "--grace-period"),
     };
-    if !(grace.is_finite() && grace >= 0.0) {
-        return Err(invalid(format!(
-            "invalid {grace_option} {grace}: expected seconds >= 0"
-        )));
-    }
-    Ok(Duration::from_secs_f64(grace))
+    seconds(grace_option, grace)
+}
+
+/// A number of seconds, zero or more (one too large for a duration is refused as well).
+fn seconds(option: &str, value: f64) -> Result<Duration, clap::Error> {
+    Duration::try_from_secs_f64(value)
+        .map_err(|_| invalid(format!("invalid {option} {value}: expected seconds >= 0")))
 }
 
 /// torchrun options that tether checks and accepts without applying them; returns the
@@ -178,11 +179,7 @@ fn accepted(args: &AcceptedArgs, rdzv_conf: &Option<String>) -> Result<Vec<Strin
         )));
     }
     if let Some(t) = args.monitor_interval {
-        if !(t.is_finite() && t >= 0.0) {
-            return Err(invalid(format!(
-                "invalid --monitor-interval {t}: expected seconds >= 0"
-            )));
-        }
+        seconds("--monitor-interval", t)?;
     }
     if let Some(conf) = rdzv_conf {
         let pair_ok = |p: &str| p.split_once('=').is_some_and(|(k, _)| !k.trim().is_empty());
@@ -557,6 +554,9 @@ mod tests {
                 "--signals-to-handle",
             ),
             (&["--grace-period", "-1", "x"], "--grace-period"),
+            (&["--grace-period", "1e300", "x"], "--grace-period"),
+            (&["--shutdown-timeout", "inf", "x"], "--shutdown-timeout"),
+            (&["--timeout", "1e300", "x"], "--timeout"),
             (&["--monitor-interval", "-1", "x"], "--monitor-interval"),
             (&["--rdzv-id", "a/b", "x"], "--rdzv-id"),
             (&["--print-completion", "bash"], "--print-completion"),
