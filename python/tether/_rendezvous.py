@@ -156,7 +156,7 @@ class Node:
         )
 
         if isinstance(exc, RendezvousClosedError):
-            cause = self.read_end()
+            cause = self.take_end(self.store)
             if cause is not None:
                 self.say("ended", cause=cause)
                 self.hold_the_end()
@@ -256,9 +256,9 @@ class Node:
         self, store: Any, count: int, beats: Dict[int, Any], seen: Dict[int, float]
     ) -> Optional["tuple[str, Dict[str, Any]]"]:
         store.set(f"{ALIVE}{self.group_rank}", json.dumps([count, self.host]))
-        if store.check([END]):
-            store.set(f"{END_SEEN}{self.group_rank}", "1")
-            return "ended", {"cause": json.loads(store.get(END))}
+        cause = self.take_end(store)
+        if cause is not None:
+            return "ended", {"cause": cause}
         now = time.monotonic()
         for node in range(self.nodes):
             if node == self.group_rank or store.check([f"{FINISHED}{node}"]):
@@ -281,14 +281,14 @@ class Node:
             return "restart", {"why": why}
         return None
 
-    def read_end(self) -> Any:
-        if self.store is None:
-            return None
+    def take_end(self, store: Any) -> Any:
+        """How the job ended (its root cause), marked as read by this node; None while it
+        has not ended, or when no store answers."""
         try:
-            if not self.store.check([END]):
+            if store is None or not store.check([END]):
                 return None
-            self.store.set(f"{END_SEEN}{self.group_rank}", "1")
-            return json.loads(self.store.get(END))
+            store.set(f"{END_SEEN}{self.group_rank}", "1")
+            return json.loads(store.get(END))
         except Exception:  # noqa: BLE001 - no store left to read
             return None
 
@@ -336,9 +336,9 @@ class Node:
             self.store.set(f"{FINISHED}{self.group_rank}", "1")
             threading.Thread(target=wait_for_everyone, daemon=True).start()
             while not passed.wait(WATCH_EVERY):
-                if self.store.check([END]):
-                    self.store.set(f"{END_SEEN}{self.group_rank}", "1")
-                    self.say("ended", cause=json.loads(self.store.get(END)))
+                cause = self.take_end(self.store)
+                if cause is not None:
+                    self.say("ended", cause=cause)
                     self.hold_the_end()
                     return
         except Exception:  # noqa: BLE001 - the store's host finished and went: nothing to wait for
