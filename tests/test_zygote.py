@@ -402,3 +402,13 @@ def test_children_find_the_modules_of_tether_their_parent_imported_in_the_zygote
     children = got.stderr.split("-- children start\n")[1].split("-- children done")[0]
     imported = [line.rsplit("|", 1)[-1].strip() for line in children.splitlines()]
     assert not [m for m in imported if m.startswith("tether")], children
+
+
+def test_the_zygote_never_takes_tethers_command_line_entry_for_a_module_to_import(monkeypatch):
+    # Importing tether.__main__ would run the command line in the zygote.
+    monkeypatch.setitem(sys.modules, "tether.__main__", sys.modules["tether"])
+    monkeypatch.setitem(sys.modules, "tether.not_a_module", None)
+    own = _zygote.own_modules()
+    assert "tether._zygote" in own and "tether.spawn" in own
+    assert "tether.__main__" not in own and "tether.not_a_module" not in own
+    assert all(name.startswith("tether.") for name in own)

@@ -120,8 +120,8 @@ impl Endpoint {
         Ok(sent.is_some())
     }
 
-    /// Receives one `Message`, waiting up to `timeout` seconds (for ever when None); None on timeout. Raises EOFError once every
-    /// peer end is closed.
+    /// Receives one `Message`, waiting up to `timeout` seconds (for ever when None); None on
+    /// timeout. Raises EOFError once every peer end is closed.
     ///
     /// With `spin` (seconds), an empty channel is polled without sleeping (and without the
     /// GIL) that long before the thread sleeps: a message that comes soon is taken without
