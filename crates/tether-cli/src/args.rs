@@ -253,6 +253,18 @@ pub struct ProgramArgs {
         hide_env = true
     )]
     pub no_python: bool,
+    /// Start every rank as a new interpreter (`PYTHON -u SCRIPT`), as torchrun does. By
+    /// default a script's or module's ranks are forked from this node's warm zygote, which
+    /// has imported the installed packages the script imports (torch, ...) once for every
+    /// rank and restart.
+    #[arg(
+        long = "no-warm",
+        visible_alias = "no_warm",
+        env = "PET_NO_WARM",
+        value_parser = BoolishValueParser::new(),
+        hide_env = true
+    )]
+    pub no_warm: bool,
     /// Accepted: each rank runs SCRIPT in a new interpreter, as without it (torchrun would
     /// run it inside its agent process).
     #[arg(
