@@ -256,6 +256,21 @@ def test_a_zygote_killed_before_the_first_rank_still_runs_the_job(
     ), err
 
 
+def test_a_zygote_that_is_not_ready_holds_no_run_past_its_timeout(
+    site: Path, tmp_path: Path
+) -> None:
+    (site / "slow_to_import.py").write_text("import time\ntime.sleep(30)\n")
+    script = write(tmp_path / "rank.py", "import slow_to_import\n")
+    began = time.monotonic()
+    proc = run([TETHER, "run", "-n", "1", "--timeout", "2", str(script)], tmp_path, site)
+    assert proc.returncode == 124, proc.stderr
+    assert time.monotonic() - began < 20
+    assert (
+        "tether: warning: warm ranks are off for this run: it was not ready when the run "
+        "reached its --timeout of 2 s" in proc.stderr
+    ), proc.stderr
+
+
 def descendants(pid: int) -> List[int]:
     found = []
     try:

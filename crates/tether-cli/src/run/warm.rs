@@ -42,8 +42,20 @@ impl Launcher {
                 PollFd::new(&self.signals, PollFlags::IN),
                 PollFd::from_borrowed_fd(zygote.fd(), PollFlags::IN),
             ];
-            let _ = rustix::event::poll(&mut fds, None);
+            // A limit of the run (--timeout, --stall-timeout) holds meanwhile.
+            let timeout = self
+                .watchdog
+                .next_check()
+                .map(|left| rustix::event::Timespec {
+                    tv_sec: left.as_secs() as _,
+                    tv_nsec: left.subsec_nanos() as _,
+                });
+            let _ = rustix::event::poll(&mut fds, timeout.as_ref());
             let answered = !fds[1].revents().is_empty();
+            if let (false, Some(limit)) = (answered, self.watchdog.passed()) {
+                self.zygote_off(&format!("it was not ready when {}", limit.describe()));
+                return Ok(());
+            }
             while let Some(sig) = self.signals.next() {
                 if sig == libc::SIGCHLD {
                     reaper::reap_orphans(&self.own_pids());
