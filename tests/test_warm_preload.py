@@ -62,6 +62,22 @@ PACKAGES = {
         "import sys\nprint('hello from says_hello')\nprint('to stderr', file=sys.stderr)\n"
     ),
     "clean": "import json\nVALUE = 42\n",
+    "sets_env": "import os\nos.environ['FROM_PACKAGE'] = '1'\n",
+    "adds_path": "import sys\nsys.path.append('/from-package')\n",
+    "sets_handler": "import signal\nsignal.signal(signal.SIGUSR2, lambda *a: None)\n",
+}
+#: A package whose import waits (up to 30 s) for the file that WARM_TEST_GO names.
+SLOW = """
+import os, time
+go, deadline = os.environ.get("WARM_TEST_GO", ""), time.monotonic() + 30
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.01)
+"""
+#: Packages whose import changes what a rank sees before its first line.
+CHANGERS = {
+    "sets_env": "the environment",
+    "adds_path": "sys.path",
+    "sets_handler": "a signal handler",
 }
 
 
@@ -130,13 +146,43 @@ def test_a_scripts_imports_are_read_without_running_it(
 
 def test_relative_imports_of_a_module_resolve_against_its_package() -> None:
     tree = ast.parse("from . import a\nfrom ..b import c\nfrom .d.e import f\nimport g.h")
-    assert _warm_scan.imports(tree, "pkg.sub") == [
-        ("pkg.sub", ["a"]),
-        ("pkg.b", ["c"]),
-        ("pkg.sub.d.e", ["f"]),
-        ("g.h", []),
-    ]
-    assert _warm_scan.imports(ast.parse("from . import a"), None) == []
+    assert _warm_scan.imports(tree, "pkg.sub") == (
+        [("pkg.sub", ["a"]), ("pkg.b", ["c"]), ("pkg.sub.d.e", ["f"]), ("g.h", [])],
+        False,
+    )
+    assert _warm_scan.imports(ast.parse("from . import a"), None) == ([], False)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        'os.environ["OMP_NUM_THREADS"] = "4"',
+        'os.environ.setdefault("MKL_NUM_THREADS", "1")',
+        "os.putenv('A', 'b')",
+        "environ.update(A='1')",
+        "del os.environ['A']",
+        "sys.path.insert(0, '/vendored')",
+        "sys.path[:0] = ['/vendored']",
+        "site.addsitedir('/vendored')",
+        "os.chdir('/')",
+    ],
+)
+def test_no_import_after_a_change_of_what_imports_see_is_preloaded(
+    change: str, tmp_path: Path
+) -> None:
+    write(tmp_path / "mine.py", f"import os, sys, site\nfrom os import environ\n{change}\n")
+    script = write(
+        tmp_path / "train.py",
+        "import json\nimport mine\nimport numpy\nimport torch\n",
+    )
+    scan = _warm_scan.Scan(_warm_scan.Places(), [str(tmp_path), *sys.path])
+    assert scan.file(str(script), None) is True
+    assert "json" in scan.found and "numpy" not in scan.found and "torch" not in scan.found
+    tree = ast.parse(f"import os, sys, site\nimport json\n{change}\nimport numpy\n")
+    assert _warm_scan.imports(tree, None) == (
+        [("os", []), ("sys", []), ("site", []), ("json", [])],
+        True,
+    )
 
 
 # What the zygote leaves to the ranks -------------------------------------------------------
@@ -150,7 +196,10 @@ def left_out(site: Path, tmp_path_factory: Any) -> subprocess.CompletedProcess:
     script = write(
         where / "rank.py",
         f"""
-        import json, os, sys
+        import json, os, signal, sys
+        print("first line", "FROM_PACKAGE" in os.environ, "/from-package" in sys.path,
+              signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL)
+        import sets_env, adds_path, sets_handler
         import clean, starts_thread, marks_cuda, says_hello, {", ".join(names)}
         try:
             import broken
@@ -179,6 +228,17 @@ def test_a_package_that_reads_what_a_rank_has_of_its_own_is_left_to_the_ranks(le
             rf"tether: warning: warm ranks: {name} is left out of the zygote's preload "
             rf"\(its import {re.escape(why)}, in {name}\); each rank imports it itself",
             left_out.stderr,
+        ), (name, left_out.stderr)
+
+
+def test_a_package_that_changes_what_a_rank_sees_first_is_left_to_the_ranks(left_out) -> None:
+    assert sorted(line for line in left_out.stdout.splitlines() if "first line" in line) == [
+        f"[rank {r}]: first line False False True" for r in range(2)
+    ]
+    for name, what in CHANGERS.items():
+        assert (
+            f"tether: warning: warm ranks: {name} is left out of the zygote's preload (its "
+            f"import changed {what}); each rank imports it itself" in left_out.stderr
         ), (name, left_out.stderr)
 
 
@@ -213,7 +273,7 @@ def test_a_broken_preload_still_runs_the_job(left_out) -> None:
     ]
     # Every other warning is about a module left out: the ranks themselves are warm.
     warnings = [line for line in left_out.stderr.splitlines() if "warning" in line]
-    assert len(warnings) == len(WHY) + 3, left_out.stderr
+    assert len(warnings) == len(WHY) + len(CHANGERS) + 3, left_out.stderr
     assert "warm ranks are off" not in left_out.stderr
 
 
@@ -226,14 +286,15 @@ def test_what_a_preloaded_package_prints_shows_in_every_rank(left_out) -> None:
 def test_a_zygote_killed_before_the_first_rank_still_runs_the_job(
     site: Path, tmp_path: Path
 ) -> None:
-    (site / "slow_to_import.py").write_text("import time\ntime.sleep(30)\n")
+    (site / "slow_to_import.py").write_text(SLOW)
     script = write(
         tmp_path / "rank.py", "import os, slow_to_import\nprint('ran', os.environ['RANK'])\n"
     )
+    go = tmp_path / "go"
     launcher = subprocess.Popen(
         [TETHER, "run", "-n", "2", str(script)],
         cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=str(site)),
+        env=dict(os.environ, PYTHONPATH=str(site), WARM_TEST_GO=str(go)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -241,6 +302,7 @@ def test_a_zygote_killed_before_the_first_rank_still_runs_the_job(
     try:
         zygote = wait_for_zygote(launcher.pid)
         os.kill(zygote, signal.SIGKILL)
+        go.touch()  # the ranks, cold, import it at once
         out, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
@@ -259,7 +321,7 @@ def test_a_zygote_killed_before_the_first_rank_still_runs_the_job(
 def test_a_zygote_that_is_not_ready_holds_no_run_past_its_timeout(
     site: Path, tmp_path: Path
 ) -> None:
-    (site / "slow_to_import.py").write_text("import time\ntime.sleep(30)\n")
+    (site / "slow_to_import.py").write_text(SLOW)
     script = write(tmp_path / "rank.py", "import slow_to_import\n")
     began = time.monotonic()
     proc = run([TETHER, "run", "-n", "1", "--timeout", "2", str(script)], tmp_path, site)

@@ -4,6 +4,13 @@ from the sources of the user's own modules it imports, followed the same way (at
 ``MAX_FILES`` files). The user's own modules are never preloaded: they may change between
 attempts, and each rank imports them afresh, as a new interpreter does.
 
+What a package sees at import must be what it would see in the rank: from the first
+statement that changes the environment, ``sys.path``, the import hooks or the working
+directory (``os.environ[...] = ...``, ``os.putenv``, ``sys.path.insert``,
+``site.addsitedir``, ``os.chdir``, ...), in a file or in one of the user's modules it
+imports, the imports that follow are left to the ranks (``import os; os.environ["OMP_NUM_THREADS"]
+= "4"; import numpy``: numpy is not preloaded, its threads must see the 4).
+
 A name is looked up as the rank's interpreter would look it up (``sys.path``, the script's
 directory first), with the import system's path finder, which imports nothing: a module of
 the user's that shadows an installed one is the user's. Imports under ``if TYPE_CHECKING:``
@@ -16,7 +23,7 @@ import ast
 import importlib.machinery
 import os
 import sys
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from . import _zygote
 
@@ -85,55 +92,74 @@ class Scan:
         self.search = list(search)
         self.found: List[str] = []
         self.read: Set[str] = set()
+        #: Whether each file read changes what later imports see.
+        self.changes: Dict[str, bool] = {}
 
     def add(self, name: str) -> None:
         if name not in self.found and name.split(".")[0] not in NEVER:
             self.found.append(name)
 
-    def module(self, name: str, names: Sequence[str] = ()) -> None:
-        """An import of ``name`` (``from name import names``)."""
+    def module(self, name: str, names: Sequence[str] = ()) -> bool:
+        """An import of ``name`` (``from name import names``); whether it changes what later
+        imports see (a module of the user's that does)."""
         spec = find(name, self.search)
         where = None if spec is None else _location(spec)
         if spec is None or where is None:
-            return
+            return False
         kind = self.places.kind(where)
+        changes = False
         if kind == "own":
-            self.source(spec, name)
+            changes = self.source(spec, name)
         elif kind in ("installed", "stdlib"):
             self.add(name)
         for sub in names:
+            if changes:
+                break
             if sub != "*" and spec.submodule_search_locations is not None:
                 child = f"{name}.{sub}"
                 if find(child, self.search) is not None:
-                    self.module(child)
+                    changes = self.module(child)
+        return changes
 
-    def source(self, spec: importlib.machinery.ModuleSpec, name: str) -> None:
+    def source(self, spec: importlib.machinery.ModuleSpec, name: str) -> bool:
         """Follows a module of the user's: its own imports count too."""
         if spec.origin and spec.origin.endswith(".py"):
             is_package = spec.submodule_search_locations is not None
-            self.file(spec.origin, name if is_package else name.rpartition(".")[0])
+            return self.file(spec.origin, name if is_package else name.rpartition(".")[0])
+        return False
 
-    def file(self, path: str, package: Optional[str]) -> None:
-        """The imports of the source file ``path``, of ``package`` (for relative imports)."""
+    def file(self, path: str, package: Optional[str]) -> bool:
+        """The imports of the source file ``path``, of ``package`` (for relative imports);
+        whether it changes what later imports see (a file that cannot be read is taken to:
+        when in doubt, nothing after it is preloaded)."""
         real = os.path.realpath(path)
-        if real in self.read or len(self.read) >= MAX_FILES:
-            return
+        if real in self.read:
+            return self.changes.get(real, False)
+        if len(self.read) >= MAX_FILES:
+            return True
         self.read.add(real)
         try:
             if os.path.getsize(real) > MAX_BYTES:
-                return
+                raise ValueError("too large")
             with open(real, "rb") as f:
                 tree = ast.parse(f.read(), filename=path)
         except (OSError, SyntaxError, ValueError):
-            return
-        for name, names in imports(tree, package):
-            self.module(name, names)
+            self.changes[real] = True
+            return True
+        found, changes = imports(tree, package)
+        for name, names in found:
+            if self.module(name, names):
+                changes = True
+                break
+        self.changes[real] = changes
+        return changes
 
 
-def imports(tree: ast.AST, package: Optional[str]) -> List[Tuple[str, List[str]]]:
+def imports(tree: ast.AST, package: Optional[str]) -> Tuple[List[Tuple[str, List[str]]], bool]:
     """Every ``(module, names)`` a tree imports (``import a.b``: ``("a.b", [])``; ``from a
     import b, c``: ``("a", ["b", "c"])``), relative imports made absolute against
-    ``package``, in source order; nothing under ``if TYPE_CHECKING:``."""
+    ``package``, in source order, up to its first change of what later imports see; and
+    whether it has one. Nothing under ``if TYPE_CHECKING:`` counts."""
     found: List[Tuple[str, List[str]]] = []
     todo: List[ast.AST] = [tree]
     while todo:
@@ -141,6 +167,8 @@ def imports(tree: ast.AST, package: Optional[str]) -> List[Tuple[str, List[str]]
         if isinstance(node, ast.If) and _is_type_checking(node.test):
             todo.extend(reversed(node.orelse))
             continue
+        if _changes_imports(node):
+            return found, True
         if isinstance(node, ast.Import):
             found.extend((alias.name, []) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -148,7 +176,44 @@ def imports(tree: ast.AST, package: Optional[str]) -> List[Tuple[str, List[str]]
             if base is not None:
                 found.append((base, [alias.name for alias in node.names]))
         todo.extend(reversed(list(ast.iter_child_nodes(node))))
-    return found
+    return found, False
+
+
+#: Calls that change what an import sees, whatever they are called on.
+_CHANGING_CALLS = {"putenv", "unsetenv", "chdir", "fchdir", "addsitedir"}
+#: Methods that change a mapping or a list.
+_MUTATORS = {"update", "setdefault", "pop", "popitem", "clear", "insert", "append", "extend"}
+_MUTATORS |= {"remove", "__setitem__", "__delitem__"}
+#: What a change is made to: ``os.environ``, ``sys.path``, ``sys.meta_path``, ...
+_WATCHED = {"os": {"environ", "environb"}, "sys": {"path", "meta_path", "path_hooks"}}
+
+
+def _names(node: ast.AST) -> bool:
+    """Whether ``node`` names the environment (``os.environ``, or ``environ`` imported from
+    os), ``sys.path`` or the import hooks; ``x[k]`` counts as ``x``."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return node.attr in _WATCHED.get(node.value.id, ())
+    return isinstance(node, ast.Name) and node.id in _WATCHED["os"]
+
+
+def _changes_imports(node: ast.AST) -> bool:
+    """Whether the statement or call ``node`` changes the environment, ``sys.path``, the
+    import hooks or the working directory."""
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+        return any(_names(target) for target in targets)
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    if isinstance(func, ast.Name):
+        return func.id in _CHANGING_CALLS
+    if isinstance(func, ast.Attribute):
+        if func.attr in _CHANGING_CALLS:
+            return True
+        return func.attr in _MUTATORS and _names(func.value)
+    return False
 
 
 def _is_type_checking(test: ast.expr) -> bool:
