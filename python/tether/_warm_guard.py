@@ -13,7 +13,9 @@ fixes what they keep in each rank):
 
 and after each module, a thread still running (once a throwaway fork has let libraries
 stop theirs), CUDA initialized (``torch.cuda.is_initialized()``, or a device of
-``/dev/nvidia*`` open), or a module of the user's imported. Reads through Python are seen;
+``/dev/nvidia*`` open), a module of the user's imported, or a change of what the rank's first
+line would see otherwise (the environment, ``sys.path``, a signal handler, the standard
+streams, ``sys.excepthook``, the builtins, the working directory). Reads through Python are seen;
 a C extension's own ``getenv`` is not. What the modules print while they are imported is
 kept (``captured``), so that each rank shows it as a new interpreter would."""
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import signal
 import sys
 import types
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
@@ -200,11 +203,33 @@ def cuda_in_use() -> bool:
     return False
 
 
+def _state() -> Dict[str, Any]:
+    """What a module's import may change of what a rank sees before its first line, by the
+    words that name it."""
+    import builtins
+    import threading
+
+    handlers = {}
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            handlers[sig] = signal.getsignal(sig)
+    return {
+        "the environment": dict(os.environ),
+        "sys.path": list(sys.path),
+        "a signal handler": handlers,
+        "the standard streams": [id(sys.stdin), id(sys.stdout), id(sys.stderr)],
+        "sys.excepthook": [id(sys.excepthook), id(threading.excepthook)],
+        "the builtins": {k: id(v) for k, v in vars(builtins).items()},
+        "the working directory": os.getcwd(),
+    }
+
+
 def _import_one(name: str, watch: Watch, found: Found) -> None:
     """Imports ``name``; notes in ``found`` whether it stays or is left to the ranks."""
     known = set(sys.modules)
     threads = len(_threads())
     cuda_before = cuda_in_use()
+    state = _state()
     watch.reads.clear()
     try:
         importlib.import_module(name)
@@ -212,6 +237,8 @@ def _import_one(name: str, watch: Watch, found: Found) -> None:
         found.failed.append((name, f"{type(exc).__name__}: {exc}"))
         return
     why = list(watch.reads[:1])
+    after = _state()
+    why += [f"its import changed {what}" for what in state if after[what] != state[what]][:1]
     if len(_threads()) > threads:
         _zygote_server._quiesce()
         running = _threads()
