@@ -68,7 +68,7 @@ def serve(config: Dict[str, Any], event: str, target: str) -> None:
         found = _warm_guard.preload(modules, set(config["varying"]))
     if found.left_out or found.failed:
         _start_again(config, environment, found, [report_fd, request_fd, notices_fd])
-    _zygote_server._quiesce()
+    _single_threaded()
     gc.freeze()  # the preload's objects, shared by every rank, are never walked there
     ready = {
         "preloaded": found.preloaded,
@@ -84,6 +84,17 @@ def serve(config: Dict[str, Any], event: str, target: str) -> None:
     if isinstance(served, int):
         os._exit(served)
     _become(served, zygote)
+
+
+def _single_threaded() -> None:
+    """Makes sure the zygote forks from a single thread: a throwaway fork lets libraries
+    stop the threads they stop at a fork (only when there is one: it costs tens of
+    milliseconds with torch loaded); one that stays running fails the zygote."""
+    if _warm_guard.threads():
+        _zygote_server._quiesce()
+    running = _warm_guard.threads()
+    if running:
+        raise RuntimeError(f"the zygote has a thread running ({running[0]!r})")
 
 
 def _name(modules: List[str]) -> None:

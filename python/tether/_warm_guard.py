@@ -167,7 +167,7 @@ class _WatchedArgv(List[str]):
         return super().__contains__(item)
 
 
-def _threads() -> List[str]:
+def threads() -> List[str]:
     """The names of this process's threads but the main one (Python's names for Python
     threads)."""
     import threading
@@ -227,7 +227,7 @@ def _state() -> Dict[str, Any]:
 def _import_one(name: str, watch: Watch, found: Found) -> None:
     """Imports ``name``; notes in ``found`` whether it stays or is left to the ranks."""
     known = set(sys.modules)
-    threads = len(_threads())
+    before = len(threads())
     cuda_before = cuda_in_use()
     state = _state()
     watch.reads.clear()
@@ -239,10 +239,10 @@ def _import_one(name: str, watch: Watch, found: Found) -> None:
     why = list(watch.reads[:1])
     after = _state()
     why += [f"its import changed {what}" for what in state if after[what] != state[what]][:1]
-    if len(_threads()) > threads:
+    if len(threads()) > before:
         _zygote_server._quiesce()
-        running = _threads()
-        if len(running) > threads:
+        running = threads()
+        if len(running) > before:
             why.append(f"its import left a thread running ({running[-1]!r})")
     if not cuda_before and cuda_in_use():
         why.append("its import initialized CUDA")
