@@ -57,6 +57,9 @@ __all__ = [
     "encode_report",
     "limit_hint",
     "set_title",
+    "command_line",
+    "show_command_line",
+    "die_with_parent",
     "decode_report",
     "Report",
     "StackAnswer",
@@ -257,7 +260,12 @@ class Job:
     def take_report_fd(self) -> int: ...
 
 def zygote_serve(
-    request_fd: int, notices_fd: int, parent: int, ready: bytes, blanks: int
+    request_fd: int,
+    notices_fd: int,
+    parent: int,
+    ready: bytes,
+    blanks: int,
+    quiet: float = 0.0,
 ) -> Union[Job, int]: ...
 def setup_forked_child(parent_pid: int, from_main_thread: bool) -> None: ...
 def signal_name(signal: int) -> str: ...
