@@ -34,6 +34,8 @@ from . import _child, _native, _warm_guard, _warm_scan, _zygote_server
 
 #: How many times a zygote starts again without the modules it must leave to the ranks.
 MAX_STARTS = 4
+#: Seconds without a request before the zygote does its idle work.
+QUIET = 1.0
 #: The variables that only travel to the zygote.
 _ROOM = "TETHER_WARM_ROOM"
 
@@ -76,10 +78,11 @@ def serve(config: Dict[str, Any], event: str, target: str) -> None:
         "failed": config.get("failed", []),
     }
     zygote = Zygote(arguments, comm, printed, os.getppid())
-    # It keeps a child forked ahead for each rank: a restart costs no fork.
+    # It keeps a child forked ahead for each rank (a restart costs no fork), and does that
+    # (and its other idle work) once the ranks it has just started have had the CPU.
     blanks = int(config.get("blanks", 0))
     served = _native.zygote_serve(
-        request_fd, notices_fd, zygote.parent, json.dumps(ready).encode(), blanks
+        request_fd, notices_fd, zygote.parent, json.dumps(ready).encode(), blanks, QUIET
     )
     if isinstance(served, int):
         os._exit(served)
