@@ -120,7 +120,11 @@ def comparable(record: Dict[str, Any], stacks: bool = True) -> Dict[str, Any]:
         caught = int(facts.pop("sig_caught"), 16)
         for sig in STACK_SIGNALS:
             caught &= ~(1 << (sig - 1))
-        facts["sig_caught"] = caught
+        facts["sig_caught"] = f"{caught:016x}"
+    for mask in ("sig_blocked", "sig_ignored", "sig_caught"):
+        # Signals 32 and 33 are glibc's own (Python cannot name them): a torchrun rank
+        # sometimes starts with 32 ignored.
+        facts[mask] = int(str(facts[mask]), 16) & ~(0b11 << 31)
     return facts
 
 
