@@ -64,7 +64,13 @@ def serve(config: Dict[str, Any], event: str, target: str) -> None:
     arguments = _native.command_line()
     left_out = [(str(name), str(why)) for name, why in config.get("left_out", [])]
     skip = {name for name, _ in left_out + [tuple(p) for p in config.get("failed", [])]}
-    modules = [m for m in _warm_scan.preload(event, target, config["extra"]) if m not in skip]
+    modules = _warm_scan.preload(event, target, config["extra"])
+    # What the node's rendezvous helper needs, for a script that imports torch anyway (the
+    # helper is then a fork of this zygote, and the node imports torch once).
+    helper = any(m.split(".")[0] == "torch" for m in modules) and bool(config.get("helper"))
+    if helper:
+        modules += config["helper"]
+    modules = [m for m in dict.fromkeys(modules) if m not in skip]
     _name(modules)
     with _warm_guard.captured() as printed:
         found = _warm_guard.preload(modules, set(config["varying"]))
@@ -73,6 +79,7 @@ def serve(config: Dict[str, Any], event: str, target: str) -> None:
     _single_threaded()
     gc.freeze()  # the preload's objects, shared by every rank, are never walked there
     ready = {
+        "helper": helper,
         "preloaded": found.preloaded,
         "left_out": left_out,
         "failed": config.get("failed", []),

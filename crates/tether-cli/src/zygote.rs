@@ -36,7 +36,9 @@ const VERSION: u32 = 1;
 pub const NO_HOOK: i32 = 75;
 const BOOTSTRAP: &str = "raise SystemExit(75)";
 
-/// What a node's rendezvous helper needs of torch and tether: the zygote imports it too.
+/// What a node's rendezvous helper needs of torch and tether: the zygote imports it too when
+/// the script imports torch (a script that does not keeps its ranks free of torch, and its
+/// helper starts as a new interpreter).
 pub const HELPER_MODULES: [&str; 5] = [
     "torch.distributed.elastic.rendezvous",
     "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
@@ -50,6 +52,8 @@ pub struct NodeZygote {
     zygote: Zygote,
     python: OsString,
     ready: bool,
+    /// Whether it has imported what the rendezvous helper needs (said once ready).
+    hosts_helper: bool,
 }
 
 impl NodeZygote {
@@ -59,13 +63,14 @@ impl NodeZygote {
         let python = cfg.command.first().cloned().unwrap_or_default();
         let mut spec = LaunchSpec::new([python.clone(), "-c".into(), BOOTSTRAP.into()]);
         let varying = env::varying(cfg);
-        let extra: &[&str] = if helper { &HELPER_MODULES } else { &[] };
+        let helper_modules: &[&str] = if helper { &HELPER_MODULES } else { &[] };
         let config = json!({
             "version": VERSION,
             "phase": "boot",
             "argv": cfg.command.iter().map(|a| hex(a.as_bytes())).collect::<Vec<_>>(),
             "varying": varying,
-            "extra": extra,
+            "extra": [],
+            "helper": helper_modules,
             "blanks": cfg.nproc,
         });
         spec.env = env::common(cfg, omp_unset);
@@ -80,6 +85,7 @@ impl NodeZygote {
             zygote,
             python,
             ready: false,
+            hosts_helper: false,
         })
     }
 
@@ -96,6 +102,12 @@ impl NodeZygote {
         self.ready
     }
 
+    /// Whether the rendezvous helper is to be forked from it (it imported what the helper
+    /// needs: the script imports torch).
+    pub fn hosts_helper(&self) -> bool {
+        self.ready && self.hosts_helper
+    }
+
     /// The fd to poll while it gets ready (readable once it is ready, or gone).
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.zygote.fd()
@@ -110,6 +122,7 @@ impl NodeZygote {
         };
         self.ready = true;
         let said: Value = serde_json::from_slice(&said).unwrap_or_default();
+        self.hosts_helper = said["helper"].as_bool().unwrap_or(false);
         let list = |key: &str| -> Vec<(String, String)> {
             let pairs = said[key].as_array().cloned().unwrap_or_default();
             pairs

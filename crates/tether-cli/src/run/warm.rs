@@ -103,10 +103,11 @@ impl Launcher {
         group.launch(rest).map(drop)
     }
 
-    /// The node's rendezvous helper: a fork of the zygote while it serves, else a new
-    /// interpreter (`python -m tether._rendezvous`).
+    /// The node's rendezvous helper: a fork of the zygote while it serves and has imported
+    /// what the helper needs (the script imports torch), else a new interpreter (`python -m
+    /// tether._rendezvous`).
     pub(super) fn start_helper(&mut self, rdzv: &Rendezvous) -> std::io::Result<Helper> {
-        if let Some(zygote) = self.zygote.as_mut().filter(|z| z.is_ready()) {
+        if let Some(zygote) = self.zygote.as_mut().filter(|z| z.hosts_helper()) {
             match fork_helper(zygote, rdzv) {
                 Ok(helper) => return Ok(helper),
                 Err(err) => self.zygote_off(&err.to_string()),
