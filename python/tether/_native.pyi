@@ -1,6 +1,6 @@
 """Type stubs for ``tether._native``, the compiled glue over tether-core."""
 
-from typing import Callable, ClassVar, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ClassVar, List, Optional, Sequence, Tuple, Union
 
 from typing_extensions import Self, final
 
@@ -55,6 +55,8 @@ __all__ = [
     "signal_name",
     "signal_hint",
     "encode_report",
+    "same_items",
+    "plain_items",
     "limit_hint",
     "set_title",
     "decode_report",
@@ -265,6 +267,8 @@ def signal_hint(signal: int) -> Optional[str]: ...
 def limit_hint(errno: int) -> str: ...
 def set_title(title: str, comm: str) -> None: ...
 def encode_report(type_name: str, text: bytes, pickled: bytes) -> bytes: ...
+def same_items(current: Any, shadow: Any) -> bool: ...
+def plain_items(items: Any) -> Optional[bool]: ...
 @final
 class Report:
     """A failure report read back: the exception's type name, its traceback text, the

@@ -29,7 +29,15 @@ from multiprocessing.reduction import ForkingPickler
 from types import FunctionType, ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["FdCollector", "dump", "dumps", "loads", "main_without_file", "register"]
+__all__ = [
+    "FdCollector",
+    "dispatch_table",
+    "dump",
+    "dumps",
+    "loads",
+    "main_without_file",
+    "register",
+]
 
 
 class _FdRef:
@@ -194,6 +202,12 @@ def _pickler_class() -> "type[_Pickler]":
         _Pickler._sizes = sizes
     # Only then does every object pickled pass through a Python call (reducer_override).
     return _MainByValuePickler if main_without_file() else _Pickler
+
+
+def dispatch_table() -> Dict[Any, Any]:
+    """The reductions pickle looks up by type before ``__reduce_ex__``: copyreg's table and
+    those registered with ``ForkingPickler.register`` (torch's tensors and storages)."""
+    return _pickler_class().dispatch_table
 
 
 def _cloudpickle(obj: Any) -> ModuleType:

@@ -38,7 +38,7 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Final, List, Optional, Sequence, Tuple
 
-from . import _channel, _child, _native, _pickling, _recycle, _shm
+from . import _channel, _child, _native, _pickling, _recycle, _shipment, _shm
 
 #: What a task's bytes hold (see the module's documentation).
 CALL = 0
@@ -209,6 +209,7 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
         _channel.end_task_scope()
         _reset_after_lease()
         _seeded_by_lease = True
+        _shipment.settle()
 
 
 def _reset_after_lease() -> None:
