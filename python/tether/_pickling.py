@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "FdCollector",
+    "Nested",
     "dispatch_table",
     "dump",
     "dumps",
@@ -81,8 +82,6 @@ class FdCollector:
         self.inherit = inherit
         #: The tether queues pickled into the message (a pool process watches them).
         self.channels: List[Any] = []
-        #: What owns fds of the message that nothing else keeps alive until it is sent.
-        self.owners: List[Any] = []
 
     def duplicate_for_child(self, fd: int) -> int:
         if self.inherit:
@@ -146,6 +145,27 @@ def _received_fd(index: int) -> _ReceivedFd:
     if incoming is None:
         raise RuntimeError("a tether fd reference was unpickled outside of a channel message")
     return _ReceivedFd(incoming, index)
+
+
+class Nested:
+    """A pickle inside a message, made with the message's collector: it unpickles, while
+    the message does (with the message's fds), into its value, or into ``(None, the
+    error)`` when that fails, so that one part that does not unpickle spoils no other."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self) -> Tuple[Callable[[bytes], Any], Tuple[bytes]]:
+        return _nested, (self.data,)
+
+
+def _nested(data: bytes) -> Any:
+    try:
+        return pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001 - this part's error, not the message's
+        return None, exc
 
 
 def close_all(fds: Any) -> None:
