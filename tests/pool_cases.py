@@ -38,9 +38,9 @@ def canon(value: Any, seen: Optional[set] = None) -> str:
         return "<again>"
     seen.add(id(value))
     if isinstance(value, torch.Tensor):
-        return f"tensor{value.tolist()}"
+        value = value.numpy()
     if isinstance(value, np.ndarray):
-        return f"array{value.tolist()}"
+        return f"array{value.dtype}{value.shape}:{zlib.crc32(value.tobytes())}"
     if isinstance(value, (list, tuple)):
         return f"{type(value).__name__}[{','.join(canon(v, seen) for v in value)}]"
     if isinstance(value, dict):
@@ -189,6 +189,14 @@ class Counting(Graph):
     def __getitem__(self, i: int) -> torch.Tensor:
         self.calls = getattr(self, "calls", 0) + 1
         return torch.tensor([i, code(self), self.calls], dtype=torch.int64)
+
+
+class Scribble(Graph):
+    """A Graph whose ``__getitem__`` writes into the big array it holds."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.root.value[i * 1000] += 1
+        return torch.tensor([i, code(self), int(self.root.value.sum())], dtype=torch.int64)
 
 
 class Offset(Graph):

@@ -208,11 +208,16 @@ class Kept:
             return entry
         try:
             entry = _Entry(next(self._keys), obj)
-            weakref.finalize(obj, self._dropped.append, entry)
+            weakref.finalize(obj, self._gone, entry)
         except TypeError:
             return None
         self._entries[entry.address] = entry
         return entry
+
+    def _gone(self, entry: _Entry) -> None:
+        """``entry``'s object is gone (a finalizer: it never takes the lock)."""
+        entry.snapshot = Snapshot(None)  # what it held or watched goes now
+        self._dropped.append(entry)
 
     def _collect_dropped(self) -> None:
         while self._dropped:

@@ -29,7 +29,7 @@ import weakref
 from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from . import _pickling, _shm
+from . import _pickling, _shm, _watch
 from ._snapshot import Snapshot
 
 __all__ = ["Forgetting", "Held", "Shipment", "settle"]
@@ -188,9 +188,11 @@ def _unpickle(
         data = memoryview(mapped)
     views: List[memoryview] = []
     if buffers is not None:
-        whole = memoryview(_map(buffers, layout[-1][0] + layout[-1][1], writable=True))
+        mapping = _map(buffers, layout[-1][0] + layout[-1][1], writable=True)
+        _watch.register_private(mapping)  # what the worker writes there, it can tell
+        whole = memoryview(mapping)
         views = [whole[offset : offset + length] for offset, length in layout]
-        del whole
+        del whole, mapping
     try:
         bundle: Tuple[Any, ...] = _pickling.loads(data, owned, views)
     finally:

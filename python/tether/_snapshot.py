@@ -10,10 +10,11 @@ object is sent (or rebuilt) again.
 The snapshot walks the object's graph as pickle does: the builtin containers item by item,
 every other object through the reduction pickle would use (for an ordinary instance: its
 class, its ``__dict__`` and ``__slots__``), depth first, and writes a *token* for each value
-(see ``_snapshot_kinds``): plain atoms by exact type and value; classes, functions and
-modules, which travel by reference, by identity (a weak reference: the snapshot never keeps
-the dataset alive); an object met twice by its place in the walk, as pickle's memo does; a
-container by its size, then its items. A container of at least ``PLAIN_MIN`` plain values
+(``_snapshot_tokens``; per kind of value, ``_snapshot_kinds`` and ``_snapshot_data``):
+plain atoms by exact type and value; classes, functions and modules, which travel by
+reference, by identity (a weak reference: the snapshot never keeps the dataset alive); an
+object met twice by its place in the walk, as pickle's memo does; a container by its
+size, then its items. A container of at least ``PLAIN_MIN`` plain values
 (``_plain``) is one token, its shadow, compared with it in one pass over its item arrays.
 
 The check walks the object again and compares token by token; it stops at the first
@@ -29,9 +30,20 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _pickling, _plain
+from . import _pickling, _plain, _snapshot_data
 from . import _snapshot_kinds as kinds
-from ._snapshot_kinds import ARRAY, ATOM, ENTER, PLAIN, REF, SEEN, TENSOR, UnprovableError
+from . import _snapshot_tokens as tokens
+from ._snapshot_tokens import (
+    ARRAY,
+    ATOM,
+    ENTER,
+    PLAIN,
+    REF,
+    SEEN,
+    TENSOR,
+    WATCHED,
+    UnprovableError,
+)
 
 __all__ = ["PLAIN_MIN", "WALK_NODES", "Snapshot", "reaches"]
 
@@ -90,7 +102,7 @@ class _Walk:
 
     def emit_ref(self, obj: Any) -> None:
         if self.old is None:
-            self.tokens.append((REF, kinds.hold(obj)))
+            self.tokens.append((REF, tokens.hold(obj)))
         elif self.pos < len(self.old) and _same_ref(self.old[self.pos], obj):
             self.pos += 1
         else:
@@ -124,7 +136,7 @@ class _Walk:
             raise _FoundError
         if kind in _CONTAINERS:
             return self._container(value, kind, push)
-        if kind is kinds.Fresh:
+        if kind is tokens.Fresh:
             self.emit((ENTER, list, len(value)))
             return _push_all(push, value)
         kinds.visit(self, value, push)
@@ -209,7 +221,7 @@ def _same_objects(kind: type, value: Any, shadow: Any) -> bool:
 
 
 def _same_ref(old: Tuple[Any, ...], obj: Any) -> bool:
-    return old[0] == REF and kinds.held(old[1]) is obj
+    return old[0] == REF and tokens.held(old[1]) is obj
 
 
 def _same_token(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
@@ -217,15 +229,17 @@ def _same_token(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
     if tag != new[0]:
         return False
     if tag == ATOM:
-        return kinds.same_atom(old[1], new[1])
+        return tokens.same_atom(old[1], new[1])
     if tag == ENTER:
         return old[1] is new[1] and old[2] == new[2]
     if tag == SEEN:
         return bool(old[1] == new[1])
     if tag == TENSOR:
-        return kinds.same_tensor(old, new)
+        return _snapshot_data.same_tensor(old, new)
     if tag == ARRAY:
-        return kinds.same_array(old, new)
+        return _snapshot_data.same_array(old, new)
+    if tag == WATCHED:
+        return _snapshot_data.same_watched(old, new)
     return False
 
 

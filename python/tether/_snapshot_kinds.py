@@ -6,14 +6,7 @@ decides how to save an object:
   its code, defaults, closure, attributes and the globals its code names are walked; a
   class's members likewise;
 - any other class, function or module travels by reference: compared by identity;
-- a torch tensor: its type, dtype, device, shape, strides, offset, ``requires_grad`` and
-  its storage (by identity; torch moves a storage to shared memory when it is first
-  pickled, so the workers read the parent's very memory from then on). A storage not in
-  shared memory is compared by torch's version counter too; a small tensor on a new
-  storage, by content. Other layouts (sparse, quantized, nested) cannot be proven;
-- a numpy array (of numbers, not of objects): dtype, shape, order and content (arrays up to
-  ``SMALL_ARRAY`` bytes; a larger one cannot be proven unchanged cheaply, and is sent
-  again);
+- a torch tensor or a numpy array: see ``_snapshot_data``;
 - an object of a type pickle reduces with a registered function (a bound method, a
   ``functools.partial``, copyreg's table): that reduction, walked;
 - a socket, a connection, a storage, or another object registered with multiprocessing's
@@ -28,80 +21,22 @@ with every loader."""
 from __future__ import annotations
 
 import functools
-import math
 import sys
 import types
 import weakref
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import _pickling
-
-# Token tags (the first item of every token).
-ATOM = 0  # (ATOM, value): a plain atom, by exact type and value
-REF = 1  # (REF, object or weak reference): an object pickled by reference, by identity
-ENTER = 2  # (ENTER, kind, n): a container or a reduced object, n values follow
-SEEN = 3  # (SEEN, index): the index-th object of this walk again (what pickle memoizes)
-PLAIN = 4  # (PLAIN, kind, shadow): a big container of plain values
-TENSOR = 5  # (TENSOR, facts, storage, version, content)
-ARRAY = 6  # (ARRAY, facts, content)
-
-#: Numpy arrays up to this size are compared by content.
-SMALL_ARRAY = 1 << 20
-#: Tensors up to this size, on a storage other than the one seen before, by content.
-SMALL_TENSOR = 1 << 16
-
-
-class UnprovableError(Exception):
-    """The walk met a value it cannot prove unchanged."""
-
-
-class Walk(Protocol):
-    """What a kind needs of the walk."""
-
-    def emit(self, token: Tuple[Any, ...]) -> None: ...
-
-    def emit_ref(self, obj: Any) -> None: ...
-
-    def by_value(self) -> bool: ...
-
-    @property
-    def checking(self) -> bool: ...
-
-
-# Kinds of values that stand for themselves in the walk (fresh each time it asks).
-REDUCED = "reduced"
-FUNCTION = "function"
-CLASS = "class"
-#: Stands for an empty closure cell, and for a global a function names but its module lacks.
-EMPTY = type("Empty", (), {"__repr__": lambda self: "<empty>"})()
-
-
-def hold(obj: Any) -> Any:
-    """What a snapshot keeps of an object compared by identity: a weak reference when it
-    takes one (a strong one could keep the dataset alive), else the object."""
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return obj
-
-
-def held(kept: Any) -> Any:
-    return kept() if isinstance(kept, weakref.ref) else kept
-
-
-def same_atom(a: Any, b: Any) -> bool:
-    """Whether two plain atoms pickle alike."""
-    if a is b:
-        return True
-    kind = type(a)
-    if kind is not type(b):
-        return False
-    if kind is float:
-        return bool(a == b and math.copysign(1.0, a) == math.copysign(1.0, b))
-    if kind is complex:
-        return repr(a) == repr(b)
-    return bool(a == b)
+from . import _pickling, _snapshot_data
+from ._snapshot_tokens import (
+    CLASS,
+    EMPTY,
+    ENTER,
+    FUNCTION,
+    UnprovableError,
+    Walk,
+    reduced,
+)
 
 
 def visit(walk: Walk, value: Any, push: Callable[[Any], None]) -> None:
@@ -119,27 +54,10 @@ def visit(walk: Walk, value: Any, push: Callable[[Any], None]) -> None:
     if special is not None:
         return special(walk, value, push)
     try:
-        reduced = value.__reduce_ex__(5)
+        reduction = value.__reduce_ex__(5)
     except Exception as exc:  # noqa: BLE001 - what pickle would fail on cannot be proven
         raise UnprovableError(f"{kind.__qualname__}.__reduce_ex__ raised {exc!r}") from None
-    _reduced(walk, value, reduced, push)
-
-
-def _reduced(walk: Walk, value: Any, reduced: Any, push: Callable[[Any], None]) -> None:
-    if isinstance(reduced, str):
-        return walk.emit_ref(value)  # a global, saved by name
-    if not isinstance(reduced, tuple) or not 2 <= len(reduced) <= 6:
-        raise UnprovableError(f"{type(value).__qualname__} reduces to {type(reduced).__name__}")
-    walk.emit((ENTER, REDUCED, len(reduced)))
-    for index, part in enumerate(reduced):
-        if index in (3, 4) and part is not None:
-            part = Fresh(part)  # the list's or dict's items: an iterator, walked as a list
-        push(part)
-
-
-class Fresh(list):
-    """Items a reduction gave as an iterator (a list or dict's items): made by the walk,
-    so compared item by item, never as a whole."""
+    reduced(walk, value, reduction, push)
 
 
 _SPECIAL: Dict[type, Optional[Callable[..., None]]] = {}
@@ -160,10 +78,10 @@ def _special(kind: type) -> Optional[Callable[..., None]]:
 def _find_special(kind: type) -> Optional[Callable[..., None]]:
     torch = sys.modules.get("torch")
     if torch is not None and issubclass(kind, torch.Tensor):
-        return _tensor
+        return _snapshot_data.tensor
     numpy = sys.modules.get("numpy")
     if numpy is not None and kind is numpy.ndarray:
-        return _array
+        return _snapshot_data.array
     table = _pickling.dispatch_table()
     reducer = table.get(kind)
     if reducer is None:
@@ -186,11 +104,11 @@ _PURE = (
 
 def _by_reducer(reducer: Callable[[Any], Any], walk: Walk, value: Any, push: Any) -> None:
     try:
-        reduced = reducer(value)
+        reduction = reducer(value)
     except Exception as exc:  # noqa: BLE001
         what = type(value).__qualname__
         raise UnprovableError(f"the reduction of a {what} raised {exc!r}") from None
-    _reduced(walk, value, reduced, push)
+    reduced(walk, value, reduction, push)
 
 
 def _unprovable(walk: Walk, value: Any, push: Any) -> None:
@@ -270,84 +188,3 @@ def _member(value: Any) -> Any:
     if isinstance(value, _DESCRIPTORS):
         return ("descriptor", type(value).__name__, getattr(value, "__name__", None))
     return value
-
-
-# -- tensors and arrays -----------------------------------------------------------------------
-
-
-def _tensor(walk: Walk, tensor: Any, push: Callable[[Any], None]) -> None:
-    torch = sys.modules["torch"]
-    if (
-        tensor.layout is not torch.strided
-        or tensor.is_quantized
-        or getattr(tensor, "is_nested", False)
-        or tensor.device.type == "meta"
-        or (tensor.requires_grad and not tensor.is_leaf)
-    ):
-        raise UnprovableError(f"a tensor of layout {tensor.layout} cannot be proven unchanged")
-    storage = tensor.untyped_storage()
-    facts = (
-        type(tensor),
-        tensor.dtype,
-        tensor.device,
-        tuple(tensor.shape),
-        tensor.stride(),
-        tensor.storage_offset(),
-        tensor.requires_grad,
-        storage.nbytes(),
-    )
-    shared = storage.is_shared()
-    content = None
-    if storage.nbytes() <= SMALL_TENSOR and tensor.device.type == "cpu":
-        # Checking, the tensor itself; else a copy of it, as it is now.
-        content = tensor if walk.checking else tensor.detach().clone()
-    walk.emit((TENSOR, facts, _StorageRef(storage, shared), tensor._version, content))
-    state = getattr(tensor, "__dict__", None)
-    push(state if state else None)
-
-
-class _StorageRef:
-    """A storage by identity, without keeping it alive (torch's weak reference), and
-    whether it was in shared memory when seen."""
-
-    __slots__ = ("ref", "cdata", "shared")
-
-    def __init__(self, storage: Any, shared: bool) -> None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        self.ref = StorageWeakRef(storage)
-        self.cdata = storage._cdata
-        self.shared = shared
-
-    def same(self, other: "_StorageRef") -> bool:
-        return not self.ref.expired() and self.cdata == other.cdata
-
-
-def same_tensor(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
-    """Whether a tensor still pickles as it did (see the module's documentation)."""
-    _, facts, storage, version, content = old
-    _, new_facts, new_storage, new_version, _ = new
-    if facts != new_facts:
-        return False
-    if storage.same(new_storage) and (new_storage.shared or version == new_version):
-        return True
-    if content is None:
-        return False
-    torch = sys.modules["torch"]
-    return new[4] is not None and bool(torch.equal(content, new[4]))
-
-
-def _array(walk: Walk, array: Any, push: Callable[[Any], None]) -> None:
-    if array.dtype.hasobject:
-        return _reduced(walk, array, array.__reduce_ex__(5), push)
-    if array.nbytes > SMALL_ARRAY:
-        raise UnprovableError(
-            f"a numpy array of {array.nbytes} bytes is not compared by content (over {SMALL_ARRAY})"
-        )
-    fortran = array.flags.f_contiguous and not array.flags.c_contiguous
-    facts = (array.dtype.str, array.dtype, array.shape, fortran)
-    walk.emit((ARRAY, facts, array.tobytes(order="A")))
-
-
-def same_array(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
-    return bool(old[1] == new[1] and old[2] == new[2])
