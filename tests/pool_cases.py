@@ -570,6 +570,21 @@ def object_cases() -> List[Case]:
             _on(lambda ds: ds.root.value, lambda a, e: a.__setitem__(1, e)),
         ),
         (
+            "a 2 MiB numpy array changed in place",
+            lambda: Graph(Node(np.zeros(2**18))),
+            _on(lambda ds: ds.root.value, lambda a, e: a.__setitem__(100_000, e)),
+        ),
+        (
+            "a 2 MiB numpy array's first byte changed",
+            lambda: Graph(Node(np.zeros(2**18))),
+            _on(lambda ds: ds.root.value, lambda a, e: a.__setitem__(0, e)),
+        ),
+        (
+            "a view of a 2 MiB numpy array changed through its base",
+            lambda: Graph(Node(np.zeros(2**18)[7:-9])),
+            _on(lambda ds: ds.root.value.base, lambda a, e: a.__setitem__(-10, e)),
+        ),
+        (
             "a numpy array rebound",
             lambda: Graph(Node(np.zeros(4))),
             _on(lambda ds: ds.root, _set("value", lambda e: np.full(4, e))),
@@ -724,6 +739,12 @@ def worker_cases() -> List[Case]:
             "__getitem__ writes to the copy, the parent changes it too",
             lambda: Counting(Node(1)),
             _on(lambda ds: ds.root, _set("value", lambda e: e)),
+            {},
+        ),
+        (
+            "__getitem__ writes into a 2 MiB numpy array",
+            lambda: Scribble(Node(np.zeros(2**18))),
+            _nothing,
             {},
         ),
         (
