@@ -87,10 +87,9 @@ class Run:
 
     def error(self) -> RuntimeError:
         pids = ", ".join(map(str, self.pids))
-        count = len(self.leases)
         return RuntimeError(
-            f"tether.Pool took back the {count} worker(s) of this {self.description} "
-            f"(pid {pids}): {self.taken_back}. Make a new iterator to go on (with "
+            f"the workers of this {self.description} (pid {pids}) were taken back by the "
+            f"tether.Pool: {self.taken_back}. Make a new iterator to go on (with "
             "persistent_workers=True, a new DataLoader)."
         )
 
