@@ -129,11 +129,17 @@ def kill_after(
 
 
 def kill_later(leases: List[_native.Lease], kill: Callable[[_native.Lease], None]) -> None:
-    """``kill_after`` on a thread of its own (nobody waits for it)."""
-    if leases:
-        threading.Thread(
-            target=kill_after, args=(leases, kill), name="tether-pool-take-back", daemon=True
-        ).start()
+    """``kill_after`` on a thread of its own (nobody waits for it); here when no thread can
+    start (the interpreter is exiting)."""
+    if not leases:
+        return
+    thread = threading.Thread(
+        target=kill_after, args=(leases, kill), name="tether-pool-take-back", daemon=True
+    )
+    try:
+        thread.start()
+    except RuntimeError:
+        kill_after(leases, kill)
 
 
 def _weak(obj: Any) -> Optional["weakref.ReferenceType[Any]"]:
