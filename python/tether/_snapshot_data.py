@@ -3,9 +3,11 @@ still pickles as it did.
 
 - a torch tensor: its type, dtype, device, shape, strides, offset, ``requires_grad`` and
   its storage (by identity; torch moves a storage to shared memory when it is first
-  pickled, so the workers read the parent's very memory from then on). A storage not in
-  shared memory is compared by torch's version counter too; a small tensor on a new
-  storage, by content. Other layouts (sparse, quantized, nested) cannot be proven;
+  pickled, so the workers read the parent's very memory from then on). A tensor on a
+  storage not in shared memory, or on another storage, is compared by content when small
+  (a copy is held; a write through ``.data`` or numpy bumps no version counter), and
+  counts as changed when large. Other layouts (sparse, quantized, nested) cannot be
+  proven;
 - a numpy array (of numbers, not of objects): dtype, shape, order and content. Up to
   ``SMALL_ARRAY`` bytes, the content is compared with a copy; a larger array must be the
   same array over the same memory, none of it written since (``_watch``: the kernel
@@ -61,7 +63,7 @@ def tensor(walk: Walk, tensor: Any, push: Callable[[Any], None]) -> None:
     if storage.nbytes() <= SMALL_TENSOR and tensor.device.type == "cpu":
         # Checking, the tensor itself; else a copy of it, as it is now.
         content = tensor if walk.checking else tensor.detach().clone()
-    walk.emit((TENSOR, facts, _StorageRef(storage, shared), tensor._version, content))
+    walk.emit((TENSOR, facts, _StorageRef(storage, shared), content))
     state = getattr(tensor, "__dict__", None)
     push(state if state else None)
 
@@ -85,16 +87,16 @@ class _StorageRef:
 
 def same_tensor(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
     """Whether a tensor still pickles as it did (see the module's documentation)."""
-    _, facts, storage, version, content = old
-    _, new_facts, new_storage, new_version, _ = new
+    _, facts, storage, content = old
+    _, new_facts, new_storage, current = new
     if facts != new_facts:
         return False
-    if storage.same(new_storage) and (new_storage.shared or version == new_version):
-        return True
+    if storage.same(new_storage) and new_storage.shared:
+        return True  # the workers map this very memory: what was written, they read
     if content is None:
         return False
     torch = sys.modules["torch"]
-    return new[4] is not None and bool(torch.equal(content, new[4]))
+    return current is not None and bool(torch.equal(content, current))
 
 
 def array(walk: Walk, array: Any, push: Callable[[Any], None]) -> None:

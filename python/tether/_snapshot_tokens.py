@@ -15,7 +15,7 @@ REF = 1  # (REF, object or weak reference): an object pickled by reference, by i
 ENTER = 2  # (ENTER, kind, n): a container or a reduced object, n values follow
 SEEN = 3  # (SEEN, index): the index-th object of this walk again (what pickle memoizes)
 PLAIN = 4  # (PLAIN, kind, shadow): a big container of plain values
-TENSOR = 5  # (TENSOR, facts, storage, version, content)
+TENSOR = 5  # (TENSOR, facts, storage, content)
 ARRAY = 6  # (ARRAY, facts, content)
 WATCHED = 7  # (WATCHED, facts, array, bounds, proof, edges): a big array, its memory watched
 
