@@ -29,7 +29,16 @@ from multiprocessing.reduction import ForkingPickler
 from types import FunctionType, ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["FdCollector", "dump", "dumps", "loads", "main_without_file", "register"]
+__all__ = [
+    "FdCollector",
+    "Nested",
+    "dispatch_table",
+    "dump",
+    "dumps",
+    "loads",
+    "main_without_file",
+    "register",
+]
 
 
 class _FdRef:
@@ -73,8 +82,6 @@ class FdCollector:
         self.inherit = inherit
         #: The tether queues pickled into the message (a pool process watches them).
         self.channels: List[Any] = []
-        #: What owns fds of the message that nothing else keeps alive until it is sent.
-        self.owners: List[Any] = []
 
     def duplicate_for_child(self, fd: int) -> int:
         if self.inherit:
@@ -140,6 +147,27 @@ def _received_fd(index: int) -> _ReceivedFd:
     return _ReceivedFd(incoming, index)
 
 
+class Nested:
+    """A pickle inside a message, made with the message's collector: it unpickles, while
+    the message does (with the message's fds), into its value, or into ``(None, the
+    error)`` when that fails, so that one part that does not unpickle spoils no other."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self) -> Tuple[Callable[[bytes], Any], Tuple[bytes]]:
+        return _nested, (self.data,)
+
+
+def _nested(data: bytes) -> Any:
+    try:
+        return pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001 - this part's error, not the message's
+        return None, exc
+
+
 def close_all(fds: Any) -> None:
     for fd in fds:
         try:
@@ -194,6 +222,12 @@ def _pickler_class() -> "type[_Pickler]":
         _Pickler._sizes = sizes
     # Only then does every object pickled pass through a Python call (reducer_override).
     return _MainByValuePickler if main_without_file() else _Pickler
+
+
+def dispatch_table() -> Dict[Any, Any]:
+    """The reductions pickle looks up by type before ``__reduce_ex__``: copyreg's table and
+    those registered with ``ForkingPickler.register`` (torch's tensors and storages)."""
+    return _pickler_class().dispatch_table
 
 
 def _cloudpickle(obj: Any) -> ModuleType:

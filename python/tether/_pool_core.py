@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
 
@@ -95,14 +96,23 @@ class Core:
     def _wait_ready(self) -> None:
         """Waits until every worker is ready; raises ``BrokenPool`` with the error of a
         worker that died first (its initializer failed, its start did)."""
+        self.wait_workers(None)
+        if self.broken is not None:
+            raise BrokenPool(self.broken)
+
+    def wait_workers(self, timeout: Optional[float]) -> None:
+        """Waits (up to ``timeout``) until every worker is ready, or the pool is broken or
+        closed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self.changed:
             while self.broken is None and self.state != "closed":
                 workers = self.workers.workers()
                 if len(workers) == self.size and all(w.ready for w in workers):
                     return
-                self.changed.wait()
-            if self.broken is not None:
-                raise BrokenPool(self.broken)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self.changed.wait(left)
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -261,6 +271,10 @@ class Core:
         with self.lock:
             if self.state == "running":
                 self.state = "shutdown"
+        if os.getpid() == self.pid:
+            # Every DataLoader iterator's workers come back (within GRACE): a loader alive
+            # now ends without torch's "killed by signal" (see _pool_runs).
+            self.leases.take_back_all("the tether.Pool was shut down")
         if cancel_futures:
             self.tasks.cancel(self.workers.cancel_all())
         self.workers.wake()

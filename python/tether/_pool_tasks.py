@@ -65,7 +65,7 @@ class Lifecycle(Protocol):
         """Raises when the pool takes no new task."""
 
     def free_held_workers(self) -> None:
-        """Frees the workers that garbage DataLoader iterators hold, if any."""
+        """Frees the workers that garbage or failed DataLoader iterators hold, if any."""
 
     def taken(self) -> None:
         """A caller took a result in its own thread."""
@@ -146,6 +146,8 @@ class Tasks:
             for task_id, _ in sinks:
                 self.sinks.pop(task_id, None)
             raise RuntimeError("cannot schedule new futures after shutdown") from None
+        if self.workers.queued():
+            self.lifecycle.free_held_workers()  # no worker was free
 
     def chunk_size(self, items: int) -> int:
         """Items per task for a ``map`` of ``items``: enough tasks to spread them, few

@@ -14,7 +14,8 @@ A task's bytes unpickle to one of:
 - ``(CALL, fn, args, kwargs)``: its result is ``fn(*args, **kwargs)``;
 - ``(CHUNK, fn, calls)``: items of a ``map``; its result is a list with one entry per item,
   ``(True, value)`` or ``(False, error)``; when that list does not pickle whole, each entry
-  is pickled on its own and the list holds ``(None, bytes)`` entries.
+  is pickled on its own (``_pickling.Nested``, with the message's fds): an entry that does
+  not pickle becomes its pickling error, the others keep their results.
 
 An error (an exception raised by the task, or met while unpickling the task or pickling
 its result) travels as ``(type name, message, traceback text, pickled exception or None)``,
@@ -38,7 +39,7 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Final, List, Optional, Sequence, Tuple
 
-from . import _channel, _child, _native, _pickling, _recycle, _shm
+from . import _channel, _child, _native, _pickling, _recycle, _shipment, _shm
 
 #: What a task's bytes hold (see the module's documentation).
 CALL = 0
@@ -94,8 +95,8 @@ def _dump(value: Any, collector: _pickling.FdCollector) -> bytes:
 
 
 def _dump_entries(entries: List[Any]) -> Tuple[bytes, _pickling.FdCollector]:
-    """A chunk's entries, pickled whole, or else one by one (an entry that does not pickle
-    becomes its pickling error)."""
+    """A chunk's entries, pickled whole, or else one by one, each with the fds it names (an
+    entry that does not pickle becomes its pickling error)."""
     collector = _pickling.FdCollector()
     try:
         return _dump(entries, collector), collector
@@ -105,9 +106,10 @@ def _dump_entries(entries: List[Any]) -> Tuple[bytes, _pickling.FdCollector]:
     single = []
     for ok, value in entries:
         try:
-            single.append((None, _dump((ok, value), collector)))
+            data = _dump((ok, value), collector)
         except BaseException as exc:  # noqa: BLE001
-            single.append((None, _dump((False, describe(exc)), collector)))
+            data = _dump((False, describe(exc)), collector)
+        single.append(_pickling.Nested(data))
     return _dump(single, collector), collector
 
 
@@ -126,14 +128,14 @@ def _run_task(
     if task[0] == CHUNK:
         entries = _run_chunk(end, task[1], task[2])
         data, collector = _dump_entries(entries)
-        return OK, data, collector.fds, (task, entries, collector.owners)
+        return OK, data, collector.fds, (task, entries)
     ok, value = _call(task[1], task[2], task[3])
     collector = _pickling.FdCollector()
     try:
         data = _dump(value, collector)
     except BaseException as exc:  # noqa: BLE001 - SystemExit in a __reduce__ included
         return ERROR, _dump(describe(exc), _pickling.FdCollector()), [], (task, value)
-    return (OK if ok else ERROR), data, collector.fds, (task, value, collector.owners)
+    return (OK if ok else ERROR), data, collector.fds, (task, value)
 
 
 def _run_batch(
@@ -209,6 +211,7 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
         _channel.end_task_scope()
         _reset_after_lease()
         _seeded_by_lease = True
+        _shipment.settle()
 
 
 def _reset_after_lease() -> None:
