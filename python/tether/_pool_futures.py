@@ -204,13 +204,18 @@ class Chunk:
 Sink = Union[TaskFuture, Chunk]
 
 
-def chunk_outcomes(indices: Sequence[int], entries: List[Any]) -> Iterator[Tuple[int, bool, Any]]:
-    """A chunk's results, item by item (see ``_worker``)."""
+def chunk_outcomes(
+    indices: Sequence[int],
+    entries: List[Any],
+    unread: Callable[[BaseException, str], BaseException],
+) -> Iterator[Tuple[int, bool, Any]]:
+    """A chunk's results, item by item (see ``_worker``); a result that does not unpickle
+    fails its item with ``unread(error, "here")``."""
     for index, (ok, value) in zip(indices, entries):
         if ok is None:
             try:
                 ok, value = pickle.loads(value)
             except BaseException as exc:  # noqa: BLE001
-                yield index, False, exc
+                yield index, False, unread(exc, "here")
                 continue
         yield index, bool(ok), (value if ok else rebuild(value))
