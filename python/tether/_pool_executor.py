@@ -14,15 +14,18 @@ initializer failed) is broken, and ``submit`` raises ``BrokenProcessPool`` with 
 string) of "fork", "spawn" or "forkserver" gives tether's start method of that name (for
 "forkserver", tether's warm zygote); None gives tether's default ("forkserver"), or
 "spawn" with ``max_tasks_per_child``, as CPython does. ``_mp_context`` is that context.
-Workers start on demand, as CPython's do: one more whenever a task is queued while every
-worker started has a task, up to ``max_workers`` ("fork": all of them at once, here).
+Workers start on demand, as CPython's do: a ``submit`` that finds no idle worker (CPython's
+count: one for each task a worker answered, less those taken since) starts one, up to
+``max_workers``, and a ``map`` one for each of its chunks. With "fork", every worker starts
+with the executor, which returns once they are ready (no copy of this process may be made
+once the pool's thread runs).
 
 Where it differs on purpose, it is tether's pool: a worker that dies fails only the task it
 ran, with ``WorkerCrashedError`` (a ``BrokenProcessPool``), and the pool starts another and
-keeps running (CPython's pool breaks and fails every pending task). A task that cannot be
-unpickled in its worker, or whose result cannot be unpickled here, fails with a
-``BrokenProcessPool`` (as CPython's) whose ``__cause__`` is that error; the pool keeps
-running there too.
+keeps running (CPython's pool breaks and fails every pending task); a task a worker has not
+started can still be cancelled. A task that cannot be unpickled in its worker, or whose
+result cannot be unpickled here, fails with a ``BrokenProcessPool`` (as CPython's) whose
+``__cause__`` is that error; the pool keeps running there too.
 
 Code reads ``_max_workers``, ``_mp_context``, ``_max_tasks_per_child``, ``_broken`` (False
 or why), ``_shutdown_thread``, ``_processes`` (``{pid: process}``, the workers now, each a
@@ -216,6 +219,7 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
         #: As CPython's: released for each task a worker answered, taken by a submit that
         #: an idle worker can serve (any other starts a worker, up to ``max_workers``).
         self._idle_worker_semaphore = threading.Semaphore(0)
+        self._adjust_lock = threading.Lock()
         core = _pool_core.Core(
             self._max_workers,
             method,
@@ -242,8 +246,10 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
         """Runs ``fn(*args, **kwargs)`` in a worker; returns its future."""
         self._check_exiting()
         future = self._core.tasks.submit(fn, args, kwargs)
-        if self._on_demand and not self._idle_worker_semaphore.acquire(blocking=False):
-            self._core.grow(self._core.started + 1)
+        if self._on_demand:
+            with self._adjust_lock:
+                if not self._idle_worker_semaphore.acquire(blocking=False):
+                    self._core.grow(self._core.started + 1)
         return future
 
     def map(
