@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
 from typing import Any, Callable, Dict
@@ -212,6 +213,21 @@ def test_workers_start_on_demand_and_an_idle_one_is_reused():
         more = [executor.submit(helpers.sleep_then, 0.5) for _ in range(4)]
         assert len(executor._processes) == 4  # never more than max_workers
         for future in busy + more:
+            future.result(timeout=60)
+
+
+def test_submits_from_many_threads_at_once_start_a_worker_each():
+    with tether.ProcessPoolExecutor(4, "forkserver") as executor:
+        barrier = threading.Barrier(4)
+
+        def submit() -> concurrent.futures.Future:
+            barrier.wait(30)
+            return executor.submit(helpers.sleep_then, 0.5)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as threads:
+            futures = [f.result() for f in [threads.submit(submit) for _ in range(4)]]
+        assert len(executor._processes) == 4
+        for future in futures:
             future.result(timeout=60)
 
 
