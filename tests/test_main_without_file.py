@@ -256,7 +256,7 @@ def test_objects_of_an_importable_module_still_travel_by_reference():
 
 WITHOUT_CLOUDPICKLE = """
 import sys
-sys.modules["cloudpickle"] = None  # as if it were not installed
+sys.modules["cloudpickle"] = None  # as if tether were installed without its dependencies
 import pickle
 import tether
 
@@ -279,10 +279,19 @@ except pickle.PicklingError as error:
 """
 
 
-def test_without_cloudpickle_an_object_of_such_a_main_fails_saying_how_to_install_it():
+def test_with_cloudpickle_missing_an_object_of_such_a_main_fails_saying_how_to_install_it():
     lines = _lines(_run(WITHOUT_CLOUDPICKLE, "stdin"))
     assert [line.split(":")[0] for line in lines] == ["submit", "spawn"]
     for line, name in zip(lines, ("task", "rank")):
         assert f"the function {name} cannot travel to another process" in line
         assert "__main__ without a file" in line
+        assert "a dependency of tether missing from this environment" in line
         assert line.endswith("pip install cloudpickle")
+
+
+def test_cloudpickle_is_a_dependency_of_the_installed_package():
+    from importlib.metadata import requires
+
+    assert [r for r in requires("tether") or [] if r.startswith("cloudpickle")] == [
+        "cloudpickle>=3.0"
+    ]

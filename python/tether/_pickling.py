@@ -11,8 +11,8 @@ ancillary data and comes back in the receiver from ``detach()``; for a process s
 
 Functions and classes of a ``__main__`` that has no file (a notebook, the REPL, ``python -c``,
 stdin) cannot be found by name in another process: those travel by value, pickled by
-cloudpickle (an optional dependency, imported only when such an object travels), and so do
-the instances of such classes. Everything else still travels by reference."""
+cloudpickle (tether's dependency, imported only when such an object travels), and so do the
+instances of such classes. Everything else still travels by reference."""
 
 from __future__ import annotations
 
@@ -164,7 +164,9 @@ class Nested:
 def _nested(data: bytes) -> Any:
     try:
         return pickle.loads(data)
-    except Exception as exc:  # noqa: BLE001 - this part's error, not the message's
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - this part's error (SystemExit too)
         return None, exc
 
 
@@ -231,7 +233,8 @@ def dispatch_table() -> Dict[Any, Any]:
 
 
 def _cloudpickle(obj: Any) -> ModuleType:
-    """cloudpickle, or a PicklingError that says why ``obj`` needs it and how to get it."""
+    """cloudpickle (installed with tether), or, where it is missing all the same, a
+    PicklingError that says why ``obj`` needs it and how to get it."""
     try:
         return importlib.import_module("cloudpickle")
     except ImportError:
@@ -239,8 +242,9 @@ def _cloudpickle(obj: Any) -> ModuleType:
         raise pickle.PicklingError(
             f"the {kind} {obj.__qualname__} cannot travel to another process: it is defined "
             "in a __main__ without a file (a notebook, the REPL, python -c or stdin), whose "
-            "functions and classes tether sends by value with cloudpickle, which is not "
-            "installed: pip install cloudpickle"
+            "functions and classes tether sends by value with cloudpickle, a dependency of "
+            "tether missing from this environment (was tether installed with --no-deps?): "
+            "pip install cloudpickle"
         ) from None
 
 

@@ -203,11 +203,15 @@ class Chunk:
 Sink = Union[TaskFuture, Chunk]
 
 
-def chunk_outcomes(indices: Sequence[int], entries: List[Any]) -> Iterator[Tuple[int, bool, Any]]:
+def chunk_outcomes(
+    indices: Sequence[int],
+    entries: List[Any],
+    unread: Callable[[BaseException, str], BaseException],
+) -> Iterator[Tuple[int, bool, Any]]:
     """A chunk's results, item by item (see ``_worker``): an entry ``(None, error)`` did not
-    unpickle here."""
+    unpickle here, and fails its item with ``unread(error, "here")``."""
     for index, (ok, value) in zip(indices, entries):
         if ok is None:
-            yield index, False, value
+            yield index, False, unread(value, "here")
         else:
             yield index, bool(ok), (value if ok else rebuild(value))

@@ -19,7 +19,8 @@ A task's bytes unpickle to one of:
 
 An error (an exception raised by the task, or met while unpickling the task or pickling
 its result) travels as ``(type name, message, traceback text, pickled exception or None)``,
-so that the pool can rebuild the exception, or describe it when it cannot cross.
+so that the pool can rebuild the exception, or describe it when it cannot cross; one met
+while unpickling the task travels in an ``Unread``: that task never ran.
 
 Whatever a task leaves is cleaned up before the next: the channels it received are closed,
 torch's DataLoader worker info is reset, and after a short idle time the garbage collector
@@ -37,7 +38,7 @@ import os
 import random
 import sys
 import traceback
-from typing import Any, Callable, Dict, Final, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Final, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import _channel, _child, _native, _pickling, _recycle, _shipment, _shm
 
@@ -57,6 +58,12 @@ _seeded_by_lease = False
 
 #: An exception as it travels: type name, message, traceback text, pickled exception.
 ErrorInfo = Tuple[str, str, str, Optional[bytes]]
+
+
+class Unread(NamedTuple):
+    """The outcome of a task this worker could not unpickle (it never ran): the error."""
+
+    error: ErrorInfo
 
 
 def describe(exc: BaseException) -> ErrorInfo:
@@ -123,7 +130,7 @@ def _run_task(
     try:
         task = _pickling.loads(blob, fds)
     except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling included
-        return ERROR, _dump(describe(exc), _pickling.FdCollector()), [], None
+        return ERROR, _dump(Unread(describe(exc)), _pickling.FdCollector()), [], None
     _shm.install()
     if task[0] == CHUNK:
         entries = _run_chunk(end, task[1], task[2])
