@@ -11,6 +11,7 @@ mod cli;
 mod convert;
 mod error;
 mod group;
+mod plain;
 mod stacks;
 mod wait;
 mod workers;
@@ -137,6 +138,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cli::register(m)?;
     stacks::register(m)?;
     workers::register(m)?;
+    plain::register(m)?;
     m.add_function(wrap_pyfunction!(setup_forked_child, m)?)?;
     m.add_function(wrap_pyfunction!(signal_name, m)?)?;
     m.add_function(wrap_pyfunction!(signal_hint, m)?)?;
