@@ -1,20 +1,27 @@
-"""Launcher overhead: wall time of ``tether run`` against ``torchrun`` for the same program.
+"""Launcher overhead: ``tether run`` against ``torchrun`` for the same programs.
 
-Both start N ranks of an empty Python script on one node and exit; the time is from
-starting the launcher to its exit. Two forms are timed, each with the very same
-arguments for both launchers:
+First a real training script's start (``_real_script``): each rank imports torch and
+``torch.distributed``, joins a gloo group and passes a barrier. Timed with the same arguments
+for both launchers: launch to every rank past its barrier (4 and 8 ranks), ``tether run``'s
+restart (a rank's failure to every rank of the next attempt past the barrier), the summed
+PSS of 4 idle ranks after ``import torch``, and two launchers as two nodes (c10d) of 2 ranks
+each.
+
+Then N ranks of an empty Python script on one node, from starting the launcher to its exit,
+in two forms with the very same arguments for both launchers:
 
 - torchrun's own form: ``LAUNCHER --standalone --nproc-per-node N empty.py``;
 - a command with ``--no-python``: ``LAUNCHER --standalone --nproc-per-node N --no-python
   PYTHON -c pass``.
 
 ``tether`` is the console script installed beside this interpreter (what users run), and
-the launchers run alternately, in the same run, for several repetitions; the table shows
+the launchers run alternately, in the same run, for several repetitions; the tables show
 the medians and their ratio.
 
 Then two launchers act as two nodes of one job on this machine, each with 2 ranks, in
 torchrun's c10d form (``--nnodes 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT``,
-no ``--node-rank``), the same command line for both launchers:
+no ``--node-rank``), the same command line for both launchers, with a script that imports
+nothing:
 
 - start: from starting both launchers to every rank running (each rank writes the time it
   started);
@@ -25,7 +32,7 @@ Beside them, the floor of any start through torch's own rendezvous: two interpre
 per node) importing torch's rendezvous handler at once, as both launchers' first step does.
 
     python bench/launcher.py [--reps 5] [--nproc 4] [--tether PATH] [--torchrun PATH]
-                             [--skip-one-node] [--skip-two-nodes]
+                             [--skip-real] [--skip-one-node] [--skip-two-nodes]
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _real_script
 
 #: A rank of the two-node job: it writes when it started; in the first round, local rank 0
 #: of node rank 1 writes when it fails and fails; the other ranks wait to be stopped; in the
@@ -182,12 +193,48 @@ def bench_two_nodes(launchers: Dict[str, List[str]], reps: int, tmp: str) -> Non
     )
 
 
+#: The targets of the real script's figures: tether run's median at most this share of
+#: torchrun's (the restart: of torchrun's start of 4 ranks).
+TARGETS = {
+    "start, 4 ranks (s)": 0.5,
+    "start, 8 ranks (s)": 0.35,
+    "restart, 4 ranks (s)": 0.1,
+    "PSS of 4 idle ranks (MiB)": 0.5,
+    "two nodes x 2 ranks, start (s)": 0.5,
+}
+
+
+def bench_real(launchers: Dict[str, List[str]], reps: int, tmp: str) -> None:
+    times = _real_script.measure(launchers, reps, tmp)
+    print(
+        f"\na real script (import torch and torch.distributed, a gloo group, a barrier), "
+        f"{reps} repetitions each"
+    )
+    print(f"{'measure':<32} {'launcher':<12} {'median':>10} {'min':>10} {'max':>10}")
+    for what, by_launcher in times.items():
+        for name, values in by_launcher.items():
+            print(
+                f"{what:<32} {name:<12} {statistics.median(values):>10.3f}"
+                f" {min(values):>10.3f} {max(values):>10.3f}"
+            )
+    for what, target in TARGETS.items():
+        ours = statistics.median(times[what]["tether run"])
+        reference = "start, 4 ranks (s)" if what.startswith("restart") else what
+        theirs = statistics.median(times[reference]["torchrun"])
+        print(
+            f"{what}: tether run {ours / theirs:.2f}x torchrun's"
+            + (" start" if reference != what else "")
+            + f" (target: at most {target}x)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each (default 5)")
     parser.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     parser.add_argument("--tether", default=None, help="the tether command [beside python]")
     parser.add_argument("--torchrun", default=None, help="path of torchrun [beside python]")
+    parser.add_argument("--skip-real", action="store_true", help="no real training script")
     parser.add_argument("--skip-one-node", action="store_true", help="only the two-node job")
     parser.add_argument("--skip-two-nodes", action="store_true", help="only one node")
     args = parser.parse_args()
@@ -196,6 +243,8 @@ def main() -> None:
         "torchrun": [args.torchrun or beside_python("torchrun")],
     }
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
+        if not args.skip_real:
+            bench_real(launchers, args.reps, tmp)
         script = os.path.join(tmp, "empty.py")
         Path(script).write_text("")
         times: Dict[str, Dict[str, List[float]]] = {}

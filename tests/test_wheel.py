@@ -77,9 +77,12 @@ def test_one_abi3_wheel_per_platform_with_the_launcher_inside(wheels: Dict[str, 
         assert {"tether/_cli.py", "tether/__main__.py"} <= set(names)
         assert "tether=tether._cli:main" in scripts.replace(" ", "")
         assert not any(n.startswith("tether/bin/") for n in names), names
-        # Installed at site-packages' root: the hook that lets tether run's ranks answer.
-        data = re.compile(r"tether-[\d.]+\.data/purelib/(tether_stacks\.pth|_tether_stacks\.py)")
-        assert len([n for n in names if data.fullmatch(n)]) == 2, names
+        # Installed at site-packages' root: the hooks that let tether run's ranks answer for
+        # their stacks, and make a node's zygote of warm ranks.
+        data = re.compile(
+            r"tether-[\d.]+\.data/purelib/(tether_(stacks|warm)\.pth|_tether_(stacks|warm)\.py)"
+        )
+        assert len([n for n in names if data.fullmatch(n)]) == 4, names
 
 
 def fresh_venv(where: Path, wheel: Path) -> Path:

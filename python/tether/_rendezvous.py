@@ -377,7 +377,7 @@ def main(argv: List[str]) -> None:
     opts = json.loads(argv[1])
     # torch's C++ store client warns, with a stack, when a store it polls goes away (the
     # node that hosted it finished): this helper says what matters itself.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    _rendezvous_torch.quiet_cpp_logs()
     # Answers go on the original stdout; anything else printed goes to stderr.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)

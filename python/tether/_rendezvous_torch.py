@@ -4,8 +4,29 @@ state more often), and torch's agent's own assignment of ranks."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Dict, List, Tuple
+
+
+def quiet_cpp_logs() -> None:
+    """torch's C++ logs at FATAL only (unless the user chose a level): as
+    ``TORCH_CPP_LOG_LEVEL=FATAL``, which torch reads when its library loads; in a helper forked
+    from a zygote that has loaded it already, the level is set where c10 keeps it."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    try:
+        import ctypes
+
+        lib = os.path.join(os.path.dirname(str(torch.__file__)), "lib", "libc10.so")
+        c10 = ctypes.CDLL(lib)
+        ctypes.c_int.in_dll(c10, "FLAGS_caffe2_log_level").value = 3  # FATAL
+    except (OSError, ValueError, AttributeError):
+        pass  # another torch: its C++ logs stay as they are
 
 
 def rendezvous_conf(opts: Dict[str, Any]) -> Dict[str, Any]:

@@ -1,10 +1,12 @@
 //! The command line as clap sees it: `tether run` takes torchrun's options, every one in its
-//! dash and underscore spelling, with torchrun's `PET_<NAME>` environment defaults. What
+//! dash and underscore spelling, with torchrun's `PET_<NAME>` environment defaults (a flag's
+//! is a number, as torchrun reads it: `PET_STANDALONE=1`; `true`, `yes`, `off`, ... too). What
 //! the values mean is decided in [`crate::config`].
 
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+use clap::builder::BoolishValueParser;
 use clap::error::ErrorKind;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
@@ -178,7 +180,12 @@ pub struct NodeArgs {
     )]
     pub master_port: Option<u16>,
     /// One node, master localhost on a free port.
-    #[arg(long, env = "PET_STANDALONE", hide_env = true)]
+    #[arg(
+        long,
+        env = "PET_STANDALONE",
+        value_parser = BoolishValueParser::new(),
+        hide_env = true
+    )]
     pub standalone: bool,
 }
 
@@ -229,22 +236,42 @@ pub struct RdzvArgs {
 #[command(next_help_heading = PROGRAM)]
 pub struct ProgramArgs {
     /// Run SCRIPT as a module, as `python -u -m MODULE`.
-    #[arg(short = 'm', long, env = "PET_MODULE", hide_env = true)]
+    #[arg(
+        short = 'm',
+        long,
+        env = "PET_MODULE",
+        value_parser = BoolishValueParser::new(),
+        hide_env = true
+    )]
     pub module: bool,
     /// Run the command as it is, without python in front.
     #[arg(
         long = "no-python",
         visible_alias = "no_python",
         env = "PET_NO_PYTHON",
+        value_parser = BoolishValueParser::new(),
         hide_env = true
     )]
     pub no_python: bool,
+    /// Start every rank as a new interpreter (`PYTHON -u SCRIPT`), as torchrun does. By
+    /// default a script's or module's ranks are forked from this node's warm zygote, which
+    /// has imported the installed packages the script imports (torch, ...) once for every
+    /// rank and restart.
+    #[arg(
+        long = "no-warm",
+        visible_alias = "no_warm",
+        env = "PET_NO_WARM",
+        value_parser = BoolishValueParser::new(),
+        hide_env = true
+    )]
+    pub no_warm: bool,
     /// Accepted: each rank runs SCRIPT in a new interpreter, as without it (torchrun would
     /// run it inside its agent process).
     #[arg(
         long = "run-path",
         visible_alias = "run_path",
         env = "PET_RUN_PATH",
+        value_parser = BoolishValueParser::new(),
         hide_env = true
     )]
     pub run_path: bool,
@@ -262,6 +289,7 @@ pub struct ProgramArgs {
         long = "virtual-local-rank",
         visible_alias = "virtual_local_rank",
         env = "PET_VIRTUAL_LOCAL_RANK",
+        value_parser = BoolishValueParser::new(),
         hide_env = true
     )]
     pub virtual_local_rank: bool,

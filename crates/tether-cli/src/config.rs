@@ -58,6 +58,9 @@ pub struct Config {
     /// Whether the ranks run tether's Python (a script or a module), which answers requests
     /// for its stacks; false with `--no-python`.
     pub python_ranks: bool,
+    /// Whether the ranks are forked from the node's warm zygote (a script or a module,
+    /// without `--no-warm`).
+    pub warm: bool,
     /// Warnings about options accepted but not applied, printed at start.
     pub notes: Vec<String>,
 }
@@ -132,6 +135,7 @@ pub fn resolve(args: RunArgs, ctx: &Context) -> Result<Config, clap::Error> {
         stall_timeout: limit("--stall-timeout", stop.stall_timeout)?,
         command: program::program(&args.program, &args.command, &ctx.python)?,
         python_ranks: !args.program.no_python || args.program.run_path,
+        warm: (!args.program.no_python || args.program.run_path) && !args.program.no_warm,
         notes,
     })
 }
@@ -739,6 +743,16 @@ mod tests {
         assert_eq!(c.output.prefix.as_deref(), Some("${rank}> "));
         assert_eq!(filter_list(Some("a,b,,c")), ["a", "b,c"]);
         assert!(filter_list(Some("")).is_empty());
+    }
+
+    #[test]
+    fn scripts_and_modules_are_warm_unless_told_otherwise() {
+        assert!(args(&["-m", "pkg.train"]).unwrap().warm);
+        assert!(!args(&["--no-python", "x"]).unwrap().warm);
+        for flag in ["--no-warm", "--no_warm"] {
+            let c = args(&[flag, "-m", "pkg.train"]).unwrap();
+            assert!(!c.warm && c.python_ranks);
+        }
     }
 
     #[test]

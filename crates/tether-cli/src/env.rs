@@ -1,4 +1,6 @@
-//! The environment of each rank: torchrun's variables.
+//! The environment of each rank: torchrun's variables; and what of it a node's zygote
+//! (warm ranks) gets: the variables every rank of every attempt shares, never those that
+//! differ between ranks or attempts.
 
 use std::ffi::OsString;
 use std::path::Path;
@@ -72,4 +74,40 @@ pub fn rank_env(
         error_file.as_os_str().to_owned(),
     ));
     env
+}
+
+/// The variables whose values differ between the ranks of a node or between attempts (a
+/// round of an elastic rendezvous may change the world too): a node's zygote never has them,
+/// so a package that reads one while the zygote imports it is noticed (and left to the
+/// ranks).
+pub fn varying(cfg: &Config) -> Vec<&'static str> {
+    let mut keys = vec![
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCHELASTIC_ERROR_FILE",
+    ];
+    if cfg.virtual_devices.is_some() {
+        keys.extend(["CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"]);
+    }
+    keys
+}
+
+/// The variables every rank of every attempt gets with the same value (`OMP_NUM_THREADS`,
+/// `LOCAL_WORLD_SIZE`, `TORCHELASTIC_RUN_ID`, ...): the zygote's own, on top of the
+/// launcher's environment.
+pub fn common(cfg: &Config, omp_unset: bool) -> Vec<(OsString, OsString)> {
+    let varying = varying(cfg);
+    rank_env(cfg, 0, 0, Path::new(""), omp_unset)
+        .into_iter()
+        .filter(|(key, _)| !varying.iter().any(|v| key == v))
+        .collect()
 }

@@ -25,6 +25,7 @@ mod run;
 mod signals;
 mod slurm;
 mod stacks_cmd;
+mod zygote;
 
 use std::ffi::OsString;
 use std::path::PathBuf;

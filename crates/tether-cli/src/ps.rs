@@ -91,6 +91,13 @@ fn is_tethers(process: &Process) -> bool {
     program == Some("tether") && words.next() == Some("run")
 }
 
+/// Whether a child of a supervisor is one of its helpers rather than a rank: the node's
+/// zygote of warm ranks, the rendezvous helper (forked from the zygote, or a new
+/// interpreter).
+fn is_helper(process: &Process) -> bool {
+    process.comm.starts_with("tether") || process.args.contains(" -m tether._rendezvous ")
+}
+
 /// `rank N (local L)` from a rank's environment, as `tether run` set it.
 fn rank_of(pid: i32) -> String {
     let Some(env) = proc::environ(pid) else {
@@ -136,6 +143,7 @@ pub fn tree(table: &BTreeMap<i32, Process>, rank_of: impl Fn(i32) -> String) -> 
     let ranks: BTreeSet<i32> = supervisors
         .iter()
         .flat_map(|pid| children.get(pid).into_iter().flatten().copied())
+        .filter(|pid| !is_helper(&table[pid]))
         .collect();
     let mut ours = descendants(&ranks, &children);
     ours.extend(
@@ -235,6 +243,14 @@ mod tests {
                 21,
                 process(20, SUPERVISOR_COMM, "tether supervisor of run x"),
             ),
+            (
+                22,
+                process(21, "tether-zygote", "tether zygote of pid 21 (warm ranks)"),
+            ),
+            (
+                23,
+                process(21, "tether-rdzv", "tether rendezvous helper of pid 21"),
+            ),
             (30, process(21, "python", "python -u train.py")),
             (31, process(21, "python", "python -u train.py")),
             (40, process(31, "sh", "")),
@@ -248,6 +264,8 @@ mod tests {
                 "     10  bash",
                 "     20  └─ tether run keeper: /venv/bin/tether run -n 2 train.py",
                 "     21     └─ tether supervisor of run x",
+                "     22        ├─ tether zygote of pid 21 (warm ranks)",
+                "     23        ├─ tether rendezvous helper of pid 21",
                 "     30        ├─ rank 0: python -u train.py",
                 "     31        └─ rank 1: python -u train.py",
                 "     40           └─ [sh]",

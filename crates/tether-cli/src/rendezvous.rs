@@ -7,15 +7,18 @@
 //! stdout (its module documentation lists them).
 
 use std::ffi::OsString;
+use std::fs::File;
 use std::io::{self, BufRead, BufReader, Write};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::process::CommandExt;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::error::ErrorKind;
 use serde_json::{json, Value};
+
+use tether_core::{Group, WaitFor};
 
 use crate::args::{usage_error, RunArgs};
 
@@ -161,7 +164,8 @@ impl Rendezvous {
         })
     }
 
-    fn options(&self) -> Value {
+    /// The helper's argument: the options as JSON.
+    pub fn options(&self) -> Value {
         json!({
             "backend": self.backend.name(),
             "endpoint": self.endpoint,
@@ -254,11 +258,19 @@ pub fn let_the_helper_leave(limit: Duration) {
     }
 }
 
+/// The helper's process: a new interpreter, or a fork of the node's zygote (warm ranks),
+/// which tether-core watches and reaps.
+enum Process {
+    Cold(Child),
+    Warm(Group),
+}
+
 /// The helper process of this node.
 pub struct Helper {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    stdout: BufReader<ChildStdout>,
+    process: Process,
+    pid: i32,
+    stdin: Option<File>,
+    stdout: BufReader<File>,
 }
 
 impl Helper {
@@ -282,17 +294,33 @@ impl Helper {
             });
         }
         let mut child = command.spawn()?;
-        HELPER.store(child.id() as i32, Ordering::SeqCst);
-        let stdin = child.stdin.take();
+        let pid = child.id() as i32;
+        HELPER.store(pid, Ordering::SeqCst);
+        let stdin = child.stdin.take().map(|s| File::from(OwnedFd::from(s)));
         let stdout = child
             .stdout
             .take()
             .ok_or_else(|| io::Error::other("no stdout"))?;
         Ok(Helper {
-            child,
+            process: Process::Cold(child),
+            pid,
             stdin,
-            stdout: BufReader::new(stdout),
+            stdout: BufReader::new(File::from(OwnedFd::from(stdout))),
         })
+    }
+
+    /// The helper made by a fork of the node's zygote, the only member of `group`; `stdin`
+    /// and `stdout` are the launcher's ends of its pipes. (It arms SIGTERM as its
+    /// parent-death signal itself.)
+    pub fn forked(group: Group, stdin: OwnedFd, stdout: OwnedFd) -> Helper {
+        let pid = group.pid(0).unwrap_or(0);
+        HELPER.store(pid, Ordering::SeqCst);
+        Helper {
+            process: Process::Warm(group),
+            pid,
+            stdin: Some(File::from(stdin)),
+            stdout: BufReader::new(File::from(stdout)),
+        }
     }
 
     /// The fd to poll for the helper's next message.
@@ -313,7 +341,7 @@ impl Helper {
     }
 
     pub fn pid(&self) -> i32 {
-        self.child.id() as i32
+        self.pid
     }
 
     pub fn next_round(&mut self) {
@@ -333,7 +361,23 @@ impl Helper {
     pub fn leave(&mut self) {
         self.send(json!({"cmd": "leave"}));
         self.stdin = None;
-        let _ = self.child.wait();
+        self.wait();
+    }
+
+    /// Waits for the helper to end; how it ended, in words.
+    fn wait(&mut self) -> String {
+        match &mut self.process {
+            Process::Cold(child) => child.wait().map_or_else(
+                |e| format!("cannot be waited for ({e})"),
+                crate::report::describe_std,
+            ),
+            Process::Warm(group) => {
+                group.wait(None, WaitFor::AllExited, None);
+                group
+                    .exit(0)
+                    .map_or_else(|| "ended".to_string(), |e| e.status.to_string())
+            }
+        }
     }
 
     /// The next message; blocks until a whole line (or the end) arrives.
@@ -341,13 +385,10 @@ impl Helper {
         let mut line = String::new();
         match self.stdout.read_line(&mut line) {
             Ok(0) | Err(_) => {
-                let status = self.child.wait().map_or_else(
-                    |e| format!("cannot be waited for ({e})"),
-                    crate::report::describe_std,
-                );
+                let status = self.wait();
                 Message::Error(format!(
                     "the rendezvous helper (pid {}) ended: {status}",
-                    self.child.id()
+                    self.pid
                 ))
             }
             Ok(_) => Message::parse(line.trim_end()),
@@ -359,10 +400,18 @@ impl Drop for Helper {
     fn drop(&mut self) {
         HELPER.store(0, Ordering::SeqCst);
         self.stdin = None;
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
+        match &mut self.process {
+            Process::Cold(child) => {
+                if matches!(child.try_wait(), Ok(None)) {
+                    let _ = child.kill();
+                }
+                let _ = child.wait();
+            }
+            Process::Warm(group) => {
+                group.signal_all(libc::SIGKILL);
+                group.wait(None, WaitFor::AllExited, None);
+            }
         }
-        let _ = self.child.wait();
     }
 }
 

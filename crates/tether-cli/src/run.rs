@@ -22,11 +22,13 @@ use crate::reaper;
 use crate::rendezvous::Helper;
 use crate::report::{oom_kills, Failure};
 use crate::signals::SignalFd;
+use crate::zygote::NodeZygote;
 
 mod abandon;
 mod conclude;
 mod rounds;
 mod supervise;
+mod warm;
 mod wire;
 
 use abandon::stop_launching;
@@ -342,6 +344,8 @@ pub struct Launcher {
     /// The rendezvous helper of a dynamic run, and the round the ranks run in.
     helper: Option<Helper>,
     round: u64,
+    /// The node's zygote, while the ranks are warm and it serves.
+    zygote: Option<NodeZygote>,
 }
 
 impl Launcher {
@@ -356,6 +360,7 @@ impl Launcher {
             stop_pending: std::cell::Cell::new(None),
             helper: None,
             round: 0,
+            zygote: None,
             cfg,
             signals,
             tmp,
@@ -365,8 +370,20 @@ impl Launcher {
 
     /// Runs every attempt; returns the launcher's exit status.
     fn run(&mut self) -> i32 {
-        if self.cfg.rendezvous.is_some() {
-            return self.run_rounds();
+        self.start_zygote();
+        let code = if self.cfg.rendezvous.is_some() {
+            self.run_rounds()
+        } else {
+            self.run_attempts()
+        };
+        self.close_zygote();
+        code
+    }
+
+    /// Every attempt of a fixed membership; returns the launcher's exit status.
+    fn run_attempts(&mut self) -> i32 {
+        if let Err(sig) = self.await_zygote() {
+            return 128 + sig;
         }
         let max = self.cfg.max_restarts;
         for attempt in 0..=max {
@@ -421,7 +438,7 @@ impl Launcher {
         }
         while let Some(sig) = self.signals.next() {
             if sig == libc::SIGCHLD {
-                reaper::reap_orphans(&self.helper_pid().into_iter().collect());
+                reaper::reap_orphans(&self.own_pids());
             } else if !self.stack_signals.contains(&sig) {
                 return Some(sig);
             }
@@ -429,13 +446,22 @@ impl Launcher {
         None
     }
 
-    /// The pids of running ranks, which only tether-core may reap.
-    /// (and the rendezvous helper, which `std::process` reaps).
+    /// The pids of running ranks, which only tether-core may reap, and [`Self::own_pids`].
     fn live_pids(&self, group: &Group) -> HashSet<i32> {
         (0..group.len())
             .filter(|&i| group.exit(i).is_none())
             .filter_map(|i| group.pid(i))
-            .chain(self.helper_pid())
+            .chain(self.own_pids())
+            .collect()
+    }
+
+    /// The launcher's own processes beside the ranks (the rendezvous helper, the zygote and
+    /// the children it keeps forked ahead), which are neither leftovers nor for anyone else
+    /// to reap.
+    fn own_pids(&self) -> HashSet<i32> {
+        self.helper_pid()
+            .into_iter()
+            .chain(self.zygote_pids())
             .collect()
     }
 
@@ -465,7 +491,7 @@ impl Launcher {
         let oom_before = oom_kills();
         self.watchdog.restart();
         let group = Group::new();
-        let launched = group.launch(specs);
+        let launched = self.start_ranks(&group, specs);
         // The ranks hold their own copies now; the pumps see EOF once the ranks (and what
         // they started) are gone.
         wired.iter_mut().for_each(|w| w.write_ends.clear());

@@ -278,6 +278,14 @@ fn pet_variables_are_defaults_as_in_torchrun() {
         &[("PET_RDZV_ID", "pet")],
     );
     assert_eq!(out.stdout, "[rank 0]: pet\n");
+    // A flag's variable is a number, as torchrun reads it.
+    let out = run_env(
+        &["run", "-n", "1", "sh", "-c", "echo $MASTER_ADDR"],
+        &[("PET_NO_PYTHON", "1"), ("PET_STANDALONE", "1")],
+    );
+    assert_eq!(out.stdout, "[rank 0]: localhost\n", "{out:?}");
+    let out = run_env(&["run", "-n", "1", "true"], &[("PET_NO_PYTHON", "0")]);
+    assert_eq!(out.code, Some(2), "{out:?}");
 }
 
 #[test]

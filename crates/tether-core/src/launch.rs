@@ -164,6 +164,19 @@ fn arm_parent_death(parent: libc::pid_t) -> io::Result<()> {
     Ok(())
 }
 
+/// Makes `signal` this process's parent-death signal, then exits at once (status 111) when
+/// its parent is no longer `parent` (it died before the signal was armed). For a child that
+/// must hear of its parent's death otherwise than by SIGKILL (a helper that says goodbye).
+pub fn die_with_parent(signal: i32, parent: libc::pid_t) -> io::Result<()> {
+    let signal =
+        Signal::from_named_raw(signal).ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+    set_parent_process_death_signal(Some(signal))?;
+    if parent_pid() != parent {
+        std::process::exit(111);
+    }
+    Ok(())
+}
+
 /// The pid of this process's parent (0 when it has none, which never matches a parent).
 fn parent_pid() -> libc::pid_t {
     Pid::as_raw(getppid())

@@ -42,6 +42,69 @@ pub fn set(title: &str, comm: &str) -> io::Result<()> {
     Ok(())
 }
 
+/// The bytes of this process's argument strings as they are now: what `/proc/self/cmdline`
+/// shows (each argument followed by a NUL) while no title was set.
+pub fn arguments() -> io::Result<Vec<u8>> {
+    let area = Area::of_self()?;
+    let mut bytes = vec![0u8; area.arg_end - area.arg_start];
+    // SAFETY: [arg_start, arg_end) is this process's argument string area, mapped and
+    // readable for the life of the process; `bytes` has exactly its length.
+    unsafe {
+        std::ptr::copy_nonoverlapping(area.arg_start as *const u8, bytes.as_mut_ptr(), bytes.len());
+    }
+    Ok(bytes)
+}
+
+/// Makes this process show `arguments` as its command line (`/proc/self/cmdline`, NUL after
+/// each argument, as [`arguments`] returns them), `environment` as its environment
+/// (`/proc/self/environ`: `KEY=VALUE` entries, each followed by a NUL) and `comm` as its
+/// name: what a forked child of a process that set a title shows to look like the program
+/// it runs. The argument area keeps its size (what does not fit is cut, the rest is NULs);
+/// the environment entries that fit in the environment area are written whole, the rest of
+/// it NULs. `environ` is moved to the heap first, so nothing points into the area any more.
+pub fn show(arguments: &[u8], environment: &[(Vec<u8>, Vec<u8>)], comm: &str) -> io::Result<()> {
+    set_comm(comm)?;
+    let area = Area::of_self()?;
+    move_environ(&area);
+    // SAFETY: both ranges are this process's argument and environment string areas:
+    // writable memory that nothing refers to any more (Python and libc keep copies of the
+    // arguments; `environ` no longer points into the environment area).
+    unsafe {
+        fill(area.arg_start, area.arg_end, arguments);
+        if area.env_start >= area.arg_end && area.env_start < area.env_end {
+            let room = area.env_end - area.env_start;
+            let mut block = Vec::with_capacity(room);
+            for (key, value) in environment {
+                let entry = key.len() + value.len() + 2;
+                if block.len() + entry > room {
+                    break;
+                }
+                block.extend_from_slice(key);
+                block.push(b'=');
+                block.extend_from_slice(value);
+                block.push(0);
+            }
+            fill(area.env_start, area.env_end, &block);
+        }
+    }
+    Ok(())
+}
+
+/// Writes `bytes` (cut to the room) at [start, end) and NULs after them.
+///
+/// # Safety
+/// [start, end) must be writable memory of this process that nothing else uses.
+unsafe fn fill(start: usize, end: usize, bytes: &[u8]) {
+    let room = end - start;
+    let n = bytes.len().min(room);
+    let base = start as *mut u8;
+    // SAFETY: the caller's promise; `n` and `room - n` stay within [start, end).
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), base, n);
+        std::ptr::write_bytes(base.add(n), 0, room - n);
+    }
+}
+
 /// Sets `/proc/self/comm` (the kernel keeps 15 bytes).
 pub fn set_comm(comm: &str) -> io::Result<()> {
     let cut: String = comm.chars().filter(|&c| c != '\0').take(15).collect();
@@ -111,5 +174,11 @@ mod tests {
         let area = Area::of_self().unwrap();
         assert!(area.arg_start < area.arg_end);
         assert!(area.env_start <= area.env_end);
+    }
+
+    #[test]
+    fn the_arguments_are_what_proc_shows() {
+        let shown = std::fs::read("/proc/self/cmdline").unwrap();
+        assert_eq!(arguments().unwrap(), shown);
     }
 }

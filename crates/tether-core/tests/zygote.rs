@@ -67,7 +67,7 @@ fn zygote_main() -> ! {
         own(notices),
         parent,
         b"ready",
-        blanks,
+        (blanks, std::time::Duration::ZERO),
         &mut fork,
     );
     match served {

@@ -44,6 +44,33 @@ fn set_title(title: &str, comm: &str) -> PyResult<()> {
     tether_core::title::set(title, comm).map_err(os_error)
 }
 
+/// The bytes of this process's command line as it was started (`/proc/self/cmdline`: each
+/// argument followed by a NUL), while no title was set.
+#[pyfunction]
+fn command_line(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
+    let bytes = tether_core::title::arguments().map_err(os_error)?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// Makes this process show `arguments` as its command line (as `command_line` returned
+/// them), `environment` as its environment (`/proc/self/environ`, as far as its area
+/// holds) and `comm` as its name. Call it while the process has a single thread.
+#[pyfunction]
+fn show_command_line(
+    arguments: &[u8],
+    environment: Vec<(Vec<u8>, Vec<u8>)>,
+    comm: &str,
+) -> PyResult<()> {
+    tether_core::title::show(arguments, &environment, comm).map_err(os_error)
+}
+
+/// Makes `signal` this process's parent-death signal; exits at once (status 111) when its
+/// parent is no longer `parent_pid` (it died before the signal was armed).
+#[pyfunction]
+fn die_with_parent(signal: i32, parent_pid: i32) -> PyResult<()> {
+    tether_core::launch::die_with_parent(signal, parent_pid).map_err(os_error)
+}
+
 /// "; the open-file limit of this process is reached (...)": which system limit an error
 /// number most likely means, or "".
 #[pyfunction]
@@ -118,6 +145,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_report, m)?)?;
     m.add_function(wrap_pyfunction!(limit_hint, m)?)?;
     m.add_function(wrap_pyfunction!(set_title, m)?)?;
+    m.add_function(wrap_pyfunction!(command_line, m)?)?;
+    m.add_function(wrap_pyfunction!(show_command_line, m)?)?;
+    m.add_function(wrap_pyfunction!(die_with_parent, m)?)?;
     m.add_function(wrap_pyfunction!(decode_report, m)?)?;
     m.add_function(wrap_pyfunction!(zygote::zygote_serve, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -246,9 +246,11 @@ impl Job {
 }
 
 /// The zygote's loop (see `tether._zygote.main`): tells the parent `ready`, then serves
-/// requests, keeping `blanks` children forked ahead. Returns a `Job` in each child it makes,
-/// and an exit code when the zygote (or a blank whose zygote went away) should exit.
+/// requests, keeping `blanks` children forked ahead; its idle work waits until no request
+/// has come for `quiet` seconds. Returns a `Job` in each child it makes, and an exit code
+/// when the zygote (or a blank whose zygote went away) should exit.
 #[pyfunction]
+#[pyo3(signature = (request_fd, notices_fd, parent, ready, blanks, quiet=0.0))]
 pub fn zygote_serve(
     py: Python<'_>,
     request_fd: RawFd,
@@ -256,7 +258,9 @@ pub fn zygote_serve(
     parent: i32,
     ready: &[u8],
     blanks: usize,
+    quiet: f64,
 ) -> PyResult<PyObject> {
+    let quiet = Timeout::from_secs(quiet)?.or_max();
     // SAFETY: the zygote hands over the two fds its parent gave it.
     let (request, notices) = unsafe {
         (
@@ -265,8 +269,8 @@ pub fn zygote_serve(
         )
     };
     let mut fork = || python_fork(py);
-    let served =
-        zygote::serve(request, notices, parent, ready, blanks, &mut fork).map_err(os_error)?;
+    let served = zygote::serve(request, notices, parent, ready, (blanks, quiet), &mut fork)
+        .map_err(os_error)?;
     Ok(match served {
         Served::Exit(code) => code.into_pyobject(py)?.into_any().unbind(),
         Served::Child(job) => {

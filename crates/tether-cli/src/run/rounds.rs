@@ -9,7 +9,7 @@ use super::{AttemptEnd, Launcher, Stop};
 use crate::hangs;
 use crate::output;
 use crate::reaper;
-use crate::rendezvous::{nodes_spec, Helper, Message, Place};
+use crate::rendezvous::{nodes_spec, Message, Place};
 use crate::report::{cause_code, render_cause, Failure};
 
 /// How waiting for the helper ended.
@@ -25,13 +25,15 @@ impl Launcher {
         let Some(rdzv) = self.cfg.rendezvous.clone() else {
             return 1;
         };
-        let python = &self.cfg.rendezvous_python;
-        match Helper::spawn(python, &rdzv) {
+        if let Err(sig) = self.await_zygote() {
+            return 128 + sig;
+        }
+        match self.start_helper(&rdzv) {
             Ok(helper) => self.helper = Some(helper),
             Err(err) => {
                 output::message(&format!(
                     "tether: cannot start the rendezvous helper ({} -m tether._rendezvous): {}",
-                    python.to_string_lossy(),
+                    self.cfg.rendezvous_python.to_string_lossy(),
                     tether_core::strerror(&err)
                 ));
                 return 1;
@@ -225,7 +227,7 @@ impl Launcher {
             let helper_ready = !fds[1].revents().is_empty();
             while let Some(sig) = self.signals.next() {
                 if sig == libc::SIGCHLD {
-                    reaper::reap_orphans(&self.helper_pid().into_iter().collect());
+                    reaper::reap_orphans(&self.own_pids());
                 } else if !self.stack_signals.contains(&sig) {
                     return Heard::Signal(sig);
                 }

@@ -62,10 +62,13 @@ pub struct Launcher {
     seen_err: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
 }
 
+/// The launcher with `args`. Its scripts run cold (`PET_NO_WARM=1`): the tests' `python3` may
+/// not have tether installed, which warm ranks need (`warm_ranks.rs` tests both cases).
 pub fn command(args: &[&str]) -> Command {
     let mut cmd = Command::new(BIN);
     cmd.args(args);
-    cmd.env_remove("OMP_NUM_THREADS")
+    cmd.env("PET_NO_WARM", "1")
+        .env_remove("OMP_NUM_THREADS")
         .env_remove("SLURM_JOB_ID")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

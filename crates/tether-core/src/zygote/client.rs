@@ -116,6 +116,12 @@ impl Zygote {
         self.broken.as_deref()
     }
 
+    /// The fd to poll while the zygote gets ready: readable once it has said it is ready
+    /// (then [`Zygote::wait_ready`] returns at once) or has gone away.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.request.as_fd()
+    }
+
     /// Waits until the zygote is ready (its imports done); returns what it said then.
     pub fn wait_ready(&mut self) -> Result<&[u8], Error> {
         if self.ready.is_none() {

@@ -70,6 +70,10 @@ struct Server<'a> {
     pending: Option<Pending>,
     /// Its memory still to collapse into huge pages, slice by slice while it is idle.
     collapser: Option<Collapser>,
+    /// How long it waits without a request before its idle work (see [`serve`]), and when
+    /// it last got one (or started).
+    quiet: Duration,
+    quiet_since: std::time::Instant,
     /// Set when a fork of the current request met the process limit: how many processes
     /// this zygote held idle then (itself and its blanks, which it dropped before trying
     /// once more).
@@ -85,13 +89,16 @@ enum Step {
 
 /// The zygote's loop: tells the parent `ready`, then serves requests from `request` and
 /// keeps `blanks` children forked ahead (more when a request was larger, up to
-/// [`MAX_BLANKS`]). Returns in each child it makes, and when the parent goes away.
+/// [`MAX_BLANKS`]). Its idle work (collapsing its memory, forking blanks) waits until no
+/// request has come for `quiet`, so that the processes it has just started (a job's ranks,
+/// which start together) get the CPU first. Returns in each child it makes, and when the
+/// parent goes away.
 pub fn serve(
     request: OwnedFd,
     notices: OwnedFd,
     parent: i32,
     ready: &[u8],
-    blanks: usize,
+    (blanks, quiet): (usize, Duration),
     fork: Fork<'_>,
 ) -> io::Result<Served> {
     let zygote = std::process::id();
@@ -103,6 +110,8 @@ pub fn serve(
         blanks: VecDeque::new(),
         pending: None,
         collapser: Some(Collapser::new()),
+        quiet,
+        quiet_since: std::time::Instant::now(),
         held_at_limit: None,
     };
     server.reply(&Reply::Ready(ready.to_vec()))?;
@@ -133,7 +142,8 @@ impl Server<'_> {
 
     fn step(&mut self) -> io::Result<Step> {
         let idle_work = self.collapser.is_some() || self.blanks.len() < self.target;
-        if idle_work && !readable(&self.request, REPLENISH_DELAY)? {
+        let quiet_left = self.quiet.saturating_sub(self.quiet_since.elapsed());
+        if idle_work && !readable(&self.request, REPLENISH_DELAY.max(quiet_left))? {
             if let Some(collapser) = self.collapser.as_mut() {
                 while collapser.slice() {
                     if readable(&self.request, Duration::ZERO)? {
@@ -148,7 +158,10 @@ impl Server<'_> {
             return Ok(Step::Continue);
         }
         let message = match self.request.recv(None) {
-            Ok(Recv::Message(m)) => m,
+            Ok(Recv::Message(m)) => {
+                self.quiet_since = std::time::Instant::now();
+                m
+            }
             Ok(Recv::Timeout) => return Ok(Step::Continue),
             Ok(Recv::Closed) => return Ok(Step::Exit),
             Err(err) => {

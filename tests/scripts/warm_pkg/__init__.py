@@ -1,0 +1,1 @@
+"""The probe of warm ranks, as a package (``-m warm_pkg.probe``)."""
