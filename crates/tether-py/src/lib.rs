@@ -11,6 +11,7 @@ mod cli;
 mod convert;
 mod error;
 mod group;
+mod share;
 mod stacks;
 mod wait;
 mod workers;
@@ -108,6 +109,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_BLANKS", tether_core::zygote::MAX_BLANKS)?;
     m.add("ZYGOTE_FDS_ENV", tether_core::zygote::FDS_ENV)?;
     cli::register(m)?;
+    share::register(m)?;
     stacks::register(m)?;
     workers::register(m)?;
     m.add_function(wrap_pyfunction!(setup_forked_child, m)?)?;
