@@ -307,7 +307,8 @@ def start_processes(
             "of its parent. Start processes only under the usual guard in the main script:\n\n"
             "    if __name__ == '__main__':\n        ...\n"
         )
-    group = _launch.start(fn, args, range(nprocs), start_method, preload=preload)
+    job = _launch.new_job_id()
+    group = _launch.start(fn, args, range(nprocs), start_method, preload=preload, job=job)
     what = getattr(fn, "__qualname__", None) or repr(fn)
     context = ProcessContext(group, daemon, start_method, what, timeout)
     logger.debug(
