@@ -34,9 +34,11 @@ use rustix::net::{
     accept_with, bind, connect, listen, socket_with, AddressFamily, SocketAddrUnix, SocketFlags,
     SocketType,
 };
+use rustix::process::{pidfd_open, PidfdFlags};
 
 use crate::channel::{Endpoint, Recv};
 use crate::proc::{stat, Of};
+use crate::share::table::key_hash;
 use crate::status::ExitStatus;
 use crate::wire::{Reader, Writer};
 
@@ -44,17 +46,47 @@ use crate::wire::{Reader, Writer};
 /// meeting points of a job are named after it.
 pub const JOB_ENV: &str = "TETHER_JOB_ID";
 
+/// The meeting point of `key` in the job `job`: an abstract socket name (without its
+/// leading NUL) that holds the job (its id, or a hash of a long or odd one) and a 128-bit
+/// hash of the key.
+pub fn meeting_name(job: &str, key: &str) -> Vec<u8> {
+    let (a, b) = (
+        key_hash(key.as_bytes()),
+        key_hash(&[&b"\x01"[..], key.as_bytes()].concat()),
+    );
+    format!("tether-share/{}/{a:016x}{b:016x}", job_part(job)).into_bytes()
+}
+
+/// Where the job's vault listens (see `vault`).
+pub fn vault_name(job: &str) -> Vec<u8> {
+    format!("tether-share/{}/vault", job_part(job)).into_bytes()
+}
+
+/// The job's part of a name: its id when short and plain (as tether makes them), else a hash.
+fn job_part(job: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.';
+    if job.len() <= 48 && job.chars().all(plain) {
+        return job.to_string();
+    }
+    let bytes = job.as_bytes();
+    let (a, b) = (key_hash(bytes), key_hash(&[&b"\x01"[..], bytes].concat()));
+    format!("{a:016x}{b:016x}")
+}
+
 /// How long [`claim`] keeps trying when the name is bound but nobody listens yet (a builder
 /// between `bind` and `listen`) before it gives up with an error.
 const CLAIM_LIMIT: Duration = Duration::from_secs(10);
 /// The most connections waiting to be answered.
 const BACKLOG: i32 = 1024;
 /// How long an answer may wait for room in a waiter's socket.
-const SEND_LIMIT: Duration = Duration::from_secs(5);
+pub(crate) const SEND_LIMIT: Duration = Duration::from_secs(5);
 
 const BUILDING: u8 = 1;
 const READY: u8 = 2;
 const FAILED: u8 = 3;
+/// A holder to the job's vault: hold this meeting point (its name; the fds: the listening
+/// socket and the memfd).
+pub(crate) const HOLD: u8 = 4;
 
 /// A process at a meeting point: its rank (negative when it has none) and pid.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,6 +129,7 @@ pub fn claim(name: &[u8], me: Who) -> io::Result<Claim> {
                 return Ok(Claim::Wait(Waiter {
                     conn,
                     builder: None,
+                    builder_pidfd: None,
                 }));
             }
             // Nobody holds the name, or the holder's backlog is full (it will drain).
@@ -106,7 +139,7 @@ pub fn claim(name: &[u8], me: Who) -> io::Result<Claim> {
         match bind(&sock, &addr) {
             Ok(()) => {
                 listen(&sock, BACKLOG)?;
-                return Meeting::start(sock, me, Phase::Building).map(Claim::Build);
+                return Meeting::start(name, sock, me, Phase::Building).map(Claim::Build);
             }
             Err(Errno::ADDRINUSE) => {}
             Err(e) => return Err(e.into()),
@@ -122,7 +155,7 @@ pub fn claim(name: &[u8], me: Who) -> io::Result<Claim> {
 }
 
 /// Refuses a peer that runs as another user (abstract sockets have no permissions).
-fn same_user(fd: BorrowedFd<'_>) -> io::Result<()> {
+pub(crate) fn same_user(fd: BorrowedFd<'_>) -> io::Result<()> {
     let peer = rustix::net::sockopt::socket_peercred(fd)?;
     if peer.uid != rustix::process::getuid() {
         return Err(io::Error::new(
@@ -147,6 +180,8 @@ struct Inner {
     /// The listening socket; -1 once closed (in a forked child, see `close_after_fork`).
     listener: AtomicI32,
     me: Who,
+    /// This process's pidfd, sent with "building".
+    pidfd: Option<OwnedFd>,
     state: Mutex<(Phase, Vec<Endpoint>)>,
 }
 
@@ -177,7 +212,11 @@ impl Inner {
     fn send(&self, conn: &Endpoint, phase: &Phase) -> io::Result<bool> {
         let listener = self.listener.load(Ordering::Acquire);
         match phase {
-            Phase::Building => conn.send(&message(BUILDING, self.me, b""), &[], Some(SEND_LIMIT)),
+            Phase::Building => {
+                // With its pidfd: how this builder ends can be read even once it is reaped.
+                let fds: Vec<BorrowedFd<'_>> = self.pidfd.iter().map(AsFd::as_fd).collect();
+                conn.send(&message(BUILDING, self.me, b""), &fds, Some(SEND_LIMIT))
+            }
             Phase::Failed(report) => {
                 conn.send(&message(FAILED, self.me, report), &[], Some(SEND_LIMIT))
             }
@@ -212,6 +251,7 @@ impl Inner {
 /// dropped (in the process that made it) or the process ends.
 #[derive(Debug)]
 pub struct Meeting {
+    name: Vec<u8>,
     inner: Arc<Inner>,
     wake: OwnedFd,
     thread: Option<JoinHandle<()>>,
@@ -219,11 +259,12 @@ pub struct Meeting {
 }
 
 impl Meeting {
-    fn start(listener: OwnedFd, me: Who, phase: Phase) -> io::Result<Meeting> {
+    fn start(name: &[u8], listener: OwnedFd, me: Who, phase: Phase) -> io::Result<Meeting> {
         let wake = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
         let inner = Arc::new(Inner {
             listener: AtomicI32::new(listener.as_raw_fd()),
             me,
+            pidfd: pidfd_open(rustix::process::getpid(), PidfdFlags::empty()).ok(),
             state: Mutex::new((phase, Vec::new())),
         });
         std::mem::forget(listener); // owned by `inner.listener` from here
@@ -232,6 +273,7 @@ impl Meeting {
             .name("tether-share".into())
             .spawn(move || serve(&served, &stop))?;
         Ok(Meeting {
+            name: name.to_vec(),
             inner,
             wake,
             thread: Some(thread),
@@ -239,10 +281,45 @@ impl Meeting {
         })
     }
 
-    /// Holds a meeting point received from another holder (the listening socket and the
-    /// memfd of the data), answering with the data.
-    pub fn hold(listener: OwnedFd, memfd: OwnedFd, me: Who) -> io::Result<Meeting> {
-        Meeting::start(listener, me, Phase::Ready(memfd))
+    /// Holds the meeting point `name`, received from another holder (the listening socket
+    /// and the memfd of the data), answering with the data.
+    pub fn hold(name: &[u8], listener: OwnedFd, memfd: OwnedFd, me: Who) -> io::Result<Meeting> {
+        Meeting::start(name, listener, me, Phase::Ready(memfd))
+    }
+
+    /// The meeting point's name.
+    pub fn name(&self) -> &[u8] {
+        &self.name
+    }
+
+    /// Hands a duplicate of the listening socket and of the data's memfd to the job's
+    /// vault listening at `vault` (see `vault`), which holds them until the job ends;
+    /// false when there is no vault, or the data is not built.
+    pub fn hand_over(&self, vault: &[u8]) -> io::Result<bool> {
+        let addr = SocketAddrUnix::new_abstract_name(vault)?;
+        let sock = socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )?;
+        match connect(&sock, &addr) {
+            Ok(()) => same_user(sock.as_fd())?,
+            Err(Errno::CONNREFUSED | Errno::NOENT) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        }
+        let state = self.inner.state();
+        let raw = self.inner.listener.load(Ordering::Acquire);
+        let Phase::Ready(memfd) = &state.0 else {
+            return Ok(false);
+        };
+        if raw < 0 {
+            return Ok(false);
+        }
+        // SAFETY: the listener is open while this holder lives (see `Inner::send`).
+        let listener = unsafe { BorrowedFd::borrow_raw(raw) };
+        let msg = Writer::new().u8(HOLD).bytes(&self.name).finish();
+        Endpoint::from_fd(sock).send(&msg, &[listener, memfd.as_fd()], Some(SEND_LIMIT))
     }
 
     /// The data is built: every process waiting, and every later one, gets `memfd`.
@@ -349,6 +426,8 @@ pub enum Outcome {
 pub struct Waiter {
     conn: Endpoint,
     builder: Option<Who>,
+    /// The builder's pidfd, sent with "building".
+    builder_pidfd: Option<OwnedFd>,
 }
 
 impl Waiter {
@@ -370,7 +449,7 @@ impl Waiter {
                 return Ok(Some(match self.builder {
                     Some(builder) => Outcome::BuilderDied {
                         builder,
-                        status: exit_status(builder.pid),
+                        status: exit_status(builder.pid, self.builder_pidfd.as_ref()),
                     },
                     None => Outcome::Lost,
                 }))
@@ -383,6 +462,7 @@ impl Waiter {
         match kind {
             BUILDING => {
                 self.builder = Some(from);
+                self.builder_pidfd = msg.fds.pop();
                 Ok(None)
             }
             FAILED => Ok(Some(Outcome::Failed {
@@ -406,30 +486,47 @@ impl Waiter {
     }
 }
 
-/// How a process that just hung up ended: the exit status the kernel keeps in
-/// `/proc/PID/stat` (field 52) from the moment it exits until it is reaped. Waits briefly
-/// for it to finish exiting; `None` when it was reaped already, or does not exit.
-fn exit_status(pid: u32) -> Option<ExitStatus> {
+/// How a process that just hung up ended, waiting briefly for it to finish exiting: the
+/// status the kernel keeps in `/proc/PID/stat` (field 52) from its exit until it is reaped,
+/// then in its pidfd (`PIDFD_INFO_EXIT`, Linux 6.15). `None` when neither tells (an older
+/// kernel, a process already reaped, one that does not exit).
+fn exit_status(pid: u32, pidfd: Option<&OwnedFd>) -> Option<ExitStatus> {
     let pid = i32::try_from(pid).ok()?;
-    let deadline = Instant::now() + Duration::from_millis(200);
+    let deadline = Instant::now() + Duration::from_millis(500);
     loop {
-        let stat = stat(Of::Pid(pid))?;
-        let state = stat.field(3)?.chars().next()?;
-        if matches!(state, 'Z' | 'X') || Instant::now() >= deadline {
-            if !matches!(state, 'Z' | 'X') {
-                return None;
-            }
-            let code = stat.number(52)? as i32;
-            return Some(match code & 0x7f {
-                0 => ExitStatus::Exited((code >> 8) & 0xff),
-                signal => ExitStatus::Signaled {
-                    signal,
-                    core_dumped: code & 0x80 != 0,
-                },
-            });
+        if let Some(code) = pidfd.and_then(exit_code_of_pidfd) {
+            return Some(ExitStatus::from_wait_status(code));
+        }
+        let stat = stat(Of::Pid(pid));
+        let state = stat.as_ref().and_then(|s| s.field(3)?.chars().next());
+        if let (Some(stat), Some('Z' | 'X')) = (&stat, state) {
+            return stat
+                .number(52)
+                .map(|code| ExitStatus::from_wait_status(code as i32));
+        }
+        if Instant::now() >= deadline || (stat.is_none() && pidfd.is_none()) {
+            return None;
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// The wait status of a reaped process, from its pidfd; `None` before it is reaped, or
+/// where the kernel does not tell.
+fn exit_code_of_pidfd(pidfd: &OwnedFd) -> Option<i32> {
+    // SAFETY: `pidfd_info` is plain integers, for which zero is a valid value.
+    let mut info: libc::pidfd_info = unsafe { std::mem::zeroed() };
+    info.mask = u64::from(libc::PIDFD_INFO_EXIT);
+    // SAFETY: PIDFD_GET_INFO writes at most `size_of::<pidfd_info>()` bytes (the size is in
+    // the request number) into `info`, which lives across the call.
+    let done = unsafe {
+        libc::ioctl(
+            pidfd.as_raw_fd(),
+            libc::PIDFD_GET_INFO,
+            std::ptr::addr_of_mut!(info),
+        )
+    };
+    (done == 0 && info.mask & u64::from(libc::PIDFD_INFO_EXIT) != 0).then_some(info.exit_code)
 }
 
 #[cfg(test)]

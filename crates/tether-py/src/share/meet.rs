@@ -8,7 +8,9 @@ use std::sync::Mutex;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tether_core::share::{claim, Claim, Meeting, Outcome, Waiter, Who};
+use tether_core::share::{
+    claim, meeting_name, vault_name, Claim, Meeting, Outcome, Vault, Waiter, Who,
+};
 
 use crate::convert::{Fd, Timeout};
 use crate::error::os_error;
@@ -30,12 +32,19 @@ pub struct ShareMeeting {
 
 #[pymethods]
 impl ShareMeeting {
-    /// Holds a meeting point received from another holder (`listener` and `memfd` handed
-    /// over), as the process of `rank`.
+    /// Holds the meeting point `name` received from another holder (`listener` and `memfd`
+    /// handed over), as the process of `rank`.
     #[staticmethod]
-    fn hold(listener: Fd, memfd: Fd, rank: i64) -> PyResult<ShareMeeting> {
-        let inner = Meeting::hold(listener.take(), memfd.take(), who(rank)).map_err(os_error)?;
+    fn hold(name: &[u8], listener: Fd, memfd: Fd, rank: i64) -> PyResult<ShareMeeting> {
+        let (listener, memfd) = (listener.take(), memfd.take());
+        let inner = Meeting::hold(name, listener, memfd, who(rank)).map_err(os_error)?;
         Ok(ShareMeeting { inner })
+    }
+
+    /// Hands the built data to the job's vault listening at `vault`; False when there is
+    /// none.
+    fn hand_over(&self, vault: &[u8]) -> PyResult<bool> {
+        self.inner.hand_over(vault).map_err(os_error)
     }
 
     /// The data is built in `memfd` (lent: a duplicate is kept): waiters get it.
@@ -113,6 +122,46 @@ impl ShareWaiter {
         };
         Ok(Some(tuple.into_any().unbind()))
     }
+}
+
+/// The vault of a job's shared copies (see tether-core's `share::vault`): started for the
+/// job `job`, it holds what the job's ranks hand over until it is dropped.
+#[pyclass(module = "tether._native", frozen, weakref)]
+pub struct ShareVault {
+    inner: Vault,
+}
+
+#[pymethods]
+impl ShareVault {
+    #[new]
+    fn new(job: &str) -> PyResult<ShareVault> {
+        let inner = Vault::start(job).map_err(os_error)?;
+        Ok(ShareVault { inner })
+    }
+
+    /// How many meeting points it holds.
+    #[getter]
+    fn held(&self) -> usize {
+        self.inner.held()
+    }
+
+    /// In a forked child: closes the child's copies of the vault's fds.
+    fn close_after_fork(&self) {
+        self.inner.close_after_fork();
+    }
+}
+
+/// The names of the meeting point of `key` in the job `job` and of the job's vault.
+#[pyfunction]
+pub fn share_names<'py>(
+    py: Python<'py>,
+    job: &str,
+    key: &str,
+) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
+    (
+        PyBytes::new(py, &meeting_name(job, key)),
+        PyBytes::new(py, &vault_name(job)),
+    )
 }
 
 /// Binds the meeting point `name` (an abstract socket name, without its leading NUL) as

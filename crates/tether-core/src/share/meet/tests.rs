@@ -72,7 +72,7 @@ fn a_late_asker_gets_the_data_from_a_holder_once_the_builder_is_gone() -> io::Re
     let holder = match outcome(&mut waiter)? {
         Outcome::Ready {
             memfd, listener, ..
-        } => Meeting::hold(listener, memfd, Who { rank: 1, pid: 2 })?,
+        } => Meeting::hold(&name, listener, memfd, Who { rank: 1, pid: 2 })?,
         other => return Err(io::Error::other(format!("{other:?}"))),
     };
     drop(builder);
@@ -119,6 +119,7 @@ fn waiter_outcome_first(waiter: &mut Waiter) -> io::Result<Waiter> {
     Ok(Waiter {
         conn: crate::channel::Endpoint::from_fd(conn),
         builder: None,
+        builder_pidfd: None,
     })
 }
 
@@ -147,4 +148,59 @@ fn different_names_never_meet() -> io::Result<()> {
     let b = build(&name("job-b"))?;
     drop((a, b));
     Ok(())
+}
+
+#[test]
+fn the_vault_answers_once_every_rank_that_held_the_copy_is_gone() -> io::Result<()> {
+    let job = format!("vault-test-{}", std::process::id());
+    let name = super::meeting_name(&job, "imagenet");
+    let vault = crate::share::vault::Vault::start(&job)?;
+    let builder = build(&name)?;
+    assert!(!builder.hand_over(&super::vault_name(&job))?); // nothing built yet
+    builder.publish(memfd(b"kept")?);
+    assert!(builder.hand_over(&super::vault_name(&job))?);
+    for _ in 0..100 {
+        if vault.held() == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(vault.held(), 1);
+    drop(builder);
+    let mut late = wait(&name)?;
+    match outcome(&mut late)? {
+        Outcome::Ready { memfd, from, .. } => {
+            assert_eq!(read(&memfd)?, b"kept");
+            assert_eq!(from.rank, -1);
+        }
+        other => return Err(io::Error::other(format!("{other:?}"))),
+    }
+    drop(late);
+    drop(vault);
+    drop(build(&name)?); // the job is over: the name is free
+    Ok(())
+}
+
+#[test]
+fn without_a_vault_a_hand_over_is_refused_quietly() -> io::Result<()> {
+    let builder = build(&name("no-vault"))?;
+    builder.publish(memfd(b"x")?);
+    assert!(!builder.hand_over(&super::vault_name("no-such-job"))?);
+    Ok(())
+}
+
+#[test]
+fn names_hold_the_job_and_a_hash_of_the_key() {
+    let a = super::meeting_name("123-abc", "imagenet");
+    assert!(a.starts_with(b"tether-share/123-abc/"));
+    assert_ne!(a, super::meeting_name("123-abd", "imagenet"));
+    assert_ne!(a, super::meeting_name("123-abc", "imagenet2"));
+    assert_eq!(super::vault_name("123-abc"), b"tether-share/123-abc/vault");
+    let long = "x".repeat(200) + "/odd";
+    let name = super::meeting_name(&long, "k");
+    assert!(name.len() < 100 && !name[13..].contains(&b'x'));
+    assert_ne!(
+        super::vault_name(&long),
+        super::vault_name(&("y".repeat(200) + "/odd"))
+    );
 }
