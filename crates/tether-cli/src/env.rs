@@ -20,7 +20,7 @@ fn virtual_devices(virt: &VirtualDevices, local_rank: usize) -> Vec<(&'static st
 /// attempt: `tether.share`'s key form meets the other ranks of the job under it, and ranks
 /// of other jobs never. The launcher's pid makes it unique among the jobs running here, and
 /// a random part among all.
-fn job_id() -> &'static str {
+pub fn job_id() -> &'static str {
     static ID: OnceLock<String> = OnceLock::new();
     ID.get_or_init(|| format!("{}-{}", std::process::id(), crate::config::random_id()))
 }
