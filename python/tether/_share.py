@@ -7,9 +7,11 @@ The ranks meet at a meeting point named after the job and the key (tether-core's
 which ``tether run`` gives its ranks (one id per launcher, that is per job and machine) and
 ``tether.spawn`` its children (one per call): ranks of other jobs never meet these. The
 first rank to ask builds (``build()``) and publishes the memfd; the others wait and map it
-without calling ``build()``. Every process that holds the copy answers later askers, so a
-rank that asks after the builder has exited still maps it; once every holder has exited,
-the name and the memfd are gone: nothing is left behind.
+without calling ``build()``. Every process that holds the copy answers later askers, and so
+does the job's vault (``share::vault``), which ``tether run``'s supervisor and
+``tether.spawn``'s caller keep for the job and the builder hands the copy to: a rank that
+asks after every other rank has exited still maps it. Once the job has ended and every
+holder has exited, the name and the memfd are gone: nothing is left behind.
 
 - ``build()`` raising: every waiting rank (and every later one, while the builder lives)
   raises the same exception, its type and text, with the builder's traceback as its cause;
@@ -24,12 +26,12 @@ on every call) until it exits."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import threading
 import traceback
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from . import _native, _report, _shared, _words
@@ -49,12 +51,28 @@ _held: Dict[Tuple[str, str], Tuple[Shared, Optional[_native.ShareMeeting]]] = {}
 _failed: Dict[Tuple[str, str], _native.ShareMeeting] = {}
 
 
+#: The vaults of the jobs this process started (``tether.spawn``), alive while their jobs run.
+_vaults: "weakref.WeakSet[_native.ShareVault]" = weakref.WeakSet()
+
+
+def vault(job: str) -> _native.ShareVault:
+    """The vault of the job ``job`` that this process starts: it holds the copies its ranks
+    build with the key form until the job ends (it is dropped), so that a rank that asks
+    after the others have exited still maps the copy."""
+    started = _native.ShareVault(job)
+    _vaults.add(started)
+    return started
+
+
 def _after_fork_in_child() -> None:
     """A forked child (a DataLoader worker, say) keeps the copies, maps and all, but does
-    not answer at the meeting points: their names must go when the holders go."""
+    not answer at the meeting points (their names must go when the holders go), and holds
+    nothing of the vaults (their memory must go when their jobs end)."""
     global _lock
     _lock = threading.Lock()
     _key_locks.clear()
+    for kept in list(_vaults):
+        kept.close_after_fork()
     for _, meeting in _held.values():
         if meeting is not None:
             meeting.close_after_fork()
@@ -120,13 +138,6 @@ def _built(build: Callable[[], Any], key: str) -> Shared:
     return _shared.shared(build(), what)
 
 
-def _name(job: str, key: str) -> bytes:
-    """The meeting point's abstract socket name: the job and the key, hashed (a fixed
-    length, whatever they are)."""
-    digest = hashlib.sha256(f"{job}\0{key}".encode(errors="surrogatepass")).hexdigest()
-    return f"tether-share/{digest[:48]}".encode()
-
-
 def _rank() -> int:
     """This process's rank: a ``tether.spawn`` child's, else ``RANK`` (``tether run``,
     torchrun), else -1."""
@@ -146,7 +157,7 @@ def _meet(job: str, key: str, build: Callable[[], Any]) -> Tuple[Shared, _native
     if failed is not None:  # this process holds the name, with its last build's error
         failed.rebuild()
         return _build_here(failed, build, job, key), failed
-    name, rank = _name(job, key), _rank()
+    (name, vault), rank = _native.share_names(job, key), _rank()
     died: Optional[Tuple[int, int, Optional[int]]] = None
     while True:
         claimed = _native.share_claim(name, rank)
@@ -156,11 +167,13 @@ def _meet(job: str, key: str, build: Callable[[], Any]) -> Tuple[Shared, _native
                 warnings.warn(
                     _words.share_builder_died(key, *died, me), RuntimeWarning, stacklevel=4
                 )
-            return _build_here(claimed, build, job, key), claimed
+            shared = _build_here(claimed, build, job, key)
+            claimed.hand_over(vault)
+            return shared, claimed
         outcome = claimed.wait()
         if outcome[0] == "ready":
             _, memfd, listener, _, _ = outcome
-            return _hold(memfd, listener, rank)
+            return _hold(name, memfd, listener, rank)
         if outcome[0] == "failed":
             _, report, from_rank, from_pid = outcome
             raise _builder_error(report, key, from_rank, from_pid)
@@ -181,14 +194,16 @@ def _build_here(
     return shared
 
 
-def _hold(memfd: int, listener: int, rank: int) -> Tuple[Shared, _native.ShareMeeting]:
+def _hold(
+    name: bytes, memfd: int, listener: int, rank: int
+) -> Tuple[Shared, _native.ShareMeeting]:
     """Maps the copy a holder sent, and answers later askers from here too."""
     try:
         items = _native.SharedItems.from_fd(memfd)
     except BaseException:
         os.close(listener)
         raise
-    meeting = _native.ShareMeeting.hold(listener, os.dup(items.fileno()), rank)
+    meeting = _native.ShareMeeting.hold(name, listener, os.dup(items.fileno()), rank)
     shared: Shared = (
         _shared.SharedDict._of(items) if items.is_dict else _shared.SharedList._of(items)
     )
