@@ -3,6 +3,8 @@ ranks. It imports no torch (only a DataLoader's worker loop does)."""
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
+import multiprocessing.util
 import os
 from typing import Any, Dict, List, Set, Tuple
 
@@ -97,3 +99,12 @@ def rank_builds(rank: int, key: str, log: str, queue: Any) -> None:
 
     shared = tether.share(build, key=key)
     queue.put((rank, mapped(), len(shared), shared[999]))
+
+
+def stop_forkserver() -> None:
+    """Stops multiprocessing's fork server (it would outlive the test that used it) and
+    removes the temporary directory of its socket."""
+    multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    for finalizer in list(multiprocessing.util._finalizer_registry.values()):  # type: ignore[attr-defined]
+        if getattr(finalizer, "_callback", None) is multiprocessing.util._remove_temp_dir:  # type: ignore[attr-defined]
+            finalizer()

@@ -12,8 +12,6 @@ import dataclasses
 import enum
 import io
 import multiprocessing
-import multiprocessing.forkserver
-import multiprocessing.util
 import os
 import pickle
 import subprocess
@@ -336,19 +334,10 @@ def test_dataloader_workers_of_every_start_method_map_the_same_pages(method):
         got = [item for batch in loader for item in batch]
     finally:
         if method == "forkserver":
-            _stop_forkserver()
+            helpers.stop_forkserver()
     assert sorted(i for i, _, _ in got) == list(range(200))
     assert len({pid for _, pid, _ in got}) == 2
     assert {inodes for _, _, inodes in got} == {frozenset(helpers.mapped())}
-
-
-def _stop_forkserver():
-    """Stops multiprocessing's fork server (it would outlive the test) and removes the
-    temporary directory of its socket."""
-    multiprocessing.forkserver._forkserver._stop()
-    for finalizer in list(multiprocessing.util._finalizer_registry.values()):
-        if getattr(finalizer, "_callback", None) is multiprocessing.util._remove_temp_dir:
-            finalizer()
 
 
 def test_pool_workers_map_the_same_pages_for_a_kept_dataset_and_executor_tasks():

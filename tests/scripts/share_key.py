@@ -1,9 +1,9 @@
 """A rank of a job that asks for one shared key: ``share_key.py MODE LOG [KEY]``. Every call
-of ``build()`` appends a line to LOG. MODE: ``ok``; ``quick`` (build() returns at once, and the rank exits);
-``raise`` (build() raises, and the rank
-prints what it caught); ``die`` (build() kills its process with SIGKILL); ``die-once`` (the
-first build() to run does); ``hold`` (after mapping the copy, the rank waits for its stdin
-to close). The rank prints ``rank=R pid=P inode=I len=N name=NAME``."""
+of ``build()`` appends a line to LOG. MODE: ``ok``; ``quick`` (build() returns at once, and
+the rank exits); ``raise`` (build() raises, and the rank prints what it caught); ``die``
+(build() kills its process with SIGKILL); ``die-once`` (the first build() to run does);
+``hold`` (after mapping the copy, the rank waits for its stdin to close). The rank prints
+``rank=R pid=P inode=I len=N name=NAME``."""
 
 import os
 import signal
