@@ -3,9 +3,10 @@
 //! maps it reads the same pages, and reading never writes them.
 //!
 //! ```text
-//! header   64 bytes: magic, kind, count, index offset, table offset, table slots,
-//!          data offset, data length (u64, little-endian)
-//! index    (count x pieces + 1) u64 offsets into data: piece i is data[o[i]..o[i+1]]
+//! header   72 bytes: magic, kind, count, index offset, table offset, table slots,
+//!          data offset, data length, index width (u64, little-endian)
+//! index    (count x pieces + 1) offsets into data, u32 (data under 4 GiB) or u64:
+//!          piece i is data[o[i]..o[i+1]]
 //! table    (dict) slots u64, a power of two: (hash >> 32) << 32 | (entry + 1), 0 empty
 //! data     the pieces, one after the other
 //! ```
@@ -20,7 +21,7 @@ use std::os::fd::OwnedFd;
 use crate::memfd::{sealed_memfd, ReadOnlyMap};
 
 const MAGIC: &[u8; 8] = b"TETHSHR\x01";
-const HEADER: usize = 64;
+const HEADER: usize = 72;
 
 /// What a table holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,21 +77,20 @@ fn corrupt(what: &str) -> io::Error {
 #[derive(Debug)]
 pub struct TableBuilder {
     kind: Kind,
-    index: Vec<u8>,
+    /// Where each piece ends, after a first 0.
+    offsets: Vec<u64>,
     data: Vec<u8>,
-    pieces: usize,
 }
 
 impl TableBuilder {
     /// A builder for about `entries` entries.
     pub fn new(kind: Kind, entries: usize) -> TableBuilder {
-        let mut index = Vec::with_capacity(8 * (entries * kind.pieces() + 1));
-        index.extend_from_slice(&0u64.to_le_bytes());
+        let mut offsets = Vec::with_capacity(entries * kind.pieces() + 1);
+        offsets.push(0);
         TableBuilder {
             kind,
-            index,
+            offsets,
             data: Vec::new(),
-            pieces: 0,
         }
     }
 
@@ -99,9 +99,7 @@ impl TableBuilder {
         for part in parts {
             self.data.extend_from_slice(part);
         }
-        self.index
-            .extend_from_slice(&(self.data.len() as u64).to_le_bytes());
-        self.pieces += 1;
+        self.offsets.push(self.data.len() as u64);
     }
 
     /// The bytes of the pieces so far.
@@ -112,16 +110,30 @@ impl TableBuilder {
     /// The table in a new sealed memfd named `name`.
     pub fn finish(self, name: &str) -> io::Result<OwnedFd> {
         let per = self.kind.pieces();
-        if self.pieces % per != 0 {
+        let pieces = self.offsets.len() - 1;
+        if pieces % per != 0 {
             return Err(corrupt("an entry is missing pieces"));
         }
-        let count = self.pieces / per;
+        let count = pieces / per;
         let table = match self.kind {
             Kind::List => Vec::new(),
             Kind::Dict => self.hash_table(count)?,
         };
+        let width = if u32::try_from(self.data.len()).is_ok() {
+            4
+        } else {
+            8
+        };
+        let index: Vec<u8> = match width {
+            4 => self
+                .offsets
+                .iter()
+                .flat_map(|&o| (o as u32).to_le_bytes())
+                .collect(),
+            _ => self.offsets.iter().flat_map(|o| o.to_le_bytes()).collect(),
+        };
         let index_off = HEADER;
-        let table_off = index_off + self.index.len();
+        let table_off = index_off + index.len();
         let data_off = table_off + table.len();
         let header = [
             u64::from_le_bytes(*MAGIC),
@@ -132,13 +144,14 @@ impl TableBuilder {
             (table.len() / 8) as u64,
             data_off as u64,
             self.data.len() as u64,
+            width,
         ];
         let header: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
-        sealed_memfd(name, &[&header, &self.index, &table, &self.data])
+        sealed_memfd(name, &[&header, &index, &table, &self.data])
     }
 
     fn offset(&self, piece: usize) -> usize {
-        read_u64(&self.index, 8 * piece).unwrap_or(0) as usize
+        self.offsets.get(piece).map_or(0, |&o| o as usize)
     }
 
     /// The slots of a dict's hash table (open addressing, linear probing, at most half full).
@@ -178,6 +191,8 @@ pub struct Table {
     kind: Kind,
     count: usize,
     index: (usize, usize),
+    /// The bytes of an offset in the index: 4 or 8.
+    width: usize,
     table: (usize, usize),
     data: (usize, usize),
 }
@@ -211,7 +226,12 @@ impl Table {
                 _ => Err(corrupt("a region runs past the end")),
             }
         };
-        let index = region(field(3)?, (pieces as u64).checked_mul(8))?;
+        let width = match field(8)? {
+            4 => 4,
+            8 => 8,
+            _ => return Err(corrupt("bad index width")),
+        };
+        let index = region(field(3)?, (pieces as u64).checked_mul(width))?;
         let table = region(field(4)?, field(5)?.checked_mul(8))?;
         let data = region(field(6)?, Some(field(7)?))?;
         let slots = table.1 / 8;
@@ -223,6 +243,7 @@ impl Table {
             kind,
             count,
             index,
+            width: width as usize,
             table,
             data,
         };
@@ -252,7 +273,16 @@ impl Table {
 
     fn offset(&self, piece: usize) -> io::Result<u64> {
         let bytes = &self.map.bytes()[self.index.0..self.index.0 + self.index.1];
-        read_u64(bytes, 8 * piece).ok_or_else(|| corrupt("index out of range"))
+        let at = piece.checked_mul(self.width);
+        let field = at.and_then(|at| bytes.get(at..at + self.width));
+        match field {
+            Some(&[a, b, c, d]) => Ok(u64::from(u32::from_le_bytes([a, b, c, d]))),
+            Some(f) => f
+                .try_into()
+                .map(u64::from_le_bytes)
+                .map_err(|_| corrupt("index out of range")),
+            None => Err(corrupt("index out of range")),
+        }
     }
 
     /// Piece `n` (of all entries' pieces, in order).
@@ -387,7 +417,19 @@ mod tests {
     #[test]
     fn a_damaged_index_is_an_error_not_a_bad_read() -> io::Result<()> {
         let table = |last: u64| -> Vec<u8> {
-            let fields = [u64::from_le_bytes(*MAGIC), 1, 1, 64, 80, 0, 80, 2, 0, last];
+            let fields = [
+                u64::from_le_bytes(*MAGIC),
+                1,
+                1,
+                72,
+                88,
+                0,
+                88,
+                2,
+                8,
+                0,
+                last,
+            ];
             fields.iter().flat_map(|v| v.to_le_bytes()).collect()
         };
         assert_eq!(
