@@ -13,11 +13,13 @@
 //! - every other process connects ([`Claim::Wait`]) and waits for that answer. With the
 //!   memfd comes the listening socket itself: every process that holds the data answers
 //!   later askers from the same socket, and the name lives as long as one of them does, so a
-//!   rank that asks after the builder has exited still maps the same copy. When the last
-//!   holder exits, the name and the memfd go with it: nothing is left behind.
+//!   rank that asks after the builder has exited still maps the same copy. The builder also
+//!   hands both to the job's vault ([`Meeting::hand_over`], see `vault`), which holds them
+//!   until the job ends. When the last holder is gone, the name and the memfd go with it:
+//!   nothing is left behind.
 //! - a builder that dies hangs up on its waiters ([`Outcome::BuilderDied`], with how it
-//!   ended when `/proc` still tells); the name is free again, and the first waiter to claim
-//!   it builds instead.
+//!   ended: from `/proc` while it is a zombie, from the pidfd it sent once it is reaped);
+//!   the name is free again, and the first waiter to claim it builds instead.
 //!
 //! Both sides check that the other runs as the same user.
 
