@@ -280,7 +280,7 @@ def building(n: int, reps: int) -> None:
         start = time.perf_counter()
         shared = tether.share(items)
         share.append(time.perf_counter() - start)
-        size = shared._items.nbytes
+        size = shared._nbytes
         del shared
     d, s = statistics.median(dumps), statistics.median(share)
     print(

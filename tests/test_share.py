@@ -191,12 +191,12 @@ def test_lookups_do_not_depend_on_the_hash_seed():
     shared = tether.share(source)
     code = (
         "import sys, tether._shared as s, tether._native as n\n"
-        "d = s.SharedDict._of(n.SharedItems.from_fd(int(sys.argv[1])))\n"
+        "d = s.from_fd(int(sys.argv[1]))\n"
         "keys = [frozenset(f'k{i}' for i in range(20)), 'text', b'b', ('t', 1)]\n"
         "keys += [f'key {i}' for i in range(200)]\n"
         "print([d[k] for k in keys] == [d.get(k, 'missing') for k in keys], len(d), d['text'])"
     )
-    fd = shared._items.fileno()
+    fd = shared._fileno()
     for seed in ("0", "1", "2", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
         out = subprocess.run(
@@ -386,4 +386,4 @@ def test_it_pickles_small_for_a_process_start():
 
     collector = _pickling.FdCollector(inherit=True)
     assert len(_pickling.dumps(shared, collector)) < 200
-    assert collector.fds == [shared._items.fileno()]
+    assert collector.fds == [shared._fileno()]

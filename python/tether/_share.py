@@ -190,23 +190,18 @@ def _build_here(
         meeting.fail(_describe(exc))
         _failed[(job, key)] = meeting
         raise
-    meeting.publish(shared._items.fileno())
+    meeting.publish(shared._fileno())
     return shared
 
 
-def _hold(
-    name: bytes, memfd: int, listener: int, rank: int
-) -> Tuple[Shared, _native.ShareMeeting]:
+def _hold(name: bytes, memfd: int, listener: int, rank: int) -> Tuple[Shared, _native.ShareMeeting]:
     """Maps the copy a holder sent, and answers later askers from here too."""
     try:
-        items = _native.SharedItems.from_fd(memfd)
+        shared = _shared.from_fd(memfd)
     except BaseException:
         os.close(listener)
         raise
-    meeting = _native.ShareMeeting.hold(name, listener, os.dup(items.fileno()), rank)
-    shared: Shared = (
-        _shared.SharedDict._of(items) if items.is_dict else _shared.SharedList._of(items)
-    )
+    meeting = _native.ShareMeeting.hold(name, listener, os.dup(shared._fileno()), rank)
     return shared, meeting
 
 

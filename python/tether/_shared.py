@@ -21,10 +21,23 @@ travels (``DupFd``), and the receiver maps the same pages. Plain ``pickle`` (and
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import ItemsView, Mapping, Sequence, ValuesView
 from multiprocessing.reduction import DupFd
-from typing import Any, Callable, Iterable, Iterator, List, Tuple, Union, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Tuple,
+    Union,
+    cast,
+    overload,
+)
 
 from . import _native, _pickling
 
@@ -52,52 +65,37 @@ def _same(a: Any, b: Any) -> bool:
     return a is b or bool(a == b)
 
 
-class SharedList(Sequence):
+class SharedList(_native.SharedItems, Sequence):
     """A read-only list whose items live in shared memory (see ``tether.share``): length,
     int and slice indexing (negative indexes too; a slice is a list), iteration, ``in``,
     ``index``, ``count``, and equality with a list of the same items. ``SharedList(items)``
-    shares the items of any iterable."""
+    shares the items of any iterable. Indexing, length, iteration and ``in`` are the
+    compiled base's (``_native.SharedItems``)."""
 
-    __slots__ = ("_items", "__weakref__")
-    _items: _native.SharedItems
+    __slots__ = ()
 
-    def __init__(self, items: Iterable[Any] = ()) -> None:
-        if isinstance(items, SharedList):
-            self._items = items._items
-            return
+    def __new__(cls, items: Iterable[Any] = ()) -> "SharedList":
+        if type(items) is cls:
+            return items
         values = items if isinstance(items, (list, tuple)) else list(items)
-        self._items = _native.SharedItems.from_sequence(values, _memfd_name("a list", values))
+        return super().__new__(cls, "list", values, _memfd_name("a list", values))
 
-    @classmethod
-    def _of(cls, items: _native.SharedItems) -> "SharedList":
-        shared = cls.__new__(cls)
-        shared._items = items
-        return shared
+    if TYPE_CHECKING:
 
-    def __len__(self) -> int:
-        return len(self._items)
+        @overload
+        def __getitem__(self, index: int) -> Any: ...
 
-    @overload
-    def __getitem__(self, index: int) -> Any: ...
+        @overload
+        def __getitem__(self, index: slice) -> List[Any]: ...
 
-    @overload
-    def __getitem__(self, index: slice) -> List[Any]: ...
-
-    def __getitem__(self, index: Union[int, slice]) -> Any:
-        return self._items.get(index)
-
-    def __iter__(self) -> Iterator[Any]:
-        return self._items.iterate()
-
-    def __contains__(self, value: object) -> bool:
-        return any(_same(item, value) for item in self._items.iterate())
+        def __getitem__(self, index: Union[int, slice]) -> Any: ...
 
     def index(self, value: Any, start: int = 0, stop: int = sys.maxsize) -> int:
         """The first index of ``value`` in ``[start:stop]``, as ``list.index``."""
         n = len(self)
         start = max(start + n, 0) if start < 0 else min(start, n)
         stop = max(stop + n, 0) if stop < 0 else min(stop, n)
-        for i, item in enumerate(self._items.iterate(0, start), start):
+        for i, item in enumerate(self._iterate(0, start), start):
             if i >= stop:
                 break
             if _same(item, value):
@@ -105,11 +103,11 @@ class SharedList(Sequence):
         raise ValueError(f"{value!r} is not in SharedList")
 
     def count(self, value: Any) -> int:
-        return sum(1 for item in self._items.iterate() if _same(item, value))
+        return sum(1 for item in self if _same(item, value))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, SharedList):
-            if self._items.same(other._items):
+            if self._same(other):
                 return True
         elif not isinstance(other, list):
             return NotImplemented
@@ -140,54 +138,47 @@ class SharedList(Sequence):
 
 
 class _Values(ValuesView):
+    """A shared dict's values, read in one pass."""
+
+    def __init__(self, shared: "SharedDict") -> None:
+        super().__init__(shared)
+        self._shared = shared
+
     def __iter__(self) -> Iterator[Any]:
-        return self._mapping._items.iterate(2)  # type: ignore[attr-defined]
+        return self._shared._iterate(2)
 
 
 class _Items(ItemsView):
+    """A shared dict's pairs, read in one pass."""
+
+    def __init__(self, shared: "SharedDict") -> None:
+        super().__init__(shared)
+        self._shared = shared
+
     def __iter__(self) -> Iterator[Tuple[Any, Any]]:
-        return self._mapping._items.iterate(0)  # type: ignore[attr-defined]
+        return self._shared._iterate(0)
 
 
 _MISSING = object()
 
 
-class SharedDict(Mapping):
+class SharedDict(_native.SharedItems, Mapping):
     """A read-only dict whose keys and values live in shared memory (see
     ``tether.share``), in the dict's order; keys of any picklable hashable type, looked up
     by their canonical bytes, whatever the process's hash seed. ``SharedDict(mapping)``
-    shares what ``dict(mapping)`` holds."""
+    shares what ``dict(mapping)`` holds. Lookups, length, iteration and ``in`` are the
+    compiled base's (``_native.SharedItems``)."""
 
-    __slots__ = ("_items", "__weakref__")
-    _items: _native.SharedItems
+    __slots__ = ()
 
-    def __init__(self, items: Any = (), **kwargs: Any) -> None:
-        if isinstance(items, SharedDict) and not kwargs:
-            self._items = items._items
-            return
+    def __new__(cls, items: Any = (), **kwargs: Any) -> "SharedDict":
+        if type(items) is cls and not kwargs:
+            return items
         values = dict(items, **kwargs)
-        self._items = _native.SharedItems.from_dict(values, _memfd_name("a dict", values))
-
-    @classmethod
-    def _of(cls, items: _native.SharedItems) -> "SharedDict":
-        shared = cls.__new__(cls)
-        shared._items = items
-        return shared
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._items.lookup(key)
+        return super().__new__(cls, "dict", values, _memfd_name("a dict", values))
 
     def get(self, key: Any, default: Any = None) -> Any:
-        return self._items.lookup_or(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        return self._items.has(key)
-
-    def __iter__(self) -> Iterator[Any]:
-        return self._items.iterate(1)
+        return self._get(key, default)
 
     def values(self) -> ValuesView:
         return _Values(self)
@@ -196,25 +187,25 @@ class SharedDict(Mapping):
         return _Items(self)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, SharedDict) and self._items.same(other._items):
+        if isinstance(other, SharedDict) and self._same(other):
             return True
         if not isinstance(other, Mapping):
             return NotImplemented
         if len(self) != len(other):
             return False
-        return all(_same(other.get(k, _MISSING), v) for k, v in self._items.iterate(0))
+        return all(_same(other.get(k, _MISSING), v) for k, v in self._iterate(0))
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        pairs = self._items.iterate(0)
+        pairs = self._iterate(0)
         shown = [f"{k!r}: {v!r}" for _, (k, v) in zip(range(_REPR_ITEMS), pairs)]
         if len(self) > _REPR_ITEMS:
             shown.append(f"... {len(self) - _REPR_ITEMS:,} more")
         return f"tether.SharedDict({{{', '.join(shown)}}})"
 
-    def __reduce__(self) -> Tuple[Any, Tuple[dict]]:
-        return SharedDict, (dict(self._items.iterate(0)),)
+    def __reduce__(self) -> Tuple[Any, Tuple[Dict[Any, Any]]]:
+        return SharedDict, (dict(self._iterate(0)),)
 
     def __copy__(self) -> "SharedDict":
         return self
@@ -232,16 +223,25 @@ def _memfd_name(kind: str, values: Any) -> str:
     return f"tether.share: {kind} of {len(values)} items"
 
 
+def from_fd(fd: int) -> Union[SharedList, SharedDict]:
+    """The shared object in the memfd ``fd`` (handed over), made in any process."""
+    try:
+        kind = SharedDict if _native.share_is_dict(fd) else SharedList
+    except BaseException:
+        os.close(fd)
+        raise
+    return cast("Union[SharedList, SharedDict]", _native.SharedItems.__new__(kind, "fd", fd))
+
+
 def _rebuild(is_dict: bool, fd: Any) -> Union[SharedList, SharedDict]:
     """A shared object in the process that unpickles it: the same memfd, mapped here."""
-    items = _native.SharedItems.from_fd(fd.detach())
-    return SharedDict._of(items) if items.is_dict else SharedList._of(items)
+    return from_fd(fd.detach())
 
 
 def _reduce(obj: Union[SharedList, SharedDict]) -> Tuple[Any, Tuple[bool, Any]]:
     """How ``ForkingPickler`` and tether's pickler send a shared object: its memfd (through
     the process start's fds, a tether message's, or multiprocessing's resource sharer)."""
-    return _rebuild, (isinstance(obj, SharedDict), DupFd(obj._items.fileno()))
+    return _rebuild, (isinstance(obj, SharedDict), DupFd(obj._fileno()))
 
 
 _pickling.register(SharedList, _reduce)
@@ -255,7 +255,7 @@ def shared(obj: Any, what: str) -> Union[SharedList, SharedDict]:
     if isinstance(obj, (SharedList, SharedDict)):
         return obj
     if isinstance(obj, (list, tuple)):
-        return SharedList._of(_native.SharedItems.from_sequence(obj, _memfd_name("a list", obj)))
+        return SharedList(obj)
     if isinstance(obj, dict):
-        return SharedDict._of(_native.SharedItems.from_dict(obj, _memfd_name("a dict", obj)))
+        return SharedDict(obj)
     raise TypeError(f"{what}, not {type(obj).__qualname__}")

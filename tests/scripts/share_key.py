@@ -45,7 +45,7 @@ except ValueError as exc:
     cause = str(exc.__cause__).strip().splitlines()[1] if exc.__cause__ else ""
     print(f"rank={rank} raised {type(exc).__name__}: {exc} | {cause}", flush=True)
     sys.exit(0)
-inode = os.fstat(shared._items.fileno()).st_ino
+inode = os.fstat(shared._fileno()).st_ino
 print(f"rank={rank} pid={os.getpid()} inode={inode} len={len(shared)} name={name}", flush=True)
 if mode == "hold":
     sys.stdin.read()

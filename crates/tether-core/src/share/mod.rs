@@ -8,5 +8,5 @@ pub mod table;
 pub mod vault;
 
 pub use meet::{claim, meeting_name, vault_name, Claim, Meeting, Outcome, Waiter, Who, JOB_ENV};
-pub use table::{key_hash, Kind, Table, TableBuilder};
+pub use table::{key_hash, kind_of, Kind, Table, TableBuilder};
 pub use vault::Vault;

@@ -183,6 +183,17 @@ fn read_u64(bytes: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(field.try_into().ok()?))
 }
 
+/// What the table in `fd` holds, read from its header without mapping it.
+pub fn kind_of(fd: &OwnedFd) -> io::Result<Kind> {
+    let mut head = [0u8; 16];
+    let n = rustix::io::pread(fd, &mut head, 0)?;
+    match (&head[..8] == MAGIC, n, read_u64(&head, 8)) {
+        (true, 16, Some(1)) => Ok(Kind::List),
+        (true, 16, Some(2)) => Ok(Kind::Dict),
+        _ => Err(corrupt("not a table of shared items")),
+    }
+}
+
 /// A table mapped read-only from its memfd (made by [`TableBuilder::finish`], in any
 /// process). Every read is bounds-checked: a damaged table is an error, never a bad read.
 #[derive(Debug)]

@@ -219,15 +219,11 @@ impl<'a> Reader<'a> {
             }
             TUPLE8 | TUPLE32 | LIST8 | LIST32 if depth < MAX_DEPTH => {
                 let len = self.len(tag == TUPLE8 || tag == LIST8)?;
-                let mut items = Vec::with_capacity(len.min(self.bytes.len()));
-                for _ in 0..len {
-                    items.push(self.value(py, depth + 1)?);
+                // Every item takes a byte at least: a longer one is refused before allocating.
+                if len > self.bytes.len() - self.at {
+                    return Err(damaged());
                 }
-                if tag == TUPLE8 || tag == TUPLE32 {
-                    PyTuple::new(py, items)?.into_any()
-                } else {
-                    PyList::new(py, items)?.into_any()
-                }
+                self.sequence(py, len, tag == TUPLE8 || tag == TUPLE32, depth)?
             }
             PICKLED => {
                 let len = self.len(false)?;
@@ -235,6 +231,42 @@ impl<'a> Reader<'a> {
             }
             _ => return Err(damaged()),
         })
+    }
+}
+
+impl Reader<'_> {
+    /// A tuple or list of `len` values, filled as they are read (no list in between).
+    fn sequence<'py>(
+        &mut self,
+        py: Python<'py>,
+        len: usize,
+        tuple: bool,
+        depth: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let n = isize::try_from(len).map_err(|_| damaged())?;
+        // SAFETY: a new tuple or list of `n` empty slots (NULL), owned here; a failure to
+        // allocate is NULL with an exception set, which `from_owned_ptr_or_err` returns.
+        let made = unsafe {
+            let ptr = if tuple {
+                ffi::PyTuple_New(n)
+            } else {
+                ffi::PyList_New(n)
+            };
+            Bound::from_owned_ptr_or_err(py, ptr)?
+        };
+        for i in 0..n {
+            let item = self.value(py, depth + 1)?.into_ptr();
+            // SAFETY: `i` is in range and its slot empty; SetItem steals the new reference
+            // `item`. A slot left empty by an error is NULL, which dealloc skips.
+            unsafe {
+                if tuple {
+                    ffi::PyTuple_SetItem(made.as_ptr(), i, item);
+                } else {
+                    ffi::PyList_SetItem(made.as_ptr(), i, item);
+                }
+            }
+        }
+        Ok(made)
     }
 }
 

@@ -6,7 +6,7 @@
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
-use pyo3::exceptions::{PyIndexError, PyKeyError, PyOverflowError, PyTypeError};
+use pyo3::exceptions::{PyIndexError, PyKeyError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyTuple};
 use tether_core::share::{Kind, Table, TableBuilder};
@@ -54,7 +54,7 @@ fn load_item(py: Python<'_>, bytes: &[u8]) -> PyResult<PyObject> {
 }
 
 /// The items of a shared list or dict, in their sealed memfd, mapped read-only.
-#[pyclass(module = "tether._native", frozen)]
+#[pyclass(module = "tether._native", frozen, subclass, weakref)]
 pub struct SharedItems {
     table: Table,
     fd: OwnedFd,
@@ -106,6 +106,29 @@ impl SharedItems {
         }
     }
 
+    fn from_sequence(py: Python<'_>, items: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        let n = items.len()?;
+        let mut builder = TableBuilder::new(Kind::List, n);
+        let (mut scratch, mut pickled) = (Vec::new(), None);
+        for item in items.try_iter()? {
+            builder.piece(&written(&item?, &mut scratch, &mut pickled)?);
+        }
+        SharedItems::finish(py, builder, name)
+    }
+
+    fn from_dict(py: Python<'_>, items: &Bound<'_, PyDict>, name: &str) -> PyResult<Self> {
+        let mut builder = TableBuilder::new(Kind::Dict, items.len());
+        let (mut scratch, mut pickled) = (Vec::new(), None);
+        for (key, value) in items.iter() {
+            scratch.clear();
+            canonical(&key, &mut scratch)?;
+            builder.piece(&[&scratch]);
+            builder.piece(&written(&key, &mut scratch, &mut pickled)?);
+            builder.piece(&written(&value, &mut scratch, &mut pickled)?);
+        }
+        SharedItems::finish(py, builder, name)
+    }
+
     fn slice(&self, py: Python<'_>, slice: &Bound<'_, PySlice>) -> PyResult<PyObject> {
         let len = isize::try_from(self.table.len()).unwrap_or(isize::MAX);
         let range = slice.indices(len)?;
@@ -121,53 +144,35 @@ impl SharedItems {
 
 #[pymethods]
 impl SharedItems {
-    /// The items of a list or tuple, pickled one by one into a new sealed memfd `name`.
-    #[staticmethod]
-    fn from_sequence(py: Python<'_>, items: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
-        let n = items.len()?;
-        let mut builder = TableBuilder::new(Kind::List, n);
-        let (mut scratch, mut pickled) = (Vec::new(), None);
-        for item in items.try_iter()? {
-            builder.piece(&written(&item?, &mut scratch, &mut pickled)?);
+    /// `SharedItems(kind, source, name)`: the items of a list or tuple (`kind` "list"),
+    /// written one by one into a new sealed memfd `name`; the pairs of a dict ("dict"), in
+    /// its order, with each key's canonical bytes; or the items in a memfd made so in any
+    /// process ("fd": `source` is the fd, handed over: it is closed with this object).
+    /// Python subclasses it (`tether.SharedList`, `tether.SharedDict`).
+    #[new]
+    #[pyo3(signature = (kind, source, name = ""))]
+    fn new(py: Python<'_>, kind: &str, source: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        match kind {
+            "list" => SharedItems::from_sequence(py, source, name),
+            "dict" => SharedItems::from_dict(py, source.downcast::<PyDict>()?, name),
+            "fd" => SharedItems::open(source.extract::<Fd>()?.take()),
+            _ => Err(PyValueError::new_err(format!("unknown kind {kind:?}"))),
         }
-        SharedItems::finish(py, builder, name)
-    }
-
-    /// The pairs of a dict, in its order, with each key's canonical bytes.
-    #[staticmethod]
-    fn from_dict(py: Python<'_>, items: &Bound<'_, PyDict>, name: &str) -> PyResult<Self> {
-        let mut builder = TableBuilder::new(Kind::Dict, items.len());
-        let (mut scratch, mut pickled) = (Vec::new(), None);
-        for (key, value) in items.iter() {
-            scratch.clear();
-            canonical(&key, &mut scratch)?;
-            builder.piece(&[&scratch]);
-            builder.piece(&written(&key, &mut scratch, &mut pickled)?);
-            builder.piece(&written(&value, &mut scratch, &mut pickled)?);
-        }
-        SharedItems::finish(py, builder, name)
-    }
-
-    /// The items in `fd`, a memfd made by `from_sequence` or `from_dict` in any process
-    /// (handed over: it is closed with this object).
-    #[staticmethod]
-    fn from_fd(fd: Fd) -> PyResult<Self> {
-        SharedItems::open(fd.take())
     }
 
     /// The memfd (still this object's).
-    fn fileno(&self) -> RawFd {
+    fn _fileno(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
 
     #[getter]
-    fn is_dict(&self) -> bool {
+    fn _is_dict(&self) -> bool {
         self.table.kind() == Kind::Dict
     }
 
     /// The size of the memfd, in bytes.
     #[getter]
-    fn nbytes(&self) -> usize {
+    fn _nbytes(&self) -> usize {
         self.table.size()
     }
 
@@ -175,28 +180,20 @@ impl SharedItems {
         self.table.len()
     }
 
-    /// A list's item at an int index (negative counts from the end), or a list of the items
-    /// of a slice.
-    fn get(&self, py: Python<'_>, index: &Bound<'_, PyAny>) -> PyResult<PyObject> {
-        if let Ok(slice) = index.downcast::<PySlice>() {
+    /// A list's item at an int index (negative counts from the end), or a list of the
+    /// items of a slice; a dict's value for a key (KeyError when it has none).
+    fn __getitem__(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<PyObject> {
+        if self.table.kind() == Kind::Dict {
+            return match self.find(key)? {
+                Some(i) => self.part(py, i, 2),
+                None => Err(PyKeyError::new_err(key.clone().unbind())),
+            };
+        }
+        if let Ok(slice) = key.downcast::<PySlice>() {
             return self.slice(py, slice);
         }
-        let i = match index.extract::<isize>() {
-            Ok(i) => i,
-            Err(err) if err.is_instance_of::<PyOverflowError>(py) => {
-                return Err(PyIndexError::new_err(format!(
-                    "cannot fit '{}' into an index-sized integer",
-                    index.get_type().name()?
-                )))
-            }
-            Err(_) => {
-                return Err(PyTypeError::new_err(format!(
-                    "SharedList indices must be integers or slices, not {}",
-                    index.get_type().name()?
-                )))
-            }
-        };
         let len = self.table.len() as isize;
+        let i = index(key)?;
         let at = if i < 0 { i + len } else { i };
         if !(0..len).contains(&at) {
             return Err(PyIndexError::new_err("SharedList index out of range"));
@@ -204,16 +201,32 @@ impl SharedItems {
         self.item(py, at as usize)
     }
 
-    /// A dict's value for `key`; KeyError when it has none.
-    fn lookup(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<PyObject> {
-        match self.find(key)? {
-            Some(i) => self.part(py, i, 2),
-            None => Err(PyKeyError::new_err(key.clone().unbind())),
+    /// A list's items, or a dict's keys.
+    fn __iter__(slf: Bound<'_, Self>) -> SharedIter {
+        let what = u8::from(slf.get().table.kind() == Kind::Dict);
+        SharedIter {
+            items: slf.unbind(),
+            next: 0,
+            what,
         }
     }
 
+    /// Whether a dict has `value` as a key, or a list has an item equal to it.
+    fn __contains__(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool> {
+        if self.table.kind() == Kind::Dict {
+            return Ok(self.find(value)?.is_some());
+        }
+        for i in 0..self.table.len() {
+            let item = self.item(py, i)?;
+            if item.bind(py).is(value) || item.bind(py).eq(value)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// A dict's value for `key`, or `default`.
-    fn lookup_or(
+    fn _get(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
@@ -225,15 +238,10 @@ impl SharedItems {
         }
     }
 
-    /// Whether a dict has `key`.
-    fn has(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.find(key)?.is_some())
-    }
-
     /// An iterator from entry `start`: over a list's items, or a dict's pairs (`what` 0),
     /// keys (1) or values (2).
     #[pyo3(signature = (what=0, start=0))]
-    fn iterate(slf: Py<Self>, what: u8, start: usize) -> SharedIter {
+    fn _iterate(slf: Py<Self>, what: u8, start: usize) -> SharedIter {
         SharedIter {
             items: slf,
             next: start,
@@ -242,16 +250,44 @@ impl SharedItems {
     }
 
     /// Whether `other` maps the same memfd (one copy, reached twice).
-    fn same(&self, other: &SharedItems) -> PyResult<bool> {
+    fn _same(&self, other: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let Ok(other) = other.downcast::<SharedItems>() else {
+            return Ok(false);
+        };
         let (a, b) = (
             rustix::fs::fstat(&self.fd).map_err(|e| os_error(e.into()))?,
-            rustix::fs::fstat(&other.fd).map_err(|e| os_error(e.into()))?,
+            rustix::fs::fstat(&other.get().fd).map_err(|e| os_error(e.into()))?,
         );
         Ok((a.st_dev, a.st_ino) == (b.st_dev, b.st_ino))
     }
 }
 
-/// An iterator over a shared list or dict (see `SharedItems.iterate`).
+/// Whether the memfd `fd` (lent) holds a shared dict (else a list).
+#[pyfunction]
+pub fn share_is_dict(fd: Fd) -> PyResult<bool> {
+    let fd = fd.borrow().try_clone_to_owned().map_err(os_error)?;
+    Ok(tether_core::share::kind_of(&fd).map_err(os_error)? == Kind::Dict)
+}
+
+/// A list index, as `list` takes it (anything with `__index__`).
+fn index(key: &Bound<'_, PyAny>) -> PyResult<isize> {
+    let py = key.py();
+    match key.extract::<isize>() {
+        Ok(i) => Ok(i),
+        Err(err) if err.is_instance_of::<PyOverflowError>(py) => {
+            Err(PyIndexError::new_err(format!(
+                "cannot fit '{}' into an index-sized integer",
+                key.get_type().name()?
+            )))
+        }
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "SharedList indices must be integers or slices, not {}",
+            key.get_type().name()?
+        ))),
+    }
+}
+
+/// An iterator over a shared list or dict (see `SharedItems._iterate`).
 #[pyclass(module = "tether._native")]
 pub struct SharedIter {
     items: Py<SharedItems>,

@@ -15,6 +15,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<meet::ShareMeeting>()?;
     m.add_class::<meet::ShareWaiter>()?;
     m.add_class::<meet::ShareVault>()?;
+    m.add_function(wrap_pyfunction!(items::share_is_dict, m)?)?;
     m.add_function(wrap_pyfunction!(meet::share_claim, m)?)?;
     m.add_function(wrap_pyfunction!(meet::share_names, m)?)?;
     m.add("SHARE_JOB_ENV", tether_core::share::JOB_ENV)?;
