@@ -77,6 +77,17 @@ def memory(pids: Sequence[int]) -> Dict[str, int]:
     return total
 
 
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """The CPU time (user and system) ``pids`` have used, summed."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total / ticks
+
+
 def shared_pss(pids: Sequence[int]) -> Tuple[int, int]:
     """The PSS of tether.share's memfds summed over ``pids``, and how many map one."""
     total, mapping = 0, 0
@@ -130,18 +141,21 @@ def contender(name: str, n: int, epochs: int, batch: int) -> Dict[str, Any]:
     if holder == "share":
         data = tether.share(data)
     main = loader(Folder(data))
-    first, after, times = None, [], []
+    first, after, times, cpu = None, [], [], []
     for _ in range(epochs):
-        start = time.perf_counter()
+        start, used = time.perf_counter(), None
         for _ in iter(main):
+            if used is None:
+                used = cpu_seconds(workers(main))
             if first is None:
                 first = memory(workers(main))
         times.append(time.perf_counter() - start)
+        cpu.append(cpu_seconds(workers(main)) - (used or 0.0))
         after.append(memory(workers(main)))
     del main
     if pool is not None:
         pool.shutdown()
-    return {"base": base, "first": first, "after": after, "times": times}
+    return {"base": base, "first": first, "after": after, "times": times, "cpu": cpu}
 
 
 class Folder:
@@ -289,16 +303,16 @@ def building(n: int, reps: int) -> None:
     )
 
 
+def row(name: str, cells: List[str]) -> None:
+    print(f"  {name:12}" + "".join(f"{c:>14}" for c in cells))
+
+
 def report(runs: Dict[str, List[Dict[str, Any]]], epochs: int) -> None:
-    print("\nworkers' summed PSS (anon + shmem), median over repetitions:")
-    head = [
-        "first batch",
-        *(f"epoch {e + 1}" for e in range(epochs)),
-        "samples add",
-        "anon grows",
-        *(f"epoch {e + 1} time" for e in range(epochs)),
-    ]
-    print(f"  {'':12}" + "".join(f"{h:>16}" for h in head))
+    """The contenders' figures (medians over the repetitions) and the ratios."""
+    print("\nworkers' summed PSS (anon + shmem), medians:")
+    row(
+        "", ["first batch", *(f"epoch {e + 1}" for e in range(epochs)), "samples add", "anon grows"]
+    )
     added = {}
     for name, rs in runs.items():
         added[name] = median([r["after"][-1]["pss"] - r["base"]["pss"] for r in rs])
@@ -306,18 +320,23 @@ def report(runs: Dict[str, List[Dict[str, Any]]], epochs: int) -> None:
         cells += [mib(median([r["after"][e]["pss"] for r in rs])) for e in range(epochs)]
         cells += [mib(added[name])]
         cells += [mib(median([r["after"][-1]["anon"] - r["first"]["anon"] for r in rs]))]
-        cells += [f"{median([r['times'][e] for r in rs]):.2f} s" for e in range(epochs)]
-        print(f"  {name:12}" + "".join(f"{c:>16}" for c in cells))
-    fork = added["fork/list"]
+        row(name, cells)
     for name in ("fork/share", "pool/share", "pool/list"):
-        print(f"  samples add with {name}: {added[name] / fork:.2f}x what they add with fork/list")
-    for name in ("fork/share", "pool/share"):
-        ratios = [
-            statistics.median(r["times"][e] for r in runs[name])
-            / statistics.median(r["times"][e] for r in runs["fork/list"])
-            for e in range(epochs)
-        ]
-        print(f"  epoch time of {name} / fork/list: " + ", ".join(f"{x:.2f}x" for x in ratios))
+        print(f"  samples add with {name}: {added[name] / added['fork/list']:.2f}x fork/list's")
+    print("\nepoch time (wall) and the workers' CPU time in it, medians:")
+    row("", [*(f"epoch {e + 1}" for e in range(epochs)), *(f"CPU {e + 1}" for e in range(epochs))])
+    for name, rs in runs.items():
+        cells = [f"{median([r['times'][e] for r in rs]):.2f} s" for e in range(epochs)]
+        cells += [f"{median([r['cpu'][e] for r in rs]):.2f} s" for e in range(epochs)]
+        row(name, cells)
+    for what, field in (("epoch time", "times"), ("workers' CPU time", "cpu")):
+        for name in ("fork/share", "pool/share"):
+            ratios = [
+                median([r[field][e] for r in runs[name]])
+                / median([r[field][e] for r in runs["fork/list"]])
+                for e in range(epochs)
+            ]
+            print(f"  {what}, {name} / fork/list: " + ", ".join(f"{x:.2f}x" for x in ratios))
 
 
 def main() -> None:
