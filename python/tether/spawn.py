@@ -314,7 +314,10 @@ def start_processes(
     from . import _share
 
     job = _launch.new_job_id()
-    copies = _share.vault(job)
+    try:
+        copies: Any = _share.vault(job)
+    except OSError:  # out of fds or threads: the ranks still meet, only without it
+        copies = None
     group = _launch.start(fn, args, range(nprocs), start_method, preload=preload, job=job)
     what = getattr(fn, "__qualname__", None) or repr(fn)
     context = ProcessContext(group, daemon, start_method, what, timeout, copies)
