@@ -101,6 +101,7 @@ bench: build
 	$(PY) bench/loaders.py
 	$(PY) bench/executor.py
 	$(PY) bench/stacks.py
+	$(PY) bench/share.py
 
 clean:
 	rm -rf target dist $(VENV) python/tether/*.so

@@ -7,7 +7,8 @@ ImageFolder over ImageNet's train set; ``__getitem__`` returns the sample), shuf
 workers, ``--epochs`` epochs (3) of one loader (``persistent_workers=True`` with fork, so
 that the same workers run every epoch, as on a pool):
 
-1. Building: one ``pickle.dumps`` of the list against ``tether.share(list)``.
+1. Building: one ``pickle.dumps`` of the list against ``tether.share(list)``; reading a
+   random item of the list and of the shared list.
 2. Four contenders, each in a process of its own, taking turns within each repetition:
    torch fork over the plain list, ``tether.Pool`` over the plain list, and both over
    ``tether.share(list)``. For each: the workers' summed PSS after the first batch and
@@ -282,7 +283,12 @@ def mib(b: float) -> str:
     return f"{b / MiB:,.0f} MiB"
 
 
-def building(n: int, reps: int) -> None:
+def building_and_reading(n: int, reps: int) -> None:
+    """One ``pickle.dumps`` of the list against ``tether.share`` of it; then the time of
+    reading a random item (100,000 of them, in a loop that drops each), of the plain list
+    and of the shared one, taking turns."""
+    import random
+
     import tether
 
     items = samples(n)
@@ -295,11 +301,23 @@ def building(n: int, reps: int) -> None:
         shared = tether.share(items)
         share.append(time.perf_counter() - start)
         size = shared._nbytes
-        del shared
     d, s = statistics.median(dumps), statistics.median(share)
     print(
         f"building from a list of {n:,} samples (median of {reps}): pickle.dumps {d:.3f} s, "
         f"tether.share {s:.3f} s ({s / d:.2f}x); the memfd holds {mib(size)}"
+    )
+    indexes = [random.randrange(n) for _ in range(100_000)]
+    reads: Dict[str, List[float]] = {"list": [], "tether.share": []}
+    for _ in range(max(reps, 5)):
+        for name, seq in (("list", items), ("tether.share", shared)):
+            start = time.perf_counter()
+            for i in indexes:
+                seq[i]
+            reads[name].append((time.perf_counter() - start) / len(indexes) * 1e6)
+    r = {name: median(v) for name, v in reads.items()}
+    print(
+        f"reading a random item (median of {max(reps, 5)} x 100,000): list "
+        f"{r['list']:.2f} us, tether.share {r['tether.share']:.2f} us"
     )
 
 
@@ -361,7 +379,7 @@ def main() -> None:
         f"ImageFolder-like list of {args.samples:,} samples, 2 workers, batches of "
         f"{args.batch}, shuffled, {args.epochs} epochs, {args.reps} repetitions"
     )
-    building(args.samples, max(args.reps, 3))
+    building_and_reading(args.samples, max(args.reps, 3))
     runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name in CONTENDERS}
     for _ in range(args.reps):
         for name in CONTENDERS:

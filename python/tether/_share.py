@@ -157,7 +157,7 @@ def _meet(job: str, key: str, build: Callable[[], Any]) -> Tuple[Shared, _native
     if failed is not None:  # this process holds the name, with its last build's error
         failed.rebuild()
         return _build_here(failed, build, job, key), failed
-    (name, vault), rank = _native.share_names(job, key), _rank()
+    (name, _), rank = _native.share_names(job, key), _rank()
     died: Optional[Tuple[int, int, Optional[int]]] = None
     while True:
         claimed = _native.share_claim(name, rank)
@@ -167,9 +167,7 @@ def _meet(job: str, key: str, build: Callable[[], Any]) -> Tuple[Shared, _native
                 warnings.warn(
                     _words.share_builder_died(key, *died, me), RuntimeWarning, stacklevel=4
                 )
-            shared = _build_here(claimed, build, job, key)
-            claimed.hand_over(vault)
-            return shared, claimed
+            return _build_here(claimed, build, job, key), claimed
         outcome = claimed.wait()
         if outcome[0] == "ready":
             _, memfd, listener, _, _ = outcome
@@ -191,6 +189,10 @@ def _build_here(
         _failed[(job, key)] = meeting
         raise
     meeting.publish(shared._fileno())
+    try:
+        meeting.hand_over(_native.share_names(job, key)[1])  # the job's vault keeps it
+    except OSError:
+        pass  # out of fds, say: the ranks that hold the copy still answer
     return shared
 
 
