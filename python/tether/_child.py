@@ -29,20 +29,18 @@ from . import _native, _report
 
 HEADER = struct.Struct("<IQQ")
 
-#: This process's rank in its job, when it is a child of ``tether.spawn`` (which names the
-#: job in ``TETHER_JOB_ID``, see ``enter_job``); None otherwise.
+#: The job this process is a rank of, when it is a child of ``tether.spawn`` (which names
+#: each call's job: ``tether.share``'s key form meets the job's other ranks under it), and
+#: its rank there; None otherwise. Not in the environment: a child's is its caller's, exactly.
+job_id: Optional[str] = None
 job_rank: Optional[int] = None
 
 
 def enter_job(job: Optional[str], rank: int) -> None:
-    """Makes this process rank ``rank`` of the job ``job`` (``tether.spawn``'s): the job's
-    id in the environment (``TETHER_JOB_ID``, where ``tether.share``'s key form meets the
-    job's other ranks; this process's own children inherit it). Nothing without a job."""
-    global job_rank
-    if job is None:
-        return
-    os.environ[_native.SHARE_JOB_ENV] = job
-    job_rank = rank
+    """Makes this process rank ``rank`` of the job ``job`` (nothing without a job)."""
+    global job_id, job_rank
+    if job is not None:
+        job_id, job_rank = job, rank
 
 
 def exit_code(exc: SystemExit) -> int:

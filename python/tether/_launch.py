@@ -94,7 +94,7 @@ class Start(NamedTuple):
     keep_fds: Sequence[int]
     close_in_child: Sequence[int]
     title: _child.Title
-    #: The job's id, given to every child as TETHER_JOB_ID (see ``_child.enter_job``).
+    #: The job's id, given to every child (see ``_child.enter_job``).
     job: Optional[str] = None
 
 
@@ -127,8 +127,8 @@ def start(
     ``preload`` chooses the zygote (forkserver); ``close_in_child`` are fds a fork child
     closes at once (a fork copies every fd of this process); ``title`` is what each child
     says it is in ``ps`` and ``/proc/PID/comm`` (two templates with ``{rank}``; by default
-    a rank running the function); ``job`` names the job to every child (``TETHER_JOB_ID``,
-    where ``tether.share``'s key form meets). On an error, no child of the call is left
+    a rank running the function); ``job`` names the job to every child (where
+    ``tether.share``'s key form meets). On an error, no child of the call is left
     running and no fd made for it is left open."""
     check_start_method(method, "tether")
     title = title or rank_title(fn, method)

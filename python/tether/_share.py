@@ -3,9 +3,10 @@
 copy for the ranks of a job on a machine, built by one of them.
 
 The ranks meet at a meeting point named after the job and the key (tether-core's
-``share::meet``: an abstract Unix socket, no file). The job is named by ``TETHER_JOB_ID``,
-which ``tether run`` gives its ranks (one id per launcher, that is per job and machine) and
-``tether.spawn`` its children (one per call): ranks of other jobs never meet these. The
+``share::meet``: an abstract Unix socket, no file). The job has an id: ``tether run`` gives
+its ranks one in ``TETHER_JOB_ID`` (one per launcher, that is per job and machine), and
+``tether.spawn`` one to the children of each call (with their payload, see
+``_child.enter_job``): ranks of other jobs never meet these. The
 first rank to ask builds (``build()``) and publishes the memfd; the others wait and map it
 without calling ``build()``. Every process that holds the copy answers later askers, and so
 does the job's vault (``share::vault``), which ``tether run``'s supervisor and
@@ -118,7 +119,7 @@ def _share_key(build: Callable[[], Any], key: str) -> Shared:
             "tether.share(build, key=...) takes a function that builds the list or dict "
             f"(it is called in one rank only), not {type(build).__qualname__}"
         )
-    job = os.environ.get(_native.SHARE_JOB_ENV, "")
+    job = _job()
     with _lock:
         lock = _key_locks.setdefault((job, key), threading.Lock())
     with lock:
@@ -136,6 +137,14 @@ def _share_key(build: Callable[[], Any], key: str) -> Shared:
 def _built(build: Callable[[], Any], key: str) -> Shared:
     what = f"tether.share(key={key!r}): build() must return a list, a tuple or a dict"
     return _shared.shared(build(), what)
+
+
+def _job() -> str:
+    """This process's job: a ``tether.spawn`` child's, else ``TETHER_JOB_ID`` (``tether
+    run``'s ranks, and what they start), else none ("")."""
+    from . import _child
+
+    return _child.job_id or os.environ.get(_native.SHARE_JOB_ENV, "")
 
 
 def _rank() -> int:
