@@ -291,7 +291,9 @@ def building_and_reading(n: int, reps: int) -> None:
 
     import tether
 
+    before = rollup(os.getpid())["Anonymous"]
     items = samples(n)
+    objects = rollup(os.getpid())["Anonymous"] - before
     dumps, share = [], []
     for _ in range(reps):
         start = time.perf_counter()
@@ -304,7 +306,8 @@ def building_and_reading(n: int, reps: int) -> None:
     d, s = statistics.median(dumps), statistics.median(share)
     print(
         f"building from a list of {n:,} samples (median of {reps}): pickle.dumps {d:.3f} s, "
-        f"tether.share {s:.3f} s ({s / d:.2f}x); the memfd holds {mib(size)}"
+        f"tether.share {s:.3f} s ({s / d:.2f}x); the memfd holds {mib(size)}, the list's "
+        f"objects {mib(objects)}"
     )
     indexes = [random.randrange(n) for _ in range(100_000)]
     reads: Dict[str, List[float]] = {"list": [], "tether.share": []}
