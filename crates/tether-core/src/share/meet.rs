@@ -249,6 +249,21 @@ impl Inner {
     }
 }
 
+impl Drop for Inner {
+    fn drop(&mut self) {
+        close_listener(&self.listener);
+    }
+}
+
+/// Closes a listening socket kept as a raw fd (-1 once closed, so closed once).
+pub(crate) fn close_listener(listener: &AtomicI32) {
+    let fd = listener.swap(-1, Ordering::AcqRel);
+    if fd >= 0 {
+        // SAFETY: the fd was its holder's own, swapped out above: closed once.
+        drop(unsafe { OwnedFd::from_raw_fd(fd) });
+    }
+}
+
 /// A meeting point this process holds, answered by a thread of its own until it is
 /// dropped (in the process that made it) or the process ends.
 #[derive(Debug)]
@@ -343,11 +358,7 @@ impl Meeting {
     /// so that the name goes when the holders go, not when their children do. Takes no
     /// lock (another thread of the parent may have held one at the fork).
     pub fn close_after_fork(&self) {
-        let fd = self.inner.listener.swap(-1, Ordering::AcqRel);
-        if fd >= 0 {
-            // SAFETY: the fd was this object's own (swapped out above, so closed once).
-            drop(unsafe { OwnedFd::from_raw_fd(fd) });
-        }
+        close_listener(&self.inner.listener);
     }
 }
 
@@ -364,7 +375,7 @@ impl Drop for Meeting {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
-        self.close_after_fork();
+        // The listener closes with `inner`, now that the thread has let go of it.
     }
 }
 

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -21,7 +21,7 @@ use rustix::net::{
 };
 
 use crate::channel::{Endpoint, Recv};
-use crate::share::meet::{same_user, vault_name, Meeting, Who, HOLD};
+use crate::share::meet::{close_listener, same_user, vault_name, Meeting, Who, HOLD};
 use crate::wire::Reader;
 
 /// How long the vault waits for a holder's message once it connected.
@@ -95,11 +95,9 @@ impl Vault {
     }
 }
 
-fn close_listener(listener: &AtomicI32) {
-    let fd = listener.swap(-1, Ordering::AcqRel);
-    if fd >= 0 {
-        // SAFETY: the fd was the vault's own (swapped out above, so closed once).
-        drop(unsafe { OwnedFd::from_raw_fd(fd) });
+impl Drop for Inner {
+    fn drop(&mut self) {
+        close_listener(&self.listener);
     }
 }
 
