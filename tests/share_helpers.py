@@ -108,3 +108,29 @@ def stop_forkserver() -> None:
     for finalizer in list(multiprocessing.util._finalizer_registry.values()):  # type: ignore[attr-defined]
         if getattr(finalizer, "_callback", None) is multiprocessing.util._remove_temp_dir:  # type: ignore[attr-defined]
             finalizer()
+
+
+#: Per process: how many times a ``KeptSamples`` was pickled and unpickled there.
+COUNTS = {"pickled": 0, "unpickled": 0}
+
+
+class KeptSamples:
+    """A dataset holding shared samples that counts its picklings and unpicklings (per
+    process, in ``COUNTS``); item i: ``(pid, unpicklings there, mapped inodes, sample i)``."""
+
+    def __init__(self, items: Any) -> None:
+        self.samples = items
+
+    def __getstate__(self) -> Dict[str, Any]:
+        COUNTS["pickled"] += 1
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        COUNTS["unpickled"] += 1
+        self.__dict__.update(state)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Any:
+        return os.getpid(), COUNTS["unpickled"], frozenset(mapped()), self.samples[i]

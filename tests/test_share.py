@@ -357,6 +357,38 @@ def test_pool_workers_map_the_same_pages_for_a_kept_dataset_and_executor_tasks()
     assert results == [(200, helpers.mapped())] * 4
 
 
+def test_a_pool_keeps_a_dataset_that_holds_a_shared_list_and_sees_it_rebound(monkeypatch):
+    # The pool proves the dataset unchanged by the shared list's identity: it never reads
+    # the list's items (its plain-pickle reduction would), and sends it once.
+    reduced = []
+    plain = tether.SharedList.__reduce__
+    monkeypatch.setattr(tether.SharedList, "__reduce__", lambda s: reduced.append(1) or plain(s))
+    dataset = helpers.KeptSamples(tether.share(helpers.samples(100_000)))
+    before = helpers.COUNTS["pickled"]
+    with tether.Pool(2) as pool:
+        context = pool.context()
+
+        def items(n):
+            loader = DataLoader(
+                dataset, batch_size=None, num_workers=2, multiprocessing_context=context,
+                sampler=range(n), collate_fn=helpers.collate_list,
+            )  # fmt: skip
+            return list(loader)
+
+        for _ in range(3):
+            got = items(8)
+            assert [sample for *_, sample in got] == helpers.samples(8)
+            assert {count for _, count, _, _ in got} == {1}  # unpickled once by each worker
+            assert {inodes for _, _, inodes, _ in got} == {frozenset(helpers.mapped())}
+        assert helpers.COUNTS["pickled"] - before == 1
+        dataset.samples = tether.share(helpers.samples(10))  # a new shared list
+        got = items(10)
+        assert [sample for *_, sample in got] == helpers.samples(10)
+        assert helpers.COUNTS["pickled"] - before == 2
+        assert {inodes for _, _, inodes, _ in got} == {frozenset(helpers.mapped())}
+    assert reduced == []
+
+
 def test_spawn_ranks_map_the_same_pages(start_method):
     shared = tether.share(helpers.samples(500))
     queue = multiprocessing.get_context("spawn").SimpleQueue()
