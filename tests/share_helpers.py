@@ -115,14 +115,18 @@ COUNTS = {"pickled": 0, "unpickled": 0}
 
 
 class KeptSamples:
-    """A dataset holding shared samples that counts its picklings and unpicklings (per
-    process, in ``COUNTS``); item i: ``(pid, unpicklings there, mapped inodes, sample i)``."""
+    """A dataset holding shared samples that counts its picklings to travel (not those that
+    only compare it with what was sent) and its unpicklings (per process, in ``COUNTS``);
+    item i: ``(pid, unpicklings there, mapped inodes, sample i)``."""
 
     def __init__(self, items: Any) -> None:
         self.samples = items
 
     def __getstate__(self) -> Dict[str, Any]:
-        COUNTS["pickled"] += 1
+        from multiprocessing.context import get_spawning_popen
+
+        if get_spawning_popen() is not None:  # pickled to travel
+            COUNTS["pickled"] += 1
         return dict(self.__dict__)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
