@@ -10,13 +10,14 @@ DEPS      := $(VENV)/.deps-installed
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
-.PHONY: all build wheel test test-fast test-rust test-python lint demo bench clean
+.PHONY: all build wheel test test-fast test-rust test-python lint demo bench clean FORCE
 
 all: build
 
 # The versions the tests and linters were last run with (torch and numpy are test
-# dependencies only: tether itself never imports them; cloudpickle is optional, asked for
-# only when a notebook's or a REPL's objects travel, and IPython runs notebook-like cells).
+# dependencies only: tether itself never imports them; cloudpickle is tether's one
+# dependency, pinned here to the version the tests ran with; IPython runs notebook-like
+# cells).
 TEST_DEPS := torch==2.15.0 numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 loky==3.7.0 py-spy==0.4.3 \
              cloudpickle==3.1.3 ipython==9.18.1
 TOOLS     := maturin==1.16.0 ruff==0.17.6 mypy==2.4.1
@@ -32,9 +33,19 @@ $(DEPS): pyproject.toml Makefile
 
 # The `tether` command line is compiled into the extension module (tether._native), which
 # the `tether` console script and `python -m tether` call: the package needs no binary.
-build: $(DEPS)
+# tether is installed editable (python/ is used in place), so it is built again only when
+# what the build reads changed (the Rust sources and Cargo files, pyproject.toml, the files
+# installed beside the package, the environment), or when the compiled module is missing.
+BUILT        := $(VENV)/.tether-built
+BUILD_INPUTS := Cargo.toml Cargo.lock pyproject.toml \
+                $(shell find crates/*/Cargo.toml crates/*/src python/tether.data -type f 2>/dev/null)
+
+build: $(BUILT)
+
+$(BUILT): $(DEPS) $(BUILD_INPUTS) $(if $(wildcard python/tether/_native*.so),,FORCE)
 	@echo "== building tether (Rust, release; the first build takes a minute or two)"
 	$(VENV)/bin/maturin develop --release
+	touch $@
 
 # The wheel a user installs (one abi3 wheel per platform), in dist/.
 wheel: $(DEPS)

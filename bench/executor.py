@@ -1,5 +1,6 @@
-"""tether.Pool as an Executor against concurrent.futures' ProcessPoolExecutor (fork) and
-loky's reusable executor, 2 workers each, in the same run.
+"""tether.Pool as an Executor, and tether.ProcessPoolExecutor over it, against
+concurrent.futures' ProcessPoolExecutor (fork) and loky's reusable executor, 2 workers
+each, in the same run.
 
     python bench/executor.py [--reps N] [--calls N] [--items N]
 
@@ -78,6 +79,7 @@ def main() -> None:
         ),
         "loky reusable executor": lambda: loky.get_reusable_executor(max_workers=2),
         "tether.Pool": lambda: tether.Pool(2),
+        "tether.ProcessPoolExecutor": lambda: tether.ProcessPoolExecutor(2),
     }
     print(f"{os.cpu_count()} CPUs, 2 workers each, medians of {args.reps} runs")
     idle = measure(makers, args.reps, lambda e: round_trip(e, args.calls))

@@ -1,6 +1,6 @@
 """Four ranks; rank 2 fails first with a ValueError, rank 3 a moment later. tether stops
 the others and reports the root cause: the rank that failed first, with its traceback, and
-the original exception object as the cause."""
+the original exception object, rebuilt here (the error's ``__context__``)."""
 
 import time
 
@@ -24,4 +24,4 @@ if __name__ == "__main__":
         elapsed = time.monotonic() - start
         print(f"root cause: rank {e.error_index} (pid {e.pid}), raised after {elapsed:.2f} s")
         print(str(e).strip())
-        print(f"the original exception, rebuilt in the parent: {e.__cause__!r}")
+        print(f"the original exception, rebuilt in the parent: {e.__context__!r}")

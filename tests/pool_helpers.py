@@ -317,8 +317,10 @@ COUNTS = {"pickled": 0, "unpickled": 0}
 
 
 class Counted:
-    """A map-style dataset that counts its picklings and unpicklings (per process, in
-    ``COUNTS``). Item i: ``(pid, unpicklings in that process, tag, words, i)``."""
+    """A map-style dataset that counts its picklings for another process (the pool's
+    ``__getstate__`` calls that only compare it with what was sent do not count) and its
+    unpicklings (per process, in ``COUNTS``). Item i: ``(pid, unpicklings in that process,
+    tag, words, i)``."""
 
     def __init__(self, n: int = 4, tag: Any = 0, words: Optional[List[str]] = None) -> None:
         self.n = n
@@ -326,7 +328,10 @@ class Counted:
         self.words = list(words or ())
 
     def __getstate__(self) -> dict:
-        COUNTS["pickled"] += 1
+        from multiprocessing.context import get_spawning_popen
+
+        if get_spawning_popen() is not None:  # pickled to travel
+            COUNTS["pickled"] += 1
         return dict(self.__dict__)
 
     def __setstate__(self, state: dict) -> None:

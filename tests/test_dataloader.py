@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 
+import pool_cases
 import pool_datasets as pdata
 import pool_helpers as helpers
 import pytest
@@ -205,6 +206,27 @@ def test_more_workers_than_free_is_a_clear_error(pool):
     del held
     gc.collect()
     assert len(list(loader(pool, helpers.Squares(8), batch_size=4))) == 2
+
+
+def test_views_of_one_tensor_a_worker_made_share_one_memory_as_with_torch(pool):
+    # batch_size=None: each item is a 16 KiB view of the same 64 MiB tensor; all are kept.
+    def kept(context):
+        return list(
+            DataLoader(
+                pool_cases.Views(), batch_size=None, num_workers=1, multiprocessing_context=context
+            )
+        )
+
+    def shared_bytes(views):
+        storages = {v.untyped_storage().data_ptr(): v.untyped_storage() for v in views}
+        assert all(s.is_shared() for s in storages.values())
+        return sum(s.nbytes() for s in storages.values())
+
+    forked, pooled = kept("fork"), kept(pool.context())
+    assert len(pooled) == 16
+    assert all(torch.equal(a, b) for a, b in zip(pooled, forked))
+    assert shared_bytes(forked) == pool_cases.Views.SIZE
+    assert shared_bytes(pooled) <= shared_bytes(forked)
 
 
 def test_dataset_exception_reaches_the_main_process(pool):

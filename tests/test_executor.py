@@ -22,6 +22,7 @@ import time
 import weakref
 from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
 
+import pool_cases
 import pool_helpers as helpers
 import pytest
 
@@ -173,6 +174,20 @@ def test_map_raises_at_the_failing_item_and_times_out(pool):
             seen.append(value)
     assert seen == [None, None]
     assert pool.submit(helpers.square, 4).result(timeout=30) == 16
+
+
+def test_a_result_that_does_not_pickle_fails_its_item_alone_and_its_chunk_keeps_the_others(pool):
+    # One chunk of six items; the worker sends tensors (in shared memory, by fd) and, for
+    # item 3, a lock that does not pickle: ProcessPoolExecutor's error for that item alone.
+    results = pool.map(pool_cases.tensor_or_lock, [0, 1, 2, 4, 5, 3], chunksize=6)
+    assert [next(results).tolist() for _ in range(5)] == [[float(i)] * 4 for i in (0, 1, 2, 4, 5)]
+    with pytest.raises(TypeError, match=r"^cannot pickle '_thread.lock' object$") as info:
+        next(results)
+    assert type(info.value.__cause__) is _RemoteTraceback
+    results = pool.map(pool_cases.tensor_or_lock, range(6), chunksize=6)
+    assert [next(results).tolist() for _ in range(3)] == [[float(i)] * 4 for i in range(3)]
+    with pytest.raises(TypeError, match="cannot pickle '_thread.lock' object"):
+        next(results)
 
 
 def test_map_keeps_no_reference_to_what_it_yielded(pool):

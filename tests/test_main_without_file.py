@@ -136,6 +136,55 @@ def test_a_pool_dataloader_takes_a_dataset_and_collate_fn_of_a_main_without_a_fi
         assert f"{method} [[0, 1, 4], [9, 16, 25]]" in lines
 
 
+NOTEBOOK_CHANGES = f"""
+import torch
+from torch.utils.data import DataLoader, Dataset
+import tether
+
+SCALE, OFFSET = 1, 0
+
+class Scaled(Dataset):
+    step = 1
+
+    def __init__(self, transform):
+        self.transform = transform
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, i):
+        return torch.tensor(self.transform(i) * SCALE + self.step)
+{CELL}
+def epochs(context):
+    global SCALE, OFFSET
+    SCALE, OFFSET, Scaled.step = 1, 0, 1
+    dataset = Scaled(lambda i: i + OFFSET)
+    seen = []
+    for change in range(4):
+        if change == 1:
+            SCALE = 10  # a global its method reads
+        if change == 2:
+            OFFSET = 100  # a global its lambda reads
+        if change == 3:
+            Scaled.step = 7  # an attribute of its class
+        loader = DataLoader(
+            dataset, batch_size=None, num_workers=1, multiprocessing_context=context
+        )
+        seen.append([int(x) for x in loader])
+    return seen
+{CELL}
+with tether.Pool(1) as pool:
+    print("fork", epochs("fork"))
+    print("pool", epochs(pool.context()))
+"""
+
+
+def test_what_a_notebook_changes_between_loaders_reaches_the_pool_as_it_reaches_fork():
+    lines = _lines(_run(NOTEBOOK_CHANGES, "kernel"))
+    expected = "[[1, 2, 3], [1, 11, 21], [1001, 1011, 1021], [1007, 1017, 1027]]"
+    assert lines[-2:] == [f"fork {expected}", f"pool {expected}"]
+
+
 EXECUTOR = f"""
 import os
 import tether
@@ -207,7 +256,7 @@ def test_objects_of_an_importable_module_still_travel_by_reference():
 
 WITHOUT_CLOUDPICKLE = """
 import sys
-sys.modules["cloudpickle"] = None  # as if it were not installed
+sys.modules["cloudpickle"] = None  # as if tether were installed without its dependencies
 import pickle
 import tether
 
@@ -230,10 +279,19 @@ except pickle.PicklingError as error:
 """
 
 
-def test_without_cloudpickle_an_object_of_such_a_main_fails_saying_how_to_install_it():
+def test_with_cloudpickle_missing_an_object_of_such_a_main_fails_saying_how_to_install_it():
     lines = _lines(_run(WITHOUT_CLOUDPICKLE, "stdin"))
     assert [line.split(":")[0] for line in lines] == ["submit", "spawn"]
     for line, name in zip(lines, ("task", "rank")):
         assert f"the function {name} cannot travel to another process" in line
         assert "__main__ without a file" in line
+        assert "a dependency of tether missing from this environment" in line
         assert line.endswith("pip install cloudpickle")
+
+
+def test_cloudpickle_is_a_dependency_of_the_installed_package():
+    from importlib.metadata import requires
+
+    assert [r for r in requires("tether") or [] if r.startswith("cloudpickle")] == [
+        "cloudpickle>=3.0"
+    ]

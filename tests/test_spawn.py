@@ -290,6 +290,17 @@ def test_original_exception_is_the_suppressed_context(start_method):
     assert str(cause) == "legitimate exception from process 0"
 
 
+def test_the_failing_rank_example_shows_the_exception_rebuilt_in_the_parent():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    example = os.path.join(root, "examples", "failing_rank.py")
+    got = subprocess.run([sys.executable, example], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert (
+        "the original exception, rebuilt in the parent: "
+        "ValueError('rank 2: loss became NaN at step 3')"
+    ) in got.stdout
+
+
 def test_a_ranks_exception_prints_each_of_its_lines_once(tmp_path):
     script = tmp_path / "raises.py"
     script.write_text(

@@ -1,7 +1,8 @@
 """The wheel is all a user needs: built from a clean checkout by ``pip wheel .`` and by
-``maturin build``, it is one abi3 wheel for the platform, and installed alone into a fresh
-virtual environment its ``tether`` and ``python -m tether`` run ranks with that
-environment's Python."""
+``maturin build``, it is one abi3 wheel for the platform, and installed with ``pip install``
+into a fresh virtual environment (which brings its one dependency, cloudpickle) its
+``tether`` and ``python -m tether`` run ranks with that environment's Python, and what a
+``python -c`` program defines travels to the pool."""
 
 from __future__ import annotations
 
@@ -82,13 +83,12 @@ def test_one_abi3_wheel_per_platform_with_the_launcher_inside(wheels: Dict[str, 
 
 
 def fresh_venv(where: Path, wheel: Path) -> Path:
-    """A new virtual environment with nothing but ``wheel`` installed; its Python."""
+    """A new virtual environment with ``wheel`` installed as a user installs it (``pip
+    install``, its dependencies with it); its Python."""
     subprocess.run([sys.executable, "-m", "venv", str(where)], check=True, timeout=300)
     python = where / "bin" / "python"
     subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", str(wheel)],
-        check=True,
-        timeout=300,
+        [str(python), "-m", "pip", "install", "--quiet", str(wheel)], check=True, timeout=300
     )
     return python
 
@@ -135,3 +135,38 @@ def test_tether_run_from_a_fresh_venv_with_only_the_wheel(
     assert timed_out.returncode == 124, timed_out.stderr
     assert '[rank 0]:   File "' in timed_out.stderr, timed_out.stderr
     assert 'stuck.py", line 3 in stuck_here' in timed_out.stderr, timed_out.stderr
+
+
+NOTEBOOK = """
+import importlib.metadata
+import tether
+
+class Squares:  # a Dataset, as a notebook defines one
+    def __init__(self, n):
+        self.n = n
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        return i * i
+
+def total(dataset):
+    return sum(dataset[i] for i in range(len(dataset)))
+
+dataset = Squares(5)
+with tether.Pool(2) as pool:
+    print(pool.submit(total, dataset).result(timeout=60))
+with tether.ProcessPoolExecutor(2) as executor:
+    print(list(executor.map(dataset.__getitem__, range(5))))
+print(importlib.metadata.requires("tether"), importlib.metadata.version("cloudpickle"))
+"""
+
+
+def test_a_python_c_programs_objects_cross_to_the_pool_right_after_pip_install(
+    wheels: Dict[str, Path], tmp_path: Path
+) -> None:
+    python = fresh_venv(tmp_path / "venv", wheels["pip"])
+    proc = run([str(python), "-c", NOTEBOOK], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["30", "[0, 1, 4, 9, 16]"], proc.stdout
+    assert lines[2].startswith("['cloudpickle>=3.0'] "), proc.stdout

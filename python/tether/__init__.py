@@ -8,7 +8,8 @@ parent, is watched from a Rust supervisor thread through a pidfd, and reports it
 ``import tether as mp`` runs a program written for ``import torch.multiprocessing as mp``:
 the rest of torch.multiprocessing's public names (``Process``, ``Queue``,
 ``set_start_method``, ``set_sharing_strategy``, ...) are torch's own, imported on first
-use. ``tether.Pool`` is tether's own pool (a ``concurrent.futures.Executor``)."""
+use. ``tether.Pool`` is tether's own pool (a ``concurrent.futures.Executor``), and
+``tether.ProcessPoolExecutor`` is ``concurrent.futures.ProcessPoolExecutor`` over it."""
 
 from typing import Any
 
@@ -30,6 +31,7 @@ _LAZY = {
     "BrokenPool": ".pool",
     "NoFreeWorkerError": ".pool",
     "Pool": ".pool",
+    "ProcessPoolExecutor": "._pool_executor",
     "RemoteError": ".pool",
     "WorkerCrashedError": ".pool",
     "SharedDict": "._shared",
@@ -140,6 +142,7 @@ __all__ = [
     "NoFreeWorkerError",
     "Pool",
     "ProcessContext",
+    "ProcessPoolExecutor",
     "ProcessException",
     "ProcessExitedException",
     "ProcessRaisedException",

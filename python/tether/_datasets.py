@@ -8,10 +8,12 @@ bytes instead of the objects. ``Kept`` is the parent's record of it, one per poo
 
 - each object has a key that is never reused (a new object that takes a freed one's address
   is a new object), a version, and which worker holds which version;
-- a version ends when the object changes in a way the pool notices (an attribute rebound,
-  at any depth of the objects it holds as attributes or in tuples; a torch tensor among
-  them changed in place: its ``_version``), or on ``refresh``; the next loader then sends
-  the object again. A change inside a list, dict or set it holds is not noticed;
+- a version ends unless a snapshot (``_snapshot``) proves that pickling the object now
+  would give what was sent: any change at any depth of what pickling it takes (an
+  attribute rebound, a list, dict or set changed in place, a tensor on a new storage), and
+  anything the snapshot cannot prove (past its budget, a type it does not look into), ends
+  it, and so does ``refresh`` of the object or of anything it holds; the next loader then
+  sends the object again;
 - when the parent drops an object, each worker that holds it is told to drop its copy with
   its next lease.
 
@@ -23,13 +25,13 @@ from __future__ import annotations
 
 import collections
 import itertools
-import sys
 import threading
 import types
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from . import _shipment
+from . import _pickling, _shipment
+from ._snapshot import Snapshot, reaches
 
 __all__ = ["Kept"]
 
@@ -45,81 +47,6 @@ def _carries(name: str, value: Any) -> bool:
     return value is not None
 
 
-#: How much of an object's attribute graph a change check walks (it runs once per loader).
-WALK_DEPTH = 4
-WALK_NODES = 512
-#: Tuples longer than this, and objects with more attributes, are not walked.
-WALK_ITEMS = 64
-_OPAQUE = (type, types.ModuleType, types.BuiltinFunctionType, types.FunctionType, types.MethodType)
-
-
-_SCALARS = (bool, int, float, complex)
-
-
-def _token(value: Any) -> Any:
-    """What stands for a value in a snapshot, without keeping it alive (a value kept could
-    keep the dataset itself alive, through a bound method, say): a small scalar itself, a
-    weak reference, or else the value's address."""
-    if (
-        value is None
-        or isinstance(value, _SCALARS)
-        or (isinstance(value, str) and len(value) < 256)
-    ):
-        return value
-    try:
-        return weakref.ref(value)
-    except TypeError:
-        return _Address(id(value))
-
-
-class _Address(int):
-    """The address of a value that takes no weak reference (a list, a dict)."""
-
-
-def _same_token(a: Any, b: Any) -> bool:
-    if isinstance(a, weakref.ref):
-        return isinstance(b, weakref.ref) and a() is not None and a() is b()
-    return type(a) is type(b) and a == b
-
-
-Snapshot = List[Tuple[Any, Any, int]]
-
-
-def _snapshot(obj: Any) -> Snapshot:
-    """What the change check compares: ``(path, token, tensor version)`` for the values in
-    ``obj``'s attribute graph (the attributes of objects, the items of short tuples; the
-    items of lists, dicts and sets are their container's business), down to
-    ``WALK_DEPTH``."""
-    torch = sys.modules.get("torch")
-    tensor = None if torch is None else getattr(torch, "Tensor", None)
-    out: Snapshot = []
-    seen = set()
-    todo: List[Tuple[Any, Any, int]] = [((), obj, 0)]
-    while todo and len(out) < WALK_NODES:
-        path, value, depth = todo.pop()
-        version = -1
-        if tensor is not None and isinstance(value, tensor):
-            version = value._version
-        out.append((path, None if depth == 0 else _token(value), version))
-        if depth >= WALK_DEPTH or id(value) in seen or version >= 0:
-            continue
-        seen.add(id(value))
-        if isinstance(value, tuple):
-            if len(value) <= WALK_ITEMS:
-                todo.extend(((path, i), item, depth + 1) for i, item in enumerate(value))
-        elif not isinstance(value, (list, dict, set, _OPAQUE)):
-            state = getattr(value, "__dict__", None)
-            if isinstance(state, dict) and len(state) <= WALK_ITEMS:
-                todo.extend(((path, name), item, depth + 1) for name, item in state.items())
-    return out
-
-
-def _same(a: Snapshot, b: Snapshot) -> bool:
-    return len(a) == len(b) and all(
-        x[2] == y[2] and x[0] == y[0] and _same_token(x[1], y[1]) for x, y in zip(a, b)
-    )
-
-
 class _Entry:
     """An object the workers may hold."""
 
@@ -130,7 +57,7 @@ class _Entry:
         self.address = id(obj)
         self.ref = weakref.ref(obj)
         self.version = 0
-        self.snapshot = _snapshot(obj)
+        self.snapshot = Snapshot.take(obj)
         #: slot -> (pid, version) of the worker there that holds the object.
         self.holders: Dict[int, Tuple[int, int]] = {}
 
@@ -138,18 +65,38 @@ class _Entry:
 class _Element:
     """One of a loader's kept objects as this loader found it: the object, its entry (None
     when it cannot be watched, or nothing is kept), the entry's version, and for a bound
-    method the method's name (the entry is then its object's)."""
+    method the method's name (the entry is then its object's). An object pickled by
+    reference (a function or class of a module: a name) is not kept: it travels as itself,
+    in a few bytes (``inline``)."""
 
-    __slots__ = ("obj", "entry", "version", "method")
+    __slots__ = ("obj", "entry", "version", "method", "inline")
 
-    def __init__(self, obj: Any, entry: Optional[_Entry], method: Optional[str]) -> None:
+    def __init__(
+        self, obj: Any, entry: Optional[_Entry], method: Optional[str], inline: bool = False
+    ) -> None:
         self.obj = obj
         self.entry = entry
         self.version = -1 if entry is None else entry.version
         self.method = method
+        self.inline = inline
 
     def held_by(self, slot: int, pid: int) -> bool:
+        if self.inline:
+            return True
         return self.entry is not None and self.entry.holders.get(slot) == (pid, self.version)
+
+    def reference(self) -> Any:
+        """What the lease of a worker that holds the object carries in its place."""
+        if self.inline or self.entry is None:
+            return self.obj
+        return _shipment.Held(self.entry.key, self.method)
+
+
+def _by_reference(obj: Any) -> bool:
+    """Whether pickle saves ``obj`` as its name (then nothing of it is worth keeping)."""
+    if type(obj) is types.FunctionType or isinstance(obj, type):
+        return obj.__module__ != "__main__" or not _pickling.main_without_file()
+    return False
 
 
 class _Iteration:
@@ -204,9 +151,7 @@ class Kept:
             elements = iteration.elements
             sent: List[_Element] = []
             if keep and all(e.held_by(slot, pid) for e in elements):
-                refs: List[Any] = [
-                    _shipment.Held(e.entry.key, e.method) for e in elements if e.entry
-                ]
+                refs: List[Any] = [e.reference() for e in elements]
             else:
                 if iteration.shipment is None:
                     keys = [(None if e.entry is None else e.entry.key, e.method) for e in elements]
@@ -241,6 +186,8 @@ class Kept:
         (a new bound method is made at every attribute access: ``collate_fn=ds.collate``)."""
         if not keep:
             return _Element(obj, None, None)
+        if _by_reference(obj):
+            return _Element(obj, None, None, inline=True)
         if isinstance(obj, types.MethodType):
             name = getattr(obj, "__name__", None)
             target = obj.__self__
@@ -255,38 +202,41 @@ class Kept:
         sent with every loader."""
         entry = self._entries.get(id(obj))
         if entry is not None and entry.ref() is obj:
-            snapshot = _snapshot(obj)
-            if not _same(entry.snapshot, snapshot):
+            if not entry.snapshot.same(obj):
                 entry.version += 1
-                entry.snapshot = snapshot
+                entry.snapshot = Snapshot.take(obj)
             return entry
         try:
             entry = _Entry(next(self._keys), obj)
-            weakref.finalize(obj, self._dropped.append, entry)
+            weakref.finalize(obj, self._gone, entry)
         except TypeError:
             return None
         self._entries[entry.address] = entry
         return entry
+
+    def _gone(self, entry: _Entry) -> None:
+        """``entry``'s object is gone (a finalizer: it never takes the lock)."""
+        entry.snapshot = Snapshot(None)  # what it held or watched goes now
+        self._dropped.append(entry)
 
     def _collect_dropped(self) -> None:
         while self._dropped:
             entry = self._dropped.popleft()
             if self._entries.get(entry.address) is entry:
                 del self._entries[entry.address]
-            entry.snapshot = []
+            entry.snapshot = Snapshot(None)
             for slot in entry.holders:
                 self._forget.setdefault(slot, []).append(entry.key)
 
     def refresh(self, obj: Any = None) -> None:
-        """The next loader sends ``obj`` again (every object, when None)."""
+        """The next loader sends again every kept object that holds ``obj`` (is it, or
+        reaches it at any depth of what pickling it takes: a ``Subset`` or a
+        ``ConcatDataset`` of it, say); every kept object when None."""
         with self._lock:
-            entries = (
-                list(self._entries.values())
-                if obj is None
-                else [e for e in [self._entries.get(id(obj))] if e is not None and e.ref() is obj]
-            )
-            for entry in entries:
-                entry.version += 1
+            for entry in list(self._entries.values()):
+                root = entry.ref()
+                if root is not None and (obj is None or reaches(root, obj)):
+                    entry.version += 1
 
     def lost(self, slot: int) -> None:
         """The worker in ``slot`` may not hold what it was sent (its lease failed): the next

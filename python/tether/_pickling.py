@@ -11,8 +11,8 @@ ancillary data and comes back in the receiver from ``detach()``; for a process s
 
 Functions and classes of a ``__main__`` that has no file (a notebook, the REPL, ``python -c``,
 stdin) cannot be found by name in another process: those travel by value, pickled by
-cloudpickle (an optional dependency, imported only when such an object travels), and so do
-the instances of such classes. Everything else still travels by reference."""
+cloudpickle (tether's dependency, imported only when such an object travels), and so do the
+instances of such classes. Everything else still travels by reference."""
 
 from __future__ import annotations
 
@@ -29,7 +29,16 @@ from multiprocessing.reduction import ForkingPickler
 from types import FunctionType, ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["FdCollector", "dump", "dumps", "loads", "main_without_file", "register"]
+__all__ = [
+    "FdCollector",
+    "Nested",
+    "dispatch_table",
+    "dump",
+    "dumps",
+    "loads",
+    "main_without_file",
+    "register",
+]
 
 
 class _FdRef:
@@ -73,8 +82,6 @@ class FdCollector:
         self.inherit = inherit
         #: The tether queues pickled into the message (a pool process watches them).
         self.channels: List[Any] = []
-        #: What owns fds of the message that nothing else keeps alive until it is sent.
-        self.owners: List[Any] = []
 
     def duplicate_for_child(self, fd: int) -> int:
         if self.inherit:
@@ -140,6 +147,29 @@ def _received_fd(index: int) -> _ReceivedFd:
     return _ReceivedFd(incoming, index)
 
 
+class Nested:
+    """A pickle inside a message, made with the message's collector: it unpickles, while
+    the message does (with the message's fds), into its value, or into ``(None, the
+    error)`` when that fails, so that one part that does not unpickle spoils no other."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self) -> Tuple[Callable[[bytes], Any], Tuple[bytes]]:
+        return _nested, (self.data,)
+
+
+def _nested(data: bytes) -> Any:
+    try:
+        return pickle.loads(data)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - this part's error (SystemExit too)
+        return None, exc
+
+
 def close_all(fds: Any) -> None:
     for fd in fds:
         try:
@@ -196,8 +226,15 @@ def _pickler_class() -> "type[_Pickler]":
     return _MainByValuePickler if main_without_file() else _Pickler
 
 
+def dispatch_table() -> Dict[Any, Any]:
+    """The reductions pickle looks up by type before ``__reduce_ex__``: copyreg's table and
+    those registered with ``ForkingPickler.register`` (torch's tensors and storages)."""
+    return _pickler_class().dispatch_table
+
+
 def _cloudpickle(obj: Any) -> ModuleType:
-    """cloudpickle, or a PicklingError that says why ``obj`` needs it and how to get it."""
+    """cloudpickle (installed with tether), or, where it is missing all the same, a
+    PicklingError that says why ``obj`` needs it and how to get it."""
     try:
         return importlib.import_module("cloudpickle")
     except ImportError:
@@ -205,8 +242,9 @@ def _cloudpickle(obj: Any) -> ModuleType:
         raise pickle.PicklingError(
             f"the {kind} {obj.__qualname__} cannot travel to another process: it is defined "
             "in a __main__ without a file (a notebook, the REPL, python -c or stdin), whose "
-            "functions and classes tether sends by value with cloudpickle, which is not "
-            "installed: pip install cloudpickle"
+            "functions and classes tether sends by value with cloudpickle, a dependency of "
+            "tether missing from this environment (was tether installed with --no-deps?): "
+            "pip install cloudpickle"
         ) from None
 
 

@@ -8,7 +8,9 @@ leads its own process group and dies with this process). The worker set lives in
 worker runs which task, batch sizes, leases, and deaths seen on each worker's pidfd. A
 worker that dies fails the task it was running (``WorkerCrashedError``, a
 ``BrokenProcessPool``); the tasks it never started run elsewhere, and a replacement starts
-on a thread of its own, so the other workers' results keep flowing meanwhile.
+on a thread of its own, so the other workers' results keep flowing meanwhile. A pool starts
+every worker at once and waits until they are ready, or (``start``) starts only some and
+more when asked (``grow``), without waiting, as ``ProcessPoolExecutor`` does.
 
 As ``concurrent.futures.ProcessPoolExecutor``: work submitted before shutdown finishes
 before the interpreter exits (unless ``shutdown(cancel_futures=True)``), whether or not the
@@ -21,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
 
@@ -58,8 +61,11 @@ class Core:
         initializer: Optional[Callable[..., Any]],
         initargs: Sequence[Any],
         max_tasks_per_child: Optional[int] = None,
+        start: Optional[int] = None,
     ) -> None:
         self.size = processes
+        #: How many slots have a worker: all of them, or ``start`` and those ``grow`` added.
+        self.started = processes if start is None else start
         self.number = next(_numbers)
         #: The process that made the pool (a copy inherited through a fork does nothing).
         self.pid = os.getpid()
@@ -84,25 +90,36 @@ class Core:
         self.changed = threading.Condition(self.lock)
         self.hub: Optional[threading.Thread] = None
         try:
-            self._start_workers(list(range(processes)))
+            if self.started:
+                self._start_workers(list(range(self.started)))
             self.hub = threading.Thread(target=self._hub, name="tether-pool-hub", daemon=True)
             self.hub.start()
-            self._wait_ready()
+            if start is None:
+                self.wait_ready()
         except BaseException:
             self._close(kill=True)
             raise
 
-    def _wait_ready(self) -> None:
+    def wait_ready(self) -> None:
         """Waits until every worker is ready; raises ``BrokenPool`` with the error of a
         worker that died first (its initializer failed, its start did)."""
+        self.wait_workers(None)
+        if self.broken is not None:
+            raise BrokenPool(self.broken)
+
+    def wait_workers(self, timeout: Optional[float]) -> None:
+        """Waits (up to ``timeout``) until every worker is ready, or the pool is broken or
+        closed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self.changed:
             while self.broken is None and self.state != "closed":
                 workers = self.workers.workers()
-                if len(workers) == self.size and all(w.ready for w in workers):
+                if len(workers) == self.started and all(w.ready for w in workers):
                     return
-                self.changed.wait()
-            if self.broken is not None:
-                raise BrokenPool(self.broken)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self.changed.wait(left)
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -134,6 +151,22 @@ class Core:
                 # Closed meanwhile (or it cannot be watched): it must not outlive the pool.
                 group.signal(member, signal.SIGKILL)
                 group.wait([member], _native.WaitFor.ALL, 5.0)
+
+    def grow(self, wanted: int) -> None:
+        """Starts workers, without waiting for them, until ``wanted`` slots (at most the
+        pool's size) have one. One that cannot be started breaks the pool (the tasks
+        queued fail with ``BrokenPool``), as a replacement that cannot be started does."""
+        with self.lock:
+            if self.state != "running" or self.broken is not None:
+                return
+            slots = list(range(self.started, min(wanted, self.size)))
+            self.started += len(slots)
+        if not slots:
+            return
+        try:
+            self._start_workers(slots)
+        except Exception as exc:  # noqa: BLE001 - said in the tasks' BrokenPool
+            self._break(f"could not start a worker: {exc!r}")
 
     def pids(self) -> List[int]:
         return self.workers.pids()
@@ -261,6 +294,10 @@ class Core:
         with self.lock:
             if self.state == "running":
                 self.state = "shutdown"
+        if os.getpid() == self.pid:
+            # Every DataLoader iterator's workers come back (within GRACE): a loader alive
+            # now ends without torch's "killed by signal" (see _pool_runs).
+            self.leases.take_back_all("the tether.Pool was shut down")
         if cancel_futures:
             self.tasks.cancel(self.workers.cancel_all())
         self.workers.wake()

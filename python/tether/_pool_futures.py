@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import pickle
 import threading
 import time
 from concurrent.futures.process import _RemoteTraceback as _CFRemoteTraceback
@@ -204,13 +203,15 @@ class Chunk:
 Sink = Union[TaskFuture, Chunk]
 
 
-def chunk_outcomes(indices: Sequence[int], entries: List[Any]) -> Iterator[Tuple[int, bool, Any]]:
-    """A chunk's results, item by item (see ``_worker``)."""
+def chunk_outcomes(
+    indices: Sequence[int],
+    entries: List[Any],
+    unread: Callable[[BaseException, str], BaseException],
+) -> Iterator[Tuple[int, bool, Any]]:
+    """A chunk's results, item by item (see ``_worker``): an entry ``(None, error)`` did not
+    unpickle here, and fails its item with ``unread(error, "here")``."""
     for index, (ok, value) in zip(indices, entries):
         if ok is None:
-            try:
-                ok, value = pickle.loads(value)
-            except BaseException as exc:  # noqa: BLE001
-                yield index, False, exc
-                continue
-        yield index, bool(ok), (value if ok else rebuild(value))
+            yield index, False, unread(value, "here")
+        else:
+            yield index, bool(ok), (value if ok else rebuild(value))

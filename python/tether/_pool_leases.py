@@ -2,21 +2,25 @@
 ``pool.context()``): which worker a process gets (a DataLoader's first worker reserves as
 many as the loader has, or fails with an error that names who holds them), what travels to
 it (the call; for torch's DataLoader worker loop, the dataset, ``collate_fn`` and
-``worker_init_fn`` as the pool's dataset cache, ``_datasets.Kept``, decides), and what the
-pool says of the leases it made."""
+``worker_init_fn`` as the pool's dataset cache, ``_datasets.Kept``, decides), the
+DataLoader iterators' runs (``_pool_runs``: the workers of one whose last ``next()`` raised
+are taken back when a task or another loader waits for a worker; every run's, when the
+pool shuts down), and what the pool says of the leases it made."""
 
 from __future__ import annotations
 
 import gc
 import inspect
 import itertools
+import signal
 import threading
 import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
-from . import _datasets, _native, _pickling, _shipment
+from . import _channel, _datasets, _native, _pickling, _pool_runs, _shipment
 from ._pool_errors import BrokenPool
+from ._pool_runs import Run
 from .context import Leased
 from .errors import NoFreeWorkerError
 
@@ -48,11 +52,19 @@ def dataloader_call(
     return dict(bound)
 
 
-def _describe_call(target: Any, loader: Optional[Dict[str, Any]]) -> str:
+def _need(loader: Optional[Dict[str, Any]]) -> int:
+    """How many workers a process asks for: a DataLoader's first worker, all of them."""
+    if loader is None:
+        return 1
+    return max(1, int(loader["num_workers"]) - int(loader["worker_id"]))
+
+
+def _describe_call(target: Any, loader: Optional[Dict[str, Any]], one: bool = False) -> str:
     if loader is not None:
         holder = loader.get("dataset_holder", loader.get("dataset"))
         dataset = holder[0] if isinstance(holder, list) and holder else holder
-        return f"DataLoader iterator(s) over {type(dataset).__name__}"
+        iterators = "iterator" if one else "iterator(s)"
+        return f"DataLoader {iterators} over {type(dataset).__name__}"
     name = getattr(target, "__qualname__", None) or repr(target)
     return f"process(es) running {getattr(target, '__module__', '?')}.{name}"
 
@@ -80,6 +92,9 @@ class Lifecycle(Protocol):
     def join_replacements(self) -> None:
         """Waits until the workers being started to replace dead ones are in the set."""
 
+    def wait_workers(self, timeout: float) -> None:
+        """Waits up to ``timeout`` until every worker of the pool is ready."""
+
 
 class Leases:
     """The pool's leases: what each one runs (by lease id), the workers a DataLoader being
@@ -99,6 +114,8 @@ class Leases:
         #: lease id -> what it runs (for errors and ``tether.status()``).
         self.running: Dict[int, str] = {}
         self.reserved: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()
+        #: The DataLoader iterators served, by their done event.
+        self.runs: "weakref.WeakKeyDictionary[Any, Run]" = weakref.WeakKeyDictionary()
         #: What the workers keep of the DataLoaders they served.
         self.kept = _datasets.Kept()
         #: When ``free_held_workers`` last collected garbage.
@@ -118,20 +135,14 @@ class Leases:
         reference to the worker's copy, or one pickle shared by the loader's workers."""
         if self.lifecycle.broken is not None:
             raise BrokenPool(self.lifecycle.broken)
-        if self.lifecycle.state == "closed":
+        if self.lifecycle.state != "running":
             raise RuntimeError("the tether.Pool is shut down")
         loader = dataloader_call(target, args, kwargs)
         lease_id = next(self.ids)
-        try:
-            slot = self._take_slot(loader)
-        except NoFreeWorkerError:
-            # An iterator that is garbage but not yet collected (in a reference cycle with
-            # the traceback of an error it raised) still holds workers: collect it (its
-            # __del__ gives them back); a worker that died may be being replaced: wait for
-            # that. Then try once more.
-            gc.collect()
-            self.lifecycle.join_replacements()
-            slot = self._take_slot(loader)
+        slot = self._take_slot(loader)
+        if slot is None:
+            slot = self._free_a_slot(target, loader)
+        run = None if loader is None else self._run_of(target, loader)
         try:
             forget = _shipment.Forgetting(())
             commit: Optional[Callable[[], None]] = None
@@ -149,8 +160,85 @@ class Leases:
             raise
         if commit is not None:
             commit()
+        if run is not None and loader is not None:
+            run.add(lease, loader.get("index_queue"))
         self.running[lease_id] = _describe_call(target, loader)
-        return Leased(lease, loader is not None, collector.channels)
+        return Leased(lease, loader is not None, collector.channels, run)
+
+    def _free_a_slot(self, target: Any, loader: Optional[Dict[str, Any]]) -> int:
+        """A slot when none was free: an iterator that is garbage but not yet collected (in
+        a reference cycle with the traceback of an error it raised) gives its workers back
+        when collected; a failed one's workers are taken back (see ``_pool_runs``); a worker
+        that died may be being replaced. Then one more try, or ``NoFreeWorkerError``."""
+        gc.collect()
+        asking = (
+            f"a {_describe_call(target, loader, one=True)} asked for workers"
+            if loader is not None
+            else "a process asked for a worker"
+        )
+        if self.take_back_failed(asking, wait=True):
+            self.lifecycle.wait_workers(_pool_runs.GRACE + 5.0)
+        self.lifecycle.join_replacements()
+        slot = self._take_slot(loader)
+        if slot is None:
+            num_workers = None if loader is None else int(loader["num_workers"])
+            raise NoFreeWorkerError(self._exhausted(_need(loader), num_workers))
+        return slot
+
+    def _run_of(self, target: Any, loader: Dict[str, Any]) -> Optional[Run]:
+        """The run of the DataLoader iterator a worker loop belongs to (made with its first
+        worker)."""
+        done_event = loader.get("done_event")
+        if done_event is None:
+            return None
+        run = self.runs.get(done_event)
+        if run is None:
+            _pool_runs.install_pid_tracking()
+            run = Run(_describe_call(target, loader, one=True), done_event)
+            run.on_failure = self._run_failed
+            self.runs[done_event] = run
+            data_queue = loader.get("data_queue")
+            if isinstance(data_queue, _channel.Queue) and hasattr(data_queue, "run"):
+                data_queue.run = run
+        return run
+
+    # -- taking workers back (see _pool_runs) ----------------------------------------------
+
+    def _run_failed(self, run: Run) -> None:
+        """An iterator's next() raised: its workers go back at once when a task waits."""
+        if self.workers.queued() and not self._any_free():
+            self.take_back_failed("a task was waiting for a worker", wait=False)
+
+    def take_back_failed(self, asking: str, wait: bool) -> bool:
+        """Takes back the workers of every failed run, because ``asking``; with ``wait``,
+        returns once they are free (or killed). Whether there was any."""
+        failed = [r for r in list(self.runs.values()) if r.failure and r.live()]
+        running: List[_native.Lease] = []
+        for run in failed:
+            running.extend(run.take_back(f"its last next() raised {run.failure}, and {asking}"))
+        self._end(running, wait)
+        return bool(failed)
+
+    def take_back_all(self, why: str) -> None:
+        """Takes back the workers of every run (the pool shuts down)."""
+        running: List[_native.Lease] = []
+        for run in list(self.runs.values()):
+            if run.live():
+                running.extend(run.take_back(why))
+        self._end(running, wait=False)
+
+    def _end(self, running: List[_native.Lease], wait: bool) -> None:
+        if wait:
+            _pool_runs.kill_after(running, self._kill)
+        else:
+            _pool_runs.kill_later(running, self._kill)
+
+    def _kill(self, lease: _native.Lease) -> None:
+        _pool_runs.untrack([lease.pid])
+        self.workers.signal_lease(lease, signal.SIGKILL)
+
+    def _any_free(self) -> bool:
+        return any(w.lease is None and not w.reserved for w in self.workers.workers())
 
     def _pid_in(self, slot: int) -> int:
         for worker in self.workers.workers():
@@ -158,20 +246,16 @@ class Leases:
                 return worker.pid
         return 0
 
-    def _take_slot(self, loader: Optional[Dict[str, Any]]) -> int:
-        """A reserved or free worker's slot for a process (see ``lease``)."""
+    def _take_slot(self, loader: Optional[Dict[str, Any]]) -> Optional[int]:
+        """A reserved or free worker's slot for a process (see ``lease``), or None."""
         done_event = None if loader is None else loader.get("done_event")
         if loader is not None and done_event is not None and loader["worker_id"] > 0:
             reserved = self.reserved.get(done_event)
             if reserved:
                 return reserved.pop(0)
-        need = (
-            1 if loader is None else max(1, int(loader["num_workers"]) - int(loader["worker_id"]))
-        )
-        slots = self.workers.reserve(need)
+        slots = self.workers.reserve(_need(loader))
         if not slots:
-            num_workers = None if loader is None else int(loader["num_workers"])
-            raise NoFreeWorkerError(self._exhausted(need, num_workers))
+            return None
         rest = slots[1:]
         if rest and done_event is not None:
             self.reserved[done_event] = rest
@@ -181,11 +265,18 @@ class Leases:
         return slots[0]
 
     def _exhausted(self, need: int, num_workers: Optional[int]) -> str:
+        """Why no worker is free, and what to do about it."""
         what = (
             f"a DataLoader with num_workers={num_workers}"
             if num_workers is not None
             else "a process"
         )
+        head = f"tether.Pool(processes={self.size}) cannot lease {need} worker(s) for {what}"
+        if need > self.size:
+            return (
+                f"{head}: the pool has only {self.size} workers. Make the pool larger "
+                f"(tether.Pool({need}) or more), or lower num_workers to {self.size} or less."
+            )
         holders: Dict[str, List[int]] = {}
         reserved = free = 0
         for worker in self.workers.workers():
@@ -199,8 +290,7 @@ class Leases:
                 free += 1
         held = sum(len(p) for p in holders.values())
         lines = [
-            f"tether.Pool(processes={self.size}) cannot lease {need} worker(s) for {what}: "
-            f"only {free} of its {self.size} workers are free; {held} are leased"
+            f"{head}: only {free} of its {self.size} workers are free; {held} are leased"
             + (f" and {reserved} reserved by a DataLoader being started" if reserved else "")
             + (":" if holders else ".")
         ]
@@ -208,8 +298,9 @@ class Leases:
             lines.append(f"  - {len(pids)} by {description} (pid {', '.join(map(str, pids))})")
         lines.append(
             "A DataLoader iterator keeps its workers until it is exhausted or deleted (with "
-            "persistent_workers, until the loader is deleted). Make the pool larger, lower "
-            "num_workers, or finish the other iterations first."
+            "persistent_workers, until the loader is deleted); one whose last next() raised "
+            "gives them back when another loader or a task needs them. Finish or delete the "
+            "other iterations, lower num_workers, or make the pool larger."
         )
         return "\n".join(lines)
 
@@ -224,15 +315,15 @@ class Leases:
             self.kept.lost(slot)
 
     def free_held_workers(self, hub: Optional[threading.Thread]) -> None:
-        """When no worker is free, a DataLoader iterator that is garbage but not collected
-        yet (in a reference cycle) may hold some: collects the garbage, at most once a
-        second, never from the ``hub`` (an iterator's finalizer waits for the hub)."""
+        """When a task waits and no worker is free: the workers of failed DataLoader
+        iterators are taken back, and an iterator that is garbage but not collected yet (in
+        a reference cycle) may hold some: the garbage is collected, at most once a second,
+        never from the ``hub`` (an iterator's finalizer waits for the hub)."""
+        if threading.current_thread() is hub or self._any_free():
+            return
+        if self.workers.queued():
+            self.take_back_failed("a task was waiting for a worker", wait=False)
         now = time.monotonic()
-        if now - self.collected < 1.0 or threading.current_thread() is hub:
-            return
-        workers = self.workers.workers()
-        if any(w.lease is None and not w.reserved for w in workers):
-            return
-        if any(w.lease is not None for w in workers):
+        if now - self.collected >= 1.0 and any(w.lease is not None for w in self.workers.workers()):
             self.collected = now
             gc.collect()

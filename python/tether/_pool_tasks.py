@@ -1,7 +1,9 @@
 """The executor side of ``tether.Pool``: ``submit`` and ``map`` (chunks sized to the work, a
 chunk that does not pickle cut down to the items that do), where each task's outcome goes
 (``Tasks.sinks``, see ``_pool_futures``), and what a worker's death does to them: the item
-it ran fails with ``WorkerCrashedError``, the items of its chunk it never reached run again."""
+it ran fails with ``WorkerCrashedError``, the items of its chunk it never reached run again.
+A task its worker could not unpickle, or whose result does not unpickle here, fails with
+that error as ``Tasks.unread`` gives it (as it is, unless the pool's face says otherwise)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ def crash_error(death: _native.WorkerDied, lost: bool) -> WorkerCrashedError:
     return WorkerCrashedError(_words.worker_crashed(death, lost), death.pid, exitcode, name)
 
 
+def _as_it_is(error: BaseException, where: str) -> BaseException:
+    return error
+
+
 def _dumps(obj: Any, collector: _pickling.FdCollector) -> Tuple[Optional[bytes], Any]:
     """``(bytes, None)``, or ``(None, the error)`` when ``obj`` does not pickle (a
     ``KeyboardInterrupt`` is raised, not returned)."""
@@ -65,7 +71,7 @@ class Lifecycle(Protocol):
         """Raises when the pool takes no new task."""
 
     def free_held_workers(self) -> None:
-        """Frees the workers that garbage DataLoader iterators hold, if any."""
+        """Frees the workers that garbage or failed DataLoader iterators hold, if any."""
 
     def taken(self) -> None:
         """A caller took a result in its own thread."""
@@ -88,6 +94,11 @@ class Tasks:
         self.max_tasks_per_child = max_tasks_per_child
         self.lifecycle = lifecycle
         self.sinks: Dict[int, Sink] = {}
+        #: The error a task fails with when it could not be unpickled ``where`` ("in the
+        #: worker": it never ran) or its result could not be ("here"), from the error met.
+        self.unread: Callable[[BaseException, str], BaseException] = _as_it_is
+        #: Called once for each task a worker answered (its outcome was delivered).
+        self.answered: Optional[Callable[[], Any]] = None
 
     # -- queueing ----------------------------------------------------------------------------
 
@@ -146,6 +157,8 @@ class Tasks:
             for task_id, _ in sinks:
                 self.sinks.pop(task_id, None)
             raise RuntimeError("cannot schedule new futures after shutdown") from None
+        if self.workers.queued():
+            self.lifecycle.free_held_workers()  # no worker was free
 
     def chunk_size(self, items: int) -> int:
         """Items per task for a ``map`` of ``items``: enough tasks to spread them, few
@@ -244,20 +257,28 @@ class Tasks:
 
     def _deliver(self, sink: Sink, ok: bool, data: bytes, fds: List[int]) -> None:
         """Unpickles a task's outcome and hands it to its future or map."""
+        if self.answered is not None:
+            self.answered()
         try:
             value = _pickling.loads(data, fds)
         except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling too
-            self._fail(sink, exc)
+            self._fail(sink, self.unread(exc, "here"))
             return
         if isinstance(sink, Chunk):
             if ok:
-                sink.run.deliver(chunk_outcomes(sink.indices, value))
+                sink.run.deliver(chunk_outcomes(sink.indices, value, self.unread))
             else:  # the chunk itself failed (it did not unpickle)
-                self._fail(sink, rebuild(value))
+                self._fail(sink, self._error(value))
         elif ok:
             settle(sink, True, value)
         else:
-            settle(sink, False, rebuild(value))
+            settle(sink, False, self._error(value))
+
+    def _error(self, info: Any) -> BaseException:
+        """The exception a task's failed outcome describes (see ``_worker``)."""
+        if isinstance(info, _worker.Unread):
+            return self.unread(rebuild(info.error), "in the worker")
+        return rebuild(info)
 
     def _fail(self, sink: Sink, error: BaseException) -> None:
         if isinstance(sink, Chunk):

@@ -9,7 +9,14 @@ whose large buffers (numpy arrays, anything offering protocol 5's out-of-band bu
 page-aligned in a second sealed memfd. Every worker of the loader maps both and unpickles
 at the same time as the others; the buffers are not copied into any worker (a worker
 maps them copy-on-write, as a fork would share them). An object a worker holds already
-travels as a ``Held`` reference of a few bytes."""
+travels as a ``Held`` reference of a few bytes.
+
+A worker keeps the bytes it was sent with its copy (``_Copy``): each lease starts from the
+objects as the parent sent them. What a lease did to the copy (a ``worker_init_fn`` that
+narrows an ``IterableDataset`` to its shard, a ``__getitem__`` that caches) is undone by
+making the copy again from the bytes, right after the lease, unless a snapshot of the copy
+(``_snapshot``) proves it unchanged; the parent does no work for it. The bytes cost the
+worker what the pickle takes (a memfd's pages are shared by the workers that keep them)."""
 
 from __future__ import annotations
 
@@ -20,11 +27,12 @@ import os
 import pickle
 import weakref
 from multiprocessing.reduction import DupFd
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from . import _pickling, _shm
+from . import _pickling, _shm, _watch
+from ._snapshot import Snapshot
 
-__all__ = ["Forgetting", "Held", "Shipment"]
+__all__ = ["Forgetting", "Held", "Shipment", "settle"]
 
 #: A pickle stream up to this size travels inside the lease's message.
 INLINE = 1 << 20
@@ -36,26 +44,122 @@ _PAGE = mmap.PAGESIZE
 
 # -- the worker's side ------------------------------------------------------------------------
 
-#: What this worker holds: key -> object.
-_kept: Dict[int, Any] = {}
+
+class _Copy:
+    """What a worker keeps of a shipment: the bytes it was sent (the pickle stream, inline
+    or a sealed memfd; the memfd of its out-of-band buffers; the fds its objects named),
+    the copy of the objects it made from them, and a snapshot of that copy as it was made.
+    Before each use the copy is checked against the snapshot: a copy that may have changed
+    (a ``worker_init_fn`` narrowed it, ``__getitem__`` or ``__iter__`` wrote to it) is made
+    again from the bytes, so that every lease starts from the objects as the parent sent
+    them."""
+
+    def __init__(
+        self,
+        stream: Any,
+        size: int,
+        buffers: Optional[int],
+        layout: Sequence[Tuple[int, int]],
+        fds: List[int],
+    ) -> None:
+        self.stream = stream
+        self.size = size
+        self.buffers = buffers
+        self.layout = layout
+        self.fds = fds
+        self.keys: Set[int] = set()
+        #: The key of each object (None: not kept).
+        self.keys_at: List[Optional[int]] = []
+        #: The indices of the objects the parent dropped (the others are still kept).
+        self.dropped: Set[int] = set()
+        self.objects: Tuple[Any, ...] = ()
+        self.snapshot = Snapshot(None)
+
+    def build(self) -> Tuple[Any, ...]:
+        """A new copy of the objects, from the bytes."""
+        self.objects, self.snapshot = (), Snapshot(None)
+        owned = [os.dup(fd) for fd in self.fds]
+        objects = _unpickle(self.stream, self.size, self.buffers, self.layout, owned)
+        self._keep(objects)
+        return objects
+
+    def _keep(self, objects: Tuple[Any, ...]) -> None:
+        self.objects = tuple(None if i in self.dropped else o for i, o in enumerate(objects))
+        self.snapshot = Snapshot.take(self.objects)
+
+    def drop(self, key: int) -> None:
+        """The parent dropped the object of ``key``: so does the copy (unless another object
+        of the copy refers to it)."""
+        self.keys.discard(key)
+        self.dropped.update(i for i, k in enumerate(self.keys_at) if k == key)
+        self._keep(self.objects)
+
+    def fresh(self) -> Tuple[Any, ...]:
+        """The copy, made again first unless it is proven unchanged."""
+        if not self.snapshot.same(self.objects):
+            self.build()
+        return self.objects
+
+    def close(self) -> None:
+        self.objects = ()
+        owned = [*self.fds, *(fd for fd in (self.buffers,) if fd is not None)]
+        if not isinstance(self.stream, bytes):
+            owned.append(self.stream)
+        self.fds, self.buffers, self.stream = [], None, b""
+        for fd in owned:
+            os.close(fd)
+
+
+#: What this worker holds: key -> (the copy, the index of the object in it, whether the key
+#: is that object's ``__self__``: the object of a bound method).
+_kept: Dict[int, Tuple[_Copy, int, bool]] = {}
+#: The copies the lease under way used (see ``settle``).
+_used: Dict[int, _Copy] = {}
 
 
 def _forget(keys: Sequence[int]) -> None:
     """Drops the objects the parent no longer holds."""
     for key in keys:
-        _kept.pop(key, None)
+        held = _kept.pop(key, None)
+        if held is None:
+            continue
+        copy = held[0]
+        if copy.keys == {key}:
+            _used.pop(id(copy), None)
+            copy.close()
+        else:
+            copy.drop(key)
 
 
 def _held(key: int, method: Optional[str] = None) -> Any:
-    """An object this worker received in an earlier lease (or its bound ``method``)."""
+    """An object this worker received in an earlier lease (or its bound ``method``), as the
+    parent sent it."""
     try:
-        obj = _kept[key]
+        copy, index, self_of = _kept[key]
     except KeyError:
         raise LookupError(
             f"tether.Pool worker (pid {os.getpid()}) was sent a reference to object {key}, "
             "which it does not hold"
         ) from None
+    _used[id(copy)] = copy
+    obj = copy.fresh()[index]
+    if self_of:
+        obj = obj.__self__
     return obj if method is None else getattr(obj, method)
+
+
+def settle() -> None:
+    """After a lease: makes again, while the worker is idle, the copies the lease may have
+    changed, so that the next loader does not wait for it. A copy that fails to build is
+    built again when next used (and reports its error then)."""
+    copies = list(_used.values())
+    _used.clear()
+    for copy in copies:
+        if copy.keys:
+            try:
+                copy.fresh()
+            except Exception:  # noqa: BLE001 - reported by the lease that uses it
+                copy.objects, copy.snapshot = (), Snapshot(None)
 
 
 def _part(bundle: Tuple[Any, ...], index: int) -> Any:
@@ -63,12 +167,39 @@ def _part(bundle: Tuple[Any, ...], index: int) -> Any:
 
 
 def _map(fd: int, size: int, writable: bool) -> mmap.mmap:
+    if writable:  # copy-on-write: what the worker writes stays its own, as after a fork
+        return mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+
+
+def _unpickle(
+    stream: Any,
+    size: int,
+    buffers: Optional[int],
+    layout: Sequence[Tuple[int, int]],
+    owned: List[int],
+) -> Tuple[Any, ...]:
+    """Unpickles a shipment's bytes (``stream``: bytes, or the fd of a memfd; ``buffers``:
+    the fd of the out-of-band buffers' memfd); ``owned`` are fds the objects claim."""
+    data: Any = stream
+    mapped = None
+    if not isinstance(stream, bytes):
+        mapped = _map(stream, size, writable=False)
+        data = memoryview(mapped)
+    views: List[memoryview] = []
+    if buffers is not None:
+        mapping = _map(buffers, layout[-1][0] + layout[-1][1], writable=True)
+        _watch.register_private(mapping)  # what the worker writes there, it can tell
+        whole = memoryview(mapping)
+        views = [whole[offset : offset + length] for offset, length in layout]
+        del whole, mapping
     try:
-        if writable:  # copy-on-write: what the worker writes stays its own, as after a fork
-            return mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        bundle: Tuple[Any, ...] = _pickling.loads(data, owned, views)
     finally:
-        os.close(fd)
+        if mapped is not None:
+            data.release()
+            mapped.close()
+    return bundle
 
 
 def _received(
@@ -80,28 +211,29 @@ def _received(
     fds: Sequence[Any],
 ) -> Tuple[Any, ...]:
     """Unpickles a shipment (see ``Shipment``): the loader's objects, one pickle, so that
-    what they share stays shared; keeps each that has a key (a bound method: its object)."""
+    what they share stays shared. When it has objects to keep, the worker keeps the bytes
+    too (see ``_Copy``)."""
     owned = [ref.detach() for ref in fds]
-    data: Any = stream
-    mapped = None
-    if not isinstance(stream, bytes):
-        mapped = _map(stream.detach(), size, writable=False)
-        data = memoryview(mapped)
-    views: List[memoryview] = []
-    if buffers is not None:
-        whole = memoryview(_map(buffers.detach(), layout[-1][0] + layout[-1][1], writable=True))
-        views = [whole[offset : offset + length] for offset, length in layout]
-        del whole
-    try:
-        bundle: Tuple[Any, ...] = _pickling.loads(data, owned, views)
-    finally:
-        if mapped is not None:
-            data.release()
-            mapped.close()
-    for (key, method), obj in zip(keys, bundle):
-        if key is not None:
-            _kept[key] = obj if method is None else obj.__self__
-    return bundle
+    stream = stream if isinstance(stream, bytes) else stream.detach()
+    buffers_fd = None if buffers is None else buffers.detach()
+    copy = _Copy(stream, size, buffers_fd, layout, owned)
+    if all(key is None for key, _ in keys):
+        try:
+            copy.fds = []  # the objects claim them
+            return _unpickle(stream, size, buffers_fd, layout, owned)
+        finally:
+            copy.close()
+    copy.keys_at = [key for key, _ in keys]
+    for index, (key, method) in enumerate(keys):
+        if key is not None and key not in copy.keys:
+            old = _kept.get(key)
+            if old is not None:
+                _forget([key])
+            _kept[key] = (copy, index, method is not None)
+            copy.keys.add(key)
+    _used[id(copy)] = copy
+    objects = copy.build()
+    return objects
 
 
 # -- the parent's side ------------------------------------------------------------------------

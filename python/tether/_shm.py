@@ -12,20 +12,22 @@ that says how much was asked, not a SIGBUS later.
 In a leased process, the storages of at least 64 KiB go back to the worker once their
 receiver let go of them, and are reused (see ``_recycle``).
 
-A tensor the program itself moves with ``share_memory_()`` still goes through torch's own
-path (it is moved in place, which only torch's C++ code can do)."""
+A tensor a worker sends that is not in shared memory yet (an item of a loader without
+batching, a view of a tensor the dataset made) moves into a memfd in place, once, as
+torch's ``share_memory_()`` moves it into ``/dev/shm``: every later send of it or of another
+view of its storage sends the same memory. A tensor the program itself moves with
+``share_memory_()`` still goes through torch's own path."""
 
 from __future__ import annotations
 
 import os
 import sys
-from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any, Callable, Tuple
 
 from . import _pickling, _recycle
 
-__all__ = ["install", "memfd", "memfd_storage"]
+__all__ = ["install", "memfd", "memfd_storage", "move_to_memfd"]
 
 _installed = False
 
@@ -105,9 +107,10 @@ def install() -> None:
 def _worker_reducer(
     torch: Any, reduce_storage: Callable[[Any], Tuple[Any, ...]], rebuild_fd: Callable[..., Any]
 ) -> Callable[[Any], Tuple[Any, ...]]:
-    """torch's storage reduction, but a CPU storage not in shared memory yet is copied into
-    a memfd first (torch would move it into ``/dev/shm``), and a storage this worker keeps
-    travels with what its receiver needs to give it back (``_recycle.rebuild``)."""
+    """torch's storage reduction, but a CPU storage not in shared memory yet moves into a
+    memfd first, in place (torch would move it into ``/dev/shm``), and a storage this
+    worker keeps travels with what its receiver needs to give it back
+    (``_recycle.rebuild``)."""
 
     def reduce(storage: Any) -> Tuple[Any, ...]:
         if (
@@ -116,13 +119,7 @@ def _worker_reducer(
             and storage.nbytes() > 0
             and torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
         ):
-            shared = memfd_storage(type(storage), storage.nbytes())
-            shared.copy_(storage)
-            storage = shared
-            # The copy owns the fd the message carries: it must live until it is sent.
-            owners = getattr(get_spawning_popen(), "owners", None)
-            if owners is not None:
-                owners.append(shared)
+            move_to_memfd(storage)
         kept = _recycle.sending(storage)
         reduced = reduce_storage(storage)
         if kept is None:
@@ -135,3 +132,21 @@ def _worker_reducer(
         return _recycle.rebuild, (*args, DupFd(page_fd), slot, generation)
 
     return reduce
+
+
+def move_to_memfd(storage: Any) -> None:
+    """Moves a CPU storage into a new memfd in place, as ``share_memory_()`` moves one into
+    ``/dev/shm``: every tensor and view of it reads the memfd from now on, so that sending
+    it again, or another view of it, sends the same memory (one fd, mapped once by its
+    receiver). Where torch cannot swap a storage's memory, torch's own move does it."""
+    if not hasattr(storage, "_swap_data_ptr_"):
+        storage.share_memory_()
+        return
+    size = storage.nbytes()
+    fd = memfd(f"tether.Pool worker (pid {os.getpid()})", "a tensor", size)
+    try:
+        shared = type(storage)._new_shared_fd_cpu(fd, size)  # maps its own duplicate
+    finally:
+        os.close(fd)
+    shared.copy_(storage)
+    storage._swap_data_ptr_(shared)  # `shared` now holds the old memory, freed with it

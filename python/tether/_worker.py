@@ -14,11 +14,13 @@ A task's bytes unpickle to one of:
 - ``(CALL, fn, args, kwargs)``: its result is ``fn(*args, **kwargs)``;
 - ``(CHUNK, fn, calls)``: items of a ``map``; its result is a list with one entry per item,
   ``(True, value)`` or ``(False, error)``; when that list does not pickle whole, each entry
-  is pickled on its own and the list holds ``(None, bytes)`` entries.
+  is pickled on its own (``_pickling.Nested``, with the message's fds): an entry that does
+  not pickle becomes its pickling error, the others keep their results.
 
 An error (an exception raised by the task, or met while unpickling the task or pickling
 its result) travels as ``(type name, message, traceback text, pickled exception or None)``,
-so that the pool can rebuild the exception, or describe it when it cannot cross.
+so that the pool can rebuild the exception, or describe it when it cannot cross; one met
+while unpickling the task travels in an ``Unread``: that task never ran.
 
 Whatever a task leaves is cleaned up before the next: the channels it received are closed,
 torch's DataLoader worker info is reset, and after a short idle time the garbage collector
@@ -36,9 +38,9 @@ import os
 import random
 import sys
 import traceback
-from typing import Any, Callable, Dict, Final, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Final, List, NamedTuple, Optional, Sequence, Tuple
 
-from . import _channel, _child, _native, _pickling, _recycle, _shm
+from . import _channel, _child, _native, _pickling, _recycle, _shipment, _shm
 
 #: What a task's bytes hold (see the module's documentation).
 CALL = 0
@@ -56,6 +58,12 @@ _seeded_by_lease = False
 
 #: An exception as it travels: type name, message, traceback text, pickled exception.
 ErrorInfo = Tuple[str, str, str, Optional[bytes]]
+
+
+class Unread(NamedTuple):
+    """The outcome of a task this worker could not unpickle (it never ran): the error."""
+
+    error: ErrorInfo
 
 
 def describe(exc: BaseException) -> ErrorInfo:
@@ -94,8 +102,8 @@ def _dump(value: Any, collector: _pickling.FdCollector) -> bytes:
 
 
 def _dump_entries(entries: List[Any]) -> Tuple[bytes, _pickling.FdCollector]:
-    """A chunk's entries, pickled whole, or else one by one (an entry that does not pickle
-    becomes its pickling error)."""
+    """A chunk's entries, pickled whole, or else one by one, each with the fds it names (an
+    entry that does not pickle becomes its pickling error)."""
     collector = _pickling.FdCollector()
     try:
         return _dump(entries, collector), collector
@@ -105,9 +113,10 @@ def _dump_entries(entries: List[Any]) -> Tuple[bytes, _pickling.FdCollector]:
     single = []
     for ok, value in entries:
         try:
-            single.append((None, _dump((ok, value), collector)))
+            data = _dump((ok, value), collector)
         except BaseException as exc:  # noqa: BLE001
-            single.append((None, _dump((False, describe(exc)), collector)))
+            data = _dump((False, describe(exc)), collector)
+        single.append(_pickling.Nested(data))
     return _dump(single, collector), collector
 
 
@@ -121,19 +130,19 @@ def _run_task(
     try:
         task = _pickling.loads(blob, fds)
     except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling included
-        return ERROR, _dump(describe(exc), _pickling.FdCollector()), [], None
+        return ERROR, _dump(Unread(describe(exc)), _pickling.FdCollector()), [], None
     _shm.install()
     if task[0] == CHUNK:
         entries = _run_chunk(end, task[1], task[2])
         data, collector = _dump_entries(entries)
-        return OK, data, collector.fds, (task, entries, collector.owners)
+        return OK, data, collector.fds, (task, entries)
     ok, value = _call(task[1], task[2], task[3])
     collector = _pickling.FdCollector()
     try:
         data = _dump(value, collector)
     except BaseException as exc:  # noqa: BLE001 - SystemExit in a __reduce__ included
         return ERROR, _dump(describe(exc), _pickling.FdCollector()), [], (task, value)
-    return (OK if ok else ERROR), data, collector.fds, (task, value, collector.owners)
+    return (OK if ok else ERROR), data, collector.fds, (task, value)
 
 
 def _run_batch(
@@ -209,6 +218,7 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
         _channel.end_task_scope()
         _reset_after_lease()
         _seeded_by_lease = True
+        _shipment.settle()
 
 
 def _reset_after_lease() -> None:

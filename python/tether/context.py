@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import multiprocessing.context
 import os
+import queue
 import signal
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
 from . import _channel, _native, _words
+from ._pool_runs import Run
 
 __all__ = ["Leased", "Leaser", "PoolContext", "PoolProcess"]
 
@@ -35,12 +37,14 @@ _END_RECORD_WAIT = 5.0
 
 class Leased(NamedTuple):
     """What the pool gives a process it started: its lease, whether the target is torch's
-    DataLoader worker loop (for torch's wording of failures), and the tether queues that
-    travelled with the call (they watch the process)."""
+    DataLoader worker loop (for torch's wording of failures), the tether queues that
+    travelled with the call (they watch the process), and the DataLoader iterator's run it
+    belongs to (see ``_pool_runs``)."""
 
     lease: _native.Lease
     dataloader: bool
     channels: List[Any]
+    run: Optional[Run] = None
 
 
 class Leaser(Protocol):
@@ -92,6 +96,8 @@ class PoolProcess:
         self.daemon = bool(daemon)
         self._lease: Optional[_native.Lease] = None
         self._dataloader = False
+        self._run: Optional[Run] = None
+        self._joined = False
         self._reported = False
         #: The process that made this one; a copy in another process (a fork) is inert.
         self._owner = os.getpid()
@@ -111,7 +117,7 @@ class PoolProcess:
         target = self._target if self._target is not None else _run_method
         args = self._args if self._target is not None else (self,)
         leased = self._leaser.lease(target, args, self._kwargs, self._keep_datasets)
-        self._lease, self._dataloader = leased.lease, leased.dataloader
+        self._lease, self._dataloader, self._run = leased.lease, leased.dataloader, leased.run
         for channel in leased.channels:
             if isinstance(channel, _channel.Queue):
                 channel.watch(self)
@@ -136,16 +142,22 @@ class PoolProcess:
         return self._lease if self._owner == os.getpid() else None
 
     def is_alive(self) -> bool:
+        """True while the target runs; and, when the pool took the worker back from its
+        DataLoader iterator, until the process is joined: the error the iterator's queue
+        raises then is the one to report, not a death."""
         lease = self._ours()
-        return lease is not None and lease.end() is None
+        if lease is None:
+            return False
+        taken_back = self._run is not None and self._run.taken_back is not None
+        return lease.end() is None or (taken_back and not self._joined)
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Waits until the target has returned (or its worker died), up to ``timeout``."""
         if self._lease is None:
             raise AssertionError("can only join a started process")
         lease = self._ours()
-        if lease is not None:
-            lease.wait(timeout)
+        if lease is not None and lease.wait(timeout) is not None:
+            self._joined = True
 
     def terminate(self) -> None:
         """Stops the target by killing its worker with SIGTERM (the pool replaces it).
@@ -193,6 +205,8 @@ class PoolProcess:
         if end is None:
             return None
         self._reported = True
+        if self._run is not None and self._run.taken_back is not None:
+            return self._run.error()
         if end.code == 0:
             return None
         pid = self._lease.pid
@@ -277,28 +291,47 @@ class PoolContext(multiprocessing.context.BaseContext):
 
 
 class _LoaderQueue(_channel.Queue):
-    """A queue of a pool context, as its maker sees it: an error a DataLoader worker sent
-    (torch's ``ExceptionWrapper``) is re-raised without a reference cycle, so that an
-    iterator that raised and was dropped gives its workers back at once (torch's own
-    ``reraise`` keeps the exception in a local of its frame, which its traceback holds:
+    """A queue of a pool context, as its maker sees it. When it is a DataLoader iterator's
+    data queue, it tells the iterator's run (``_pool_runs``) when the iterator's ``next()``
+    raised, and raises the run's error once the pool took its workers back. An error a
+    worker sent (torch's ``ExceptionWrapper``) is re-raised without a reference cycle, so
+    that an iterator that raised and was dropped gives its workers back at once (torch's
+    own ``reraise`` keeps the exception in a local of its frame, which its traceback holds:
     the dropped iterator would wait for the garbage collector, holding the workers)."""
 
+    #: The run of the DataLoader iterator whose data queue this is (set by the pool).
+    run: Optional[Run] = None
+
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
-        item = super().get(block, timeout)
+        run = self.run
+        if run is None:
+            item = super().get(block, timeout)
+        else:
+            run.check()
+            run.using()
+            try:
+                item = super().get(block, timeout)
+            except queue.Empty:
+                raise
+            except BaseException as exc:
+                run.failed(type(exc).__name__)
+                raise
         if type(item) is tuple and len(item) == 2:
-            _acyclic(item[1])
+            _acyclic(item[1], run)
         return item
 
 
 _acyclic_classes: Dict[type, type] = {}
 
 
-def _acyclic(data: Any) -> None:
-    """Gives a torch ``ExceptionWrapper`` a ``reraise`` that leaves no reference cycle."""
+def _acyclic(data: Any, run: Optional[Run] = None) -> None:
+    """Gives a torch ``ExceptionWrapper`` a ``reraise`` that leaves no reference cycle (and
+    tells ``run`` when it raises)."""
     utils = sys.modules.get("torch._utils")
     wrapper = getattr(utils, "ExceptionWrapper", None)
     if wrapper is None or not isinstance(data, wrapper) or type(data) in _acyclic_classes.values():
         return
+    data._tether_run = run
     cls = _acyclic_classes.get(type(data))
     if cls is None:
         cls = type(
@@ -318,6 +351,9 @@ def _reraise(self: Any) -> None:
         error = caught
     if error is None:
         return
+    run = getattr(self, "_tether_run", None)
+    if run is not None:
+        run.failed(type(error).__name__)
     error.__traceback__ = None
     try:
         raise error

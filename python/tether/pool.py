@@ -101,12 +101,14 @@ class Pool(concurrent.futures.Executor):
 
         With ``keep_datasets`` (the default), the workers keep the dataset, ``collate_fn``
         and ``worker_init_fn`` a loader sent them for as long as this process holds those
-        objects, and a later loader over the same objects sends none of them: torch's
-        ``persistent_workers`` contract, across loaders. The next loader sees an attribute
-        of the dataset rebound (at any depth of its attributes) and a torch tensor in it
-        changed in place; any other change in place after ``refresh(dataset)``. With
-        ``keep_datasets=False``, every iterator sends them anew, as it finds them (fork's
-        semantics); either way they are pickled once per loader, not once per worker."""
+        objects, and a later loader over the same objects sends none of them, unless what
+        pickling them would send now cannot be proven to be what was sent (any change, at
+        any depth; see the README): then it sends them again, so that the workers never
+        read a stale dataset. Each loader starts from the objects as they were sent: what
+        a worker changed in its copy (in ``worker_init_fn``, ``__getitem__``, ``__iter__``)
+        is undone. With ``keep_datasets=False``, every iterator sends them anew; either
+        way they are pickled once per loader, not once per worker.
+        """
         ref = self._contexts.get(keep_datasets)
         context = None if ref is None else ref()
         if context is None:
@@ -115,9 +117,10 @@ class Pool(concurrent.futures.Executor):
         return context
 
     def refresh(self, dataset: Any = None) -> None:
-        """Makes the next loader send ``dataset`` (every object the workers keep, when
-        None) again, so that its workers see changes made in place that the pool cannot
-        notice (an item appended to a list it holds, a numpy array written to)."""
+        """Makes the next loader send again every kept object that holds ``dataset``
+        (itself, or a ``Subset``, a ``ConcatDataset``... of it, at any depth; every kept
+        object, when None): its workers unpickle it afresh (its ``__setstate__`` runs
+        again, and re-reads what it reads)."""
         self._core.leases.kept.refresh(dataset)
 
     def pids(self) -> List[int]:
@@ -155,7 +158,9 @@ class Pool(concurrent.futures.Executor):
         """Stops the pool: no new tasks; with ``cancel_futures`` every task not started is
         cancelled, wherever it waits; the others finish. With ``wait`` this returns once
         they are done and every worker has exited (otherwise that happens in the
-        background). Workers still leased to a DataLoader are killed."""
+        background). Every DataLoader iterator's workers are taken back, within a grace
+        period of a few seconds (a worker loop that does not end by then is killed): an
+        iterator's next ``next()`` then raises an error that says so."""
         self._core.shutdown(wait, cancel_futures)
 
     def __repr__(self) -> str:

@@ -11,6 +11,7 @@ mod cli;
 mod convert;
 mod error;
 mod group;
+mod plain;
 mod share;
 mod stacks;
 mod wait;
@@ -112,6 +113,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     share::register(m)?;
     stacks::register(m)?;
     workers::register(m)?;
+    plain::register(m)?;
     m.add_function(wrap_pyfunction!(setup_forked_child, m)?)?;
     m.add_function(wrap_pyfunction!(signal_name, m)?)?;
     m.add_function(wrap_pyfunction!(signal_hint, m)?)?;

@@ -165,6 +165,11 @@ impl WorkerSet {
                 .any(|w| w.unanswered().next().is_some())
     }
 
+    /// How many tasks wait for a worker (queued here, not sent to any).
+    pub fn queued(&self) -> usize {
+        self.lock().pending.len()
+    }
+
     /// The pids of the workers in the table.
     pub fn pids(&self) -> Vec<i32> {
         self.lock()

@@ -217,6 +217,7 @@ fn a_death_fails_the_running_task_and_requeues_the_unstarted() -> Result<(), Wor
     assert!(death.lost.is_empty());
     assert_eq!(answers(&events), vec![(1, "a".to_string())]);
     assert!(set.busy(), "3 and 4 wait for a worker");
+    assert_eq!(set.queued(), 2, "queued, sent to no worker");
     let fresh = start_worker(&set, 0)?;
     assert_ne!(fresh, pid);
     let events = collect(&set, |e| answers(e).len() == 2)?;

@@ -192,6 +192,11 @@ impl WorkerSet {
         self.inner.busy()
     }
 
+    /// How many tasks wait for a worker (queued, not sent to any).
+    fn queued(&self) -> usize {
+        self.inner.queued()
+    }
+
     fn pids(&self) -> Vec<i32> {
         self.inner.pids()
     }

@@ -1,0 +1,60 @@
+"""Containers of plain values, and the proof that one still holds the very values it held.
+
+A *plain* value is one that nothing can change: ``None``, a bool, an int, a float, a complex,
+a str, a bytes (exact types, not subclasses), and a tuple or frozenset of plain values. A
+big container of them (an ImageFolder's list of 1,281,167 ``(path, class)`` tuples) is
+proven unchanged without looking at its items one by one: a *shadow* of it, a tuple that
+holds the items it held (strong references: an item that was freed cannot be mistaken for
+a new one at its address), is compared with it pointer by pointer, in one comparison of
+their item arrays (``_native.same_items``: about 0.4 ms for the ImageFolder's list here,
+with the GIL held, so that no thread changes the list meanwhile). The shadow costs 8 bytes
+per item, and the items it holds stay alive while it does. Telling whether a list's items
+are plain takes one look at each (``_native.plain_items``: about 30 ms for that list)."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any, Tuple
+
+from . import _native
+
+__all__ = ["ATOMS", "is_plain", "plain_items", "same_items"]
+
+#: The types of the plain values that are not containers (exact types).
+ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+_NESTING = frozenset({tuple, frozenset})
+
+
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is plain (see the module's documentation)."""
+    kind = type(value)
+    if kind in ATOMS:
+        return True
+    return kind in _NESTING and plain_items(value)
+
+
+def plain_items(items: Any) -> bool:
+    """Whether every item of ``items`` (a list, a tuple, a frozenset, a dict's keys or
+    values) is plain."""
+    native = _native.plain_items(items)
+    if native is not None:
+        return native
+    level: Any = items
+    while True:  # one pass per level of nesting, at C speed
+        kinds = set(map(type, level))
+        if kinds <= ATOMS:
+            return True
+        if not kinds <= ATOMS | _NESTING:
+            return False
+        level = list(
+            itertools.chain.from_iterable(item for item in level if type(item) in _NESTING)
+        )
+
+
+def same_items(current: Any, shadow: Tuple[Any, ...]) -> bool:
+    """Whether the list or tuple ``current`` holds exactly the objects of ``shadow``, in
+    order (identity, not equality)."""
+    if type(current) in (list, tuple):
+        return _native.same_items(current, shadow)
+    return len(current) == len(shadow) and all(map(operator.is_, current, shadow))
