@@ -389,6 +389,18 @@ def test_a_pool_keeps_a_dataset_that_holds_a_shared_list_and_sees_it_rebound(mon
     assert reduced == []
 
 
+def test_a_pool_proves_a_shared_list_unchanged_by_its_identity_whatever_its_size():
+    from tether._snapshot import Snapshot
+
+    big = helpers.KeptSamples(tether.share(helpers.samples(200_000)))
+    small = helpers.KeptSamples(tether.share(helpers.samples(3)))
+    snapshot = Snapshot.take(big)
+    assert snapshot.proves and len(snapshot) == len(Snapshot.take(small))
+    assert snapshot.same(big) and not snapshot.same(small)
+    big.samples = tether.share(helpers.samples(200_000))  # equal, but another copy
+    assert not snapshot.same(big)
+
+
 def test_spawn_ranks_map_the_same_pages(start_method):
     shared = tether.share(helpers.samples(500))
     queue = multiprocessing.get_context("spawn").SimpleQueue()

@@ -218,6 +218,10 @@ class SharedDict(_native.SharedItems, Mapping):
     pop = popitem = clear = update = setdefault = _refused
 
 
+#: The shared objects' classes.
+SHARED = (SharedList, SharedDict)
+
+
 def _memfd_name(kind: str, values: Any) -> str:
     """What the memfd is called in ``/proc/PID/maps`` (``/memfd:tether.share ...``)."""
     return f"tether.share: {kind} of {len(values)} items"
