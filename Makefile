@@ -112,6 +112,7 @@ bench: build
 	$(PY) bench/loaders.py
 	$(PY) bench/executor.py
 	$(PY) bench/stacks.py
+	$(PY) bench/share.py
 	$(PY) bench/gpu_check.py
 
 clean:

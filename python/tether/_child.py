@@ -29,6 +29,19 @@ from . import _native, _report
 
 HEADER = struct.Struct("<IQQ")
 
+#: The job this process is a rank of, when it is a child of ``tether.spawn`` (which names
+#: each call's job: ``tether.share``'s key form meets the job's other ranks under it), and
+#: its rank there; None otherwise. Not in the environment: a child's is its caller's, exactly.
+job_id: Optional[str] = None
+job_rank: Optional[int] = None
+
+
+def enter_job(job: Optional[str], rank: int) -> None:
+    """Makes this process rank ``rank`` of the job ``job`` (nothing without a job)."""
+    global job_id, job_rank
+    if job is not None:
+        job_id, job_rank = job, rank
+
 
 def exit_code(exc: SystemExit) -> int:
     """The exit status the interpreter would give ``exc``, printing its message if any."""
@@ -150,6 +163,7 @@ def run_payload(
         if setup_error is not None:
             raise setup_error
         data = pickle.loads(prep)
+        enter_job(data.pop("tether_job", None), rank)
         set_title(data.pop("tether_title", None), rank)
         install_stacks(data.pop("tether_stacks_channel", None))
         _prepare(data)
@@ -230,11 +244,13 @@ def run_forked(
     from_main_thread: bool,
     title: Optional[Title] = None,
     stacks_channel: Optional[_native.StacksChannel] = None,
+    job: Optional[str] = None,
 ) -> NoReturn:
     """Entry point of a fork child, right after ``os.fork()``; never returns."""
     code = 1
     try:
         _native.setup_forked_child(parent_pid, from_main_thread)
+        enter_job(job, rank)
         install_stacks(stacks_channel)
         set_title(title, rank)
         signal.signal(signal.SIGINT, signal.default_int_handler)

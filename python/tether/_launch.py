@@ -94,6 +94,8 @@ class Start(NamedTuple):
     keep_fds: Sequence[int]
     close_in_child: Sequence[int]
     title: _child.Title
+    #: The job's id, given to every child (see ``_child.enter_job``).
+    job: Optional[str] = None
 
 
 class Starter(NamedTuple):
@@ -117,6 +119,7 @@ def start(
     keep_fds: Sequence[int] = (),
     close_in_child: Sequence[int] = (),
     title: Optional[_child.Title] = None,
+    job: Optional[str] = None,
 ) -> _native.Group:
     """Starts ``fn(rank, *args)`` for each rank with ``method`` and returns the group that
     supervises them (member n runs ``ranks[n]``). The children inherit the standard
@@ -124,12 +127,13 @@ def start(
     ``preload`` chooses the zygote (forkserver); ``close_in_child`` are fds a fork child
     closes at once (a fork copies every fd of this process); ``title`` is what each child
     says it is in ``ps`` and ``/proc/PID/comm`` (two templates with ``{rank}``; by default
-    a rank running the function). On an error, no child of the call is left running and
-    no fd made for it is left open."""
+    a rank running the function); ``job`` names the job to every child (where
+    ``tether.share``'s key form meets). On an error, no child of the call is left
+    running and no fd made for it is left open."""
     check_start_method(method, "tether")
     title = title or rank_title(fn, method)
-    job = Start(fn, args, ranks, preload, keep_fds, close_in_child, title)
-    return STARTERS[method].start(job)
+    start = Start(fn, args, ranks, preload, keep_fds, close_in_child, title, job)
+    return STARTERS[method].start(start)
 
 
 def _pickled(job: Start, stacks_channel: bool) -> Tuple[bytes, bytes, List[int]]:
@@ -139,6 +143,8 @@ def _pickled(job: Start, stacks_channel: bool) -> Tuple[bytes, bytes, List[int]]
     popen = _pickling.FdCollector(inherit=True)
     data = _preparation_data(popen)
     data["tether_title"] = job.title
+    if job.job is not None:
+        data["tether_job"] = job.job
     if stacks_channel:
         channel = _native.stacks_fd()
         fd = popen.duplicate_for_child(channel.fd)
@@ -159,6 +165,11 @@ def _start_forkserver(job: Start) -> _native.Group:
     payload = _child.make_payload(0, prep, work)
     _zygote.get(job.preload).fork(group, job.ranks, shared, payload)
     return group
+
+
+def new_job_id() -> str:
+    """A new job's id: unique on this machine (this process's pid) and beyond (random)."""
+    return f"{os.getpid()}-{os.urandom(8).hex()}"
 
 
 def rank_title(fn: Callable[..., Any], method: str) -> _child.Title:
@@ -243,7 +254,7 @@ def _fork_one(
             except OSError:
                 pass
         _child.run_forked(
-            job.fn, rank, job.args, write_fd, parent, from_main, job.title, stacks_channel
+            job.fn, rank, job.args, write_fd, parent, from_main, job.title, stacks_channel, job.job
         )
     os.close(write_fd)
     try:

@@ -24,7 +24,7 @@ def _user_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:
     return tb
 
 
-def _pickled(exc: BaseException) -> bytes:
+def pickled(exc: BaseException) -> bytes:
     """The pickled exception, or nothing when it does not pickle (whatever its ``__reduce__``
     raises: ``SystemExit`` and ``KeyboardInterrupt`` included). An exception class of a
     ``__main__`` without a file travels by value (no fd travels with a report: tether's
@@ -48,7 +48,7 @@ def encode(exc: BaseException) -> bytes:
     except BaseException as error:  # noqa: BLE001 - a broken __str__ or __repr__
         text = f"{type(exc).__qualname__}: <cannot format the exception: {error!r}>\n"
     type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return bytes(_native.encode_report(type_name, text.encode(errors="replace"), _pickled(exc)))
+    return bytes(_native.encode_report(type_name, text.encode(errors="replace"), pickled(exc)))
 
 
 def write(fd: int, exc: BaseException) -> None:

@@ -7,6 +7,8 @@ decides how to save an object:
   class's members likewise;
 - any other class, function or module travels by reference: compared by identity;
 - a torch tensor or a numpy array: see ``_snapshot_data``;
+- a ``tether.share`` list or dict: read-only, it travels as its memfd: by identity, in one
+  token whatever its size;
 - an object of a type pickle reduces with a registered function (a bound method, a
   ``functools.partial``, copyreg's table): that reduction, walked;
 - a socket, a connection, a storage, or another object registered with multiprocessing's
@@ -82,6 +84,9 @@ def _find_special(kind: type) -> Optional[Callable[..., None]]:
     numpy = sys.modules.get("numpy")
     if numpy is not None and kind is numpy.ndarray:
         return _snapshot_data.array
+    shared = sys.modules.get("tether._shared")
+    if shared is not None and issubclass(kind, shared.SHARED):
+        return _shared_copy
     table = _pickling.dispatch_table()
     reducer = table.get(kind)
     if reducer is None:
@@ -109,6 +114,12 @@ def _by_reducer(reducer: Callable[[Any], Any], walk: Walk, value: Any, push: Any
         what = type(value).__qualname__
         raise UnprovableError(f"the reduction of a {what} raised {exc!r}") from None
     reduced(walk, value, reduction, push)
+
+
+def _shared_copy(walk: Walk, value: Any, push: Any) -> None:
+    """A ``tether.share`` list or dict: read-only, it travels as its memfd, so it is the
+    same while it is the same object (compared by identity, whatever its size)."""
+    walk.emit_ref(value)
 
 
 def _unprovable(walk: Walk, value: Any, push: Any) -> None:

@@ -125,3 +125,20 @@ def spawn_note(index: int, pid: int, status: _native.ExitStatus) -> str:
 def status_unavailable(index: int, pid: int, status: _native.ExitStatus) -> str:
     """A spawned process whose status something else took."""
     return f"process {index} (pid {pid}): {status}; it counts as neither a success nor a failure"
+
+
+def who(rank: int, pid: int) -> str:
+    """A process of a job: "rank 2 (pid 4242)", or "the process of pid 4242" without a
+    rank."""
+    return f"rank {rank} (pid {pid})" if rank >= 0 else f"the process of pid {pid}"
+
+
+def share_builder_died(key: str, rank: int, pid: int, exitcode: Optional[int], me: str) -> str:
+    """The process building a shared key ended before it was done; ``me`` builds instead.
+    ``exitcode`` is None when its status was collected already."""
+    how = ended(exitcode) if exitcode is not None else "ended"
+    why = hint(exitcode) if exitcode is not None else None
+    return (
+        f"tether.share(key={key!r}): {who(rank, pid)}, which was building it, {how} before "
+        f"it was done" + (f"; {why}" if why else "") + f". {me} builds it instead"
+    )

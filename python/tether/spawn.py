@@ -65,8 +65,12 @@ class ProcessContext:
         start_method: str = "",
         what: str = "",
         timeout: Optional[float] = None,
+        copies: Any = None,
     ) -> None:
         self._group = group
+        #: The job's vault of shared copies (``tether.share``'s key form), kept until the
+        #: job ends.
+        self._copies = copies
         self._daemon = daemon
         #: The job's time limit in seconds, counted from now, or None.
         self.timeout = timeout
@@ -127,7 +131,7 @@ class ProcessContext:
         failed = self._group.first_failure()
         if failed is None:
             if settled:
-                self._done = True
+                self._done, self._copies = True, None
                 self._warn_unavailable()
             elif self._deadline is not None and time.monotonic() >= self._deadline:
                 raise self._time_out(grace)
@@ -135,7 +139,7 @@ class ProcessContext:
         if grace is not None:
             self._group.wait(None, _native.WaitFor.ALL, grace)
         self._stop(grace)
-        self._done = True
+        self._done, self._copies = True, None
         # Those stopped now fail later in time: the first failure stays the root cause.
         raise self._error(failed)
 
@@ -307,9 +311,16 @@ def start_processes(
             "of its parent. Start processes only under the usual guard in the main script:\n\n"
             "    if __name__ == '__main__':\n        ...\n"
         )
-    group = _launch.start(fn, args, range(nprocs), start_method, preload=preload)
+    from . import _share
+
+    job = _launch.new_job_id()
+    try:
+        copies: Any = _share.vault(job)
+    except OSError:  # out of fds or threads: the ranks still meet, only without it
+        copies = None
+    group = _launch.start(fn, args, range(nprocs), start_method, preload=preload, job=job)
     what = getattr(fn, "__qualname__", None) or repr(fn)
-    context = ProcessContext(group, daemon, start_method, what, timeout)
+    context = ProcessContext(group, daemon, start_method, what, timeout, copies)
     logger.debug(
         "started %d process(es) of %s with %s: %s", nprocs, what, start_method, group.pids()
     )

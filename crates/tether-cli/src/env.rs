@@ -1,9 +1,10 @@
-//! The environment of each rank: torchrun's variables; and what of it a node's zygote
-//! (warm ranks) gets: the variables every rank of every attempt shares, never those that
-//! differ between ranks or attempts.
+//! The environment of each rank: torchrun's variables and the job's id on this machine;
+//! and what of it a node's zygote (warm ranks) gets: the variables every rank of every
+//! attempt shares, never those that differ between ranks or attempts.
 
 use std::ffi::OsString;
 use std::path::Path;
+use std::sync::OnceLock;
 
 use crate::config::{Config, VirtualDevices};
 
@@ -15,6 +16,15 @@ fn virtual_devices(virt: &VirtualDevices, local_rank: usize) -> Vec<(&'static st
         vars.push(("HIP_VISIBLE_DEVICES", device));
     }
     vars
+}
+
+/// The id of this job on this machine (`TETHER_JOB_ID`), the same for every rank of every
+/// attempt: `tether.share`'s key form meets the other ranks of the job under it, and ranks
+/// of other jobs never. The launcher's pid makes it unique among the jobs running here, and
+/// a random part among all.
+pub fn job_id() -> &'static str {
+    static ID: OnceLock<String> = OnceLock::new();
+    ID.get_or_init(|| format!("{}-{}", std::process::id(), crate::config::random_id()))
 }
 
 /// The variables set for `local_rank` in restart `restart`. `omp_unset` says whether the
@@ -73,6 +83,7 @@ pub fn rank_env(
         "TORCHELASTIC_ERROR_FILE".into(),
         error_file.as_os_str().to_owned(),
     ));
+    env.push((tether_core::share::JOB_ENV.into(), job_id().into()));
     env
 }
 

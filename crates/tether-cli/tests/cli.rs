@@ -835,3 +835,26 @@ fn an_invalid_tether_log_is_a_warning_and_a_level_is_none() {
     let out = run_env(&args, &[("TETHER_LOG", "Warning")]);
     assert_eq!((out.code, out.stderr.as_str()), (Some(0), ""), "{out:?}");
 }
+
+#[test]
+fn the_ranks_of_a_job_share_one_job_id_and_another_job_has_another() {
+    let job_ids = || {
+        let out = run(&[
+            "run",
+            "-n",
+            "2",
+            "--no-python",
+            "--",
+            "sh",
+            "-c",
+            "echo TETHER_JOB_ID=$TETHER_JOB_ID",
+        ]);
+        assert_eq!(out.code, Some(0), "{out:?}");
+        let envs = env_of(&out.stdout);
+        let ids: Vec<String> = envs.values().map(|e| e["TETHER_JOB_ID"].clone()).collect();
+        assert_eq!(ids.len(), 2);
+        assert!(!ids[0].is_empty() && ids[0] == ids[1], "{ids:?}");
+        ids[0].clone()
+    };
+    assert_ne!(job_ids(), job_ids());
+}

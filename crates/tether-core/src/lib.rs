@@ -21,6 +21,8 @@
 //! - [`error`]: [`Error`], and the words that explain an errno.
 //! - `memfd`: sealed memfds and shared mappings, the memory shared between processes.
 //! - [`logging`]: `TETHER_LOG=info|debug` sends the runtime's events to stderr.
+//! - [`share`]: one copy of a dataset per machine: shared items in a sealed memfd, and the
+//!   meeting point where the ranks of a job find the copy of a key.
 //! - [`workers`]: a pool's worker set: its table of workers, task scheduling, deaths.
 
 pub mod attrs;
@@ -33,6 +35,7 @@ pub mod logging;
 mod memfd;
 pub mod proc;
 pub mod report;
+pub mod share;
 pub mod stacks;
 pub mod status;
 pub mod supervisor;

@@ -1,12 +1,13 @@
 //! Memfds, the memory tether-core shares between processes: a sealed memfd that carries a
-//! large message or a payload, and a shared mapping of one ([`SharedPages`]: a flag's page,
-//! a worker's gate). Nothing here lives in `/dev/shm`: every segment is freed with its last
-//! fd or mapping.
+//! large message or a payload, or a shared dataset's items ([`sealed_memfd`], read through a
+//! [`ReadOnlyMap`]), and a shared mapping of one ([`SharedPages`]: a flag's page, a worker's
+//! gate). Nothing here lives in `/dev/shm`: every segment is freed with its last fd or
+//! mapping.
 
 use std::io;
 use std::os::fd::OwnedFd;
 
-use rustix::fs::{fstat, ftruncate, memfd_create, MemfdFlags, SealFlags};
+use rustix::fs::{fstat, ftruncate, memfd_create, FallocateFlags, MemfdFlags, SealFlags};
 use rustix::io::Errno;
 use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 
@@ -26,6 +27,105 @@ pub(crate) fn payload_memfd(data: &[u8]) -> io::Result<OwnedFd> {
     }
     rustix::fs::fcntl_add_seals(&fd, SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW)?;
     Ok(fd)
+}
+
+/// A memfd named `name` holding `parts` one after the other, sealed against any change
+/// (write, shrink, grow, and further seals). Its pages are allocated before anything is
+/// written, so that running out of memory is an error here (ENOMEM, ENOSPC), never a SIGBUS
+/// when a page is first read.
+pub(crate) fn sealed_memfd(name: &str, parts: &[&[u8]]) -> io::Result<OwnedFd> {
+    let fd = memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+    let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+    if total > 0 {
+        rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, total)?;
+    }
+    let mut at = 0u64;
+    for part in parts {
+        let mut done = 0;
+        while done < part.len() {
+            match rustix::io::pwrite(&fd, &part[done..], at + done as u64) {
+                Ok(n) => done += n,
+                Err(Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        at += part.len() as u64;
+    }
+    let seals = SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL;
+    rustix::fs::fcntl_add_seals(&fd, seals)?;
+    Ok(fd)
+}
+
+/// A read-only shared mapping of a whole memfd sealed by [`sealed_memfd`] (in any process):
+/// its bytes never change and never shrink away while mapped, so they are a plain `&[u8]`.
+#[derive(Debug)]
+pub(crate) struct ReadOnlyMap {
+    base: *const u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only and its file sealed against writes: shared immutable bytes,
+// valid until `drop` unmaps them.
+unsafe impl Send for ReadOnlyMap {}
+// SAFETY: as above.
+unsafe impl Sync for ReadOnlyMap {}
+
+impl ReadOnlyMap {
+    /// Maps `fd`, which must be sealed against writes and shrinking (anything else could
+    /// change or vanish under a reader: refused as `InvalidData`).
+    pub(crate) fn of_sealed(fd: &OwnedFd) -> io::Result<ReadOnlyMap> {
+        let needed = SealFlags::WRITE | SealFlags::SHRINK;
+        let seals = rustix::fs::fcntl_get_seals(fd).map_err(|_| not_sealed())?;
+        if !seals.contains(needed) {
+            return Err(not_sealed());
+        }
+        let len = usize::try_from(fstat(fd)?.st_size).map_err(|_| not_sealed())?;
+        if len == 0 {
+            return Ok(ReadOnlyMap {
+                base: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+                len,
+            });
+        }
+        // SAFETY: a fresh read-only shared mapping of `len` bytes of a file that is at least
+        // that long and sealed against shrinking; nothing else refers to the address.
+        let base = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ,
+                MapFlags::SHARED,
+                fd,
+                0,
+            )?
+        };
+        Ok(ReadOnlyMap {
+            base: base.cast::<u8>().cast_const(),
+            len,
+        })
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: `len` readable bytes at `base` (or none), mapped until `self` drops, and
+        // never written (the file is sealed against writes).
+        unsafe { std::slice::from_raw_parts(self.base, self.len) }
+    }
+}
+
+fn not_sealed() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        "not a sealed memfd of tether's shared items",
+    )
+}
+
+impl Drop for ReadOnlyMap {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: the mapping made in `of_sealed`, unmapped once; no slice outlives
+            // `self` (`bytes` borrows it).
+            let _ = unsafe { munmap(self.base.cast_mut().cast::<std::ffi::c_void>(), self.len) };
+        }
+    }
 }
 
 pub(crate) fn read_memfd(fd: &OwnedFd, len: usize) -> io::Result<Vec<u8>> {

@@ -98,6 +98,18 @@ impl ExitStatus {
         }
     }
 
+    /// The status `waitpid` reports as `status` (an exit code in bits 8-15, or a signal in
+    /// the low 7 bits with the core-dump bit).
+    pub fn from_wait_status(status: i32) -> ExitStatus {
+        match status & 0x7f {
+            0 => ExitStatus::Exited((status >> 8) & 0xff),
+            signal => ExitStatus::Signaled {
+                signal,
+                core_dumped: status & 0x80 != 0,
+            },
+        }
+    }
+
     /// Classify the `si_code` / `si_status` pair that `waitid` reports for an exited child.
     pub fn from_siginfo(code: i32, status: i32) -> Option<ExitStatus> {
         match code {

@@ -12,6 +12,7 @@ mod convert;
 mod error;
 mod group;
 mod plain;
+mod share;
 mod stacks;
 mod wait;
 mod workers;
@@ -136,6 +137,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_BLANKS", tether_core::zygote::MAX_BLANKS)?;
     m.add("ZYGOTE_FDS_ENV", tether_core::zygote::FDS_ENV)?;
     cli::register(m)?;
+    share::register(m)?;
     stacks::register(m)?;
     workers::register(m)?;
     plain::register(m)?;

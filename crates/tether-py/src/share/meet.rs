@@ -1,0 +1,185 @@
+//! The meeting point of a shared dataset's key (tether-core's `share::meet`) for Python:
+//! `share_claim` binds it (a `ShareMeeting`: this process builds) or joins it (a
+//! `ShareWaiter`: another one does, or did). Every wait is [`crate::wait`]'s: without the
+//! GIL, Ctrl-C-aware.
+
+use std::os::fd::IntoRawFd;
+use std::sync::Mutex;
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tether_core::share::{
+    claim, meeting_name, vault_name, Claim, Meeting, Outcome, Vault, Waiter, Who,
+};
+
+use crate::convert::{Fd, Timeout};
+use crate::error::os_error;
+use crate::wait;
+
+fn who(rank: i64) -> Who {
+    Who {
+        rank,
+        pid: std::process::id(),
+    }
+}
+
+/// A meeting point this process holds: it builds the data (then `publish` or `fail`), or
+/// holds the data and answers later askers from a thread of its own.
+#[pyclass(module = "tether._native", frozen)]
+pub struct ShareMeeting {
+    inner: Meeting,
+}
+
+#[pymethods]
+impl ShareMeeting {
+    /// Holds the meeting point `name` received from another holder (`listener` and `memfd`
+    /// handed over), as the process of `rank`.
+    #[staticmethod]
+    fn hold(name: &[u8], listener: Fd, memfd: Fd, rank: i64) -> PyResult<ShareMeeting> {
+        let (listener, memfd) = (listener.take(), memfd.take());
+        let inner = Meeting::hold(name, listener, memfd, who(rank)).map_err(os_error)?;
+        Ok(ShareMeeting { inner })
+    }
+
+    /// Hands the built data to the job's vault listening at `vault`; False when there is
+    /// none.
+    fn hand_over(&self, vault: &[u8]) -> PyResult<bool> {
+        self.inner.hand_over(vault).map_err(os_error)
+    }
+
+    /// The data is built in `memfd` (lent: a duplicate is kept): waiters get it.
+    fn publish(&self, memfd: Fd) -> PyResult<()> {
+        let fd = memfd.borrow().try_clone_to_owned().map_err(os_error)?;
+        self.inner.publish(fd);
+        Ok(())
+    }
+
+    /// The build failed with `report`: waiters get it.
+    fn fail(&self, report: &[u8]) {
+        self.inner.fail(report.to_vec());
+    }
+
+    /// This process builds again: later askers wait.
+    fn rebuild(&self) {
+        self.inner.rebuild();
+    }
+
+    /// In a forked child: closes the child's copy of the listening socket.
+    fn close_after_fork(&self) {
+        self.inner.close_after_fork();
+    }
+}
+
+/// A process waiting at a meeting point.
+#[pyclass(module = "tether._native", frozen)]
+pub struct ShareWaiter {
+    inner: Mutex<Waiter>,
+}
+
+impl ShareWaiter {
+    fn waiter(&self) -> std::sync::MutexGuard<'_, Waiter> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[pymethods]
+impl ShareWaiter {
+    /// `(rank, pid)` of the builder, once its holder said the data is being built.
+    #[getter]
+    fn builder(&self) -> Option<(i64, u32)> {
+        self.waiter().builder().map(|w| (w.rank, w.pid))
+    }
+
+    /// Waits up to `timeout` seconds (for ever when None) for the outcome; None when it has
+    /// not come. The outcome is a tuple: `("ready", memfd, listener, rank, pid)` (fds handed
+    /// over), `("failed", report, rank, pid)`, `("died", rank, pid, exitcode)` (the builder
+    /// hung up before it was done; exitcode in multiprocessing's convention, None when
+    /// unknown) or `("lost",)` (the holder that accepted hung up first).
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<Option<PyObject>> {
+        let outcome = wait::until(py, Timeout::of(timeout), |slice| self.waiter().wait(slice))?;
+        let Some(outcome) = outcome else {
+            return Ok(None);
+        };
+        let tuple = match outcome {
+            Outcome::Ready {
+                memfd,
+                listener,
+                from,
+            } => {
+                let (memfd, listener) = (memfd.into_raw_fd(), listener.into_raw_fd());
+                ("ready", memfd, listener, from.rank, from.pid).into_pyobject(py)?
+            }
+            Outcome::Failed { report, from } => {
+                let report = PyBytes::new(py, &report);
+                ("failed", report, from.rank, from.pid).into_pyobject(py)?
+            }
+            Outcome::BuilderDied { builder, status } => {
+                let code = status.and_then(|s| s.as_exitcode());
+                ("died", builder.rank, builder.pid, code).into_pyobject(py)?
+            }
+            Outcome::Lost => ("lost",).into_pyobject(py)?,
+        };
+        Ok(Some(tuple.into_any().unbind()))
+    }
+}
+
+/// The vault of a job's shared copies (see tether-core's `share::vault`): started for the
+/// job `job`, it holds what the job's ranks hand over until it is dropped.
+#[pyclass(module = "tether._native", frozen, weakref)]
+pub struct ShareVault {
+    inner: Vault,
+}
+
+#[pymethods]
+impl ShareVault {
+    #[new]
+    fn new(job: &str) -> PyResult<ShareVault> {
+        let inner = Vault::start(job).map_err(os_error)?;
+        Ok(ShareVault { inner })
+    }
+
+    /// How many meeting points it holds.
+    #[getter]
+    fn held(&self) -> usize {
+        self.inner.held()
+    }
+
+    /// In a forked child: closes the child's copies of the vault's fds.
+    fn close_after_fork(&self) {
+        self.inner.close_after_fork();
+    }
+}
+
+/// The names of the meeting point of `key` in the job `job` and of the job's vault.
+#[pyfunction]
+pub fn share_names<'py>(
+    py: Python<'py>,
+    job: &str,
+    key: &str,
+) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
+    (
+        PyBytes::new(py, &meeting_name(job, key)),
+        PyBytes::new(py, &vault_name(job)),
+    )
+}
+
+/// Binds the meeting point `name` (an abstract socket name, without its leading NUL) as
+/// the process of `rank` (negative: none), or joins the process that holds it: a
+/// `ShareMeeting` or a `ShareWaiter`.
+#[pyfunction]
+pub fn share_claim(py: Python<'_>, name: &[u8], rank: i64) -> PyResult<PyObject> {
+    let claimed = py
+        .allow_threads(|| claim(name, who(rank)))
+        .map_err(os_error)?;
+    Ok(match claimed {
+        Claim::Build(inner) => Py::new(py, ShareMeeting { inner })?.into_any(),
+        Claim::Wait(waiter) => Py::new(
+            py,
+            ShareWaiter {
+                inner: Mutex::new(waiter),
+            },
+        )?
+        .into_any(),
+    })
+}
