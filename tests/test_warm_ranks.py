@@ -106,8 +106,9 @@ def comparable(record: Dict[str, Any], stacks: bool = True) -> Dict[str, Any]:
     facts = {k: v for k, v in record.items() if k not in PER_PROCESS}
     env = {k: v for k, v in facts.pop("env").items() if k not in PER_RUN_ENV}
     facts["env"] = env
-    # (A cold rank's initial environment names the stacks channel, which it then takes out.)
-    hidden = PER_RUN_ENV | {"TETHER_STACKS_FD"}
+    # (A cold rank's initial environment names the stacks channel and the job's id, which
+    # its start-up then takes out.)
+    hidden = PER_RUN_ENV | {"TETHER_STACKS_FD", "TETHER_JOB_ID"}
     shown = {e for e in facts.pop("proc_environ") if e and e.split("=")[0] not in hidden}
     facts["proc_environ"] = sorted(shown)
     if not stacks:

@@ -59,6 +59,8 @@ __all__ = [
     "ShareVault",
     "share_claim",
     "share_names",
+    "share_enter_job",
+    "share_job",
     "SHARE_JOB_ENV",
     "setup_forked_child",
     "signal_name",
@@ -416,6 +418,8 @@ class ShareVault:
 
 def share_claim(name: bytes, rank: int) -> Union[ShareMeeting, ShareWaiter]: ...
 def share_names(job: str, key: str) -> Tuple[bytes, bytes]: ...
+def share_enter_job(job: str) -> None: ...
+def share_job() -> Optional[str]: ...
 
 @final
 class Endpoint:

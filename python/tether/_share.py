@@ -4,7 +4,8 @@ copy for the ranks of a job on a machine, built by one of them.
 
 The ranks meet at a meeting point named after the job and the key (tether-core's
 ``share::meet``: an abstract Unix socket, no file). The job has an id: ``tether run`` gives
-its ranks one in ``TETHER_JOB_ID`` (one per launcher, that is per job and machine), and
+its ranks one in ``TETHER_JOB_ID`` (one per launcher, that is per job and machine; a
+rank's start-up takes it out of the environment, which stays torchrun's), and
 ``tether.spawn`` one to the children of each call (with their payload, see
 ``_child.enter_job``): ranks of other jobs never meet these. The
 first rank to ask builds (``build()``) and publishes the memfd; the others wait and map it
@@ -140,11 +141,12 @@ def _built(build: Callable[[], Any], key: str) -> Shared:
 
 
 def _job() -> str:
-    """This process's job: a ``tether.spawn`` child's, else ``TETHER_JOB_ID`` (``tether
-    run``'s ranks, and what they start), else none ("")."""
+    """This process's job: a ``tether.spawn`` child's, else a ``tether run`` rank's (its
+    ``TETHER_JOB_ID``, which the rank's start-up takes out of its environment), else none
+    ("")."""
     from . import _child
 
-    return _child.job_id or os.environ.get(_native.SHARE_JOB_ENV, "")
+    return _child.job_id or _native.share_job() or os.environ.get(_native.SHARE_JOB_ENV, "")
 
 
 def _rank() -> int:

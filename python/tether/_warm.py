@@ -153,6 +153,9 @@ def _become(job: _native.Job, zygote: Zygote) -> None:
         if job.error is not None:
             raise job.error
         env = dict(job.env)
+        shared_job = env.pop(_native.SHARE_JOB_ENV.encode(), None)
+        if shared_job:
+            _native.share_enter_job(shared_job.decode())
         _zygote_server._take_environment(env)
         _child.reset_after_fork()
         _fresh_state()

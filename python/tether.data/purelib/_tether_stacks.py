@@ -1,6 +1,7 @@
 """tether's stack dump handler in the Python processes that ``tether run`` starts, loaded at
-interpreter start-up by ``tether_stacks.pth`` only when ``TETHER_STACKS_FD`` is set (in
-every other process the ``.pth`` line costs one lookup in ``os.environ``).
+interpreter start-up by ``tether_stacks.pth`` only when ``TETHER_STACKS_FD`` or
+``TETHER_JOB_ID`` is set (in every other process the ``.pth`` line costs two lookups in
+``os.environ``).
 
 ``tether run`` starts a rank as ``python -u SCRIPT`` or ``python -u -m MODULE``, as torchrun
 does, and leaves that command line as it is. It passes its stacks channel instead: an fd and
@@ -8,7 +9,9 @@ its socket's inode, ``FD:INODE`` in ``TETHER_STACKS_FD``, on which this module r
 handler that answers the launcher's requests for the rank's stacks, as ``tether._child``
 does in tether's own children. A value that names no such socket (a stray variable in some
 other program) installs nothing and changes no fd. The variable is removed, so that the
-rank's own Python children do not take an fd they do not hold. Only tether's compiled
+rank's own Python children do not take an fd they do not hold; so is the job's id
+(``TETHER_JOB_ID``, under which ``tether.share``'s key form meets), which tether's module
+keeps, so that the rank's environment is the one torchrun gives. Only tether's compiled
 module is loaded: importing the ``tether`` package would cost every rank tens of
 milliseconds."""
 
@@ -16,15 +19,24 @@ import os
 import sys
 
 _VARIABLE = "TETHER_STACKS_FD"
+#: The job's id on this machine (``tether.share``'s key form meets under it).
+_JOB = "TETHER_JOB_ID"
 
 
 def install() -> None:
-    """Registers the handler on the fd that ``TETHER_STACKS_FD`` names; any failure leaves
-    the process as it was (it only cannot show its stacks)."""
+    """Registers the handler on the fd that ``TETHER_STACKS_FD`` names, and takes the job's
+    id out of the environment into tether's module (a rank's environment is then what
+    torchrun gives it); any failure leaves the process as it was (it only cannot show its
+    stacks, or meet its job's other ranks in ``tether.share``)."""
     value = os.environ.pop(_VARIABLE, None)
-    fd, _, inode = (value or "").partition(":")
+    job = os.environ.pop(_JOB, None)
     try:
-        _native().install_stack_handler(int(fd), int(inode))  # type: ignore[attr-defined]
+        native = _native()
+        if job:
+            native.share_enter_job(job)  # type: ignore[attr-defined]
+        if value is not None:
+            fd, _, inode = value.partition(":")
+            native.install_stack_handler(int(fd), int(inode))  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - a debugging aid must never stop a program's start
         pass
 

@@ -151,6 +151,26 @@ impl ShareVault {
     }
 }
 
+/// The job this process is a rank of under `tether run`, taken out of its environment at
+/// start-up (see `share_enter_job`); None elsewhere.
+static JOB: Mutex<Option<String>> = Mutex::new(None);
+
+/// Makes this process a rank of the job `job` (`tether run`'s, whose id the start-up hook or
+/// the warm rank's fork takes out of the environment, so that a rank's environment is what
+/// torchrun's would be).
+#[pyfunction]
+pub fn share_enter_job(job: String) {
+    if let Ok(mut held) = JOB.lock() {
+        *held = Some(job);
+    }
+}
+
+/// The job `share_enter_job` named, if any.
+#[pyfunction]
+pub fn share_job() -> Option<String> {
+    JOB.lock().ok().and_then(|held| held.clone())
+}
+
 /// The names of the meeting point of `key` in the job `job` and of the job's vault.
 #[pyfunction]
 pub fn share_names<'py>(

@@ -18,6 +18,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(items::share_is_dict, m)?)?;
     m.add_function(wrap_pyfunction!(meet::share_claim, m)?)?;
     m.add_function(wrap_pyfunction!(meet::share_names, m)?)?;
+    m.add_function(wrap_pyfunction!(meet::share_enter_job, m)?)?;
+    m.add_function(wrap_pyfunction!(meet::share_job, m)?)?;
     m.add("SHARE_JOB_ENV", tether_core::share::JOB_ENV)?;
     Ok(())
 }
