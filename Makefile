@@ -10,16 +10,16 @@ DEPS      := $(VENV)/.deps-installed
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
-.PHONY: all build wheel test test-fast test-rust test-python lint demo bench clean FORCE
+.PHONY: all build wheel test test-fast test-rust test-python lint docs demo bench clean FORCE
 
 all: build
 
 # The versions the tests and linters were last run with (torch and numpy are test
 # dependencies only: tether itself never imports them; cloudpickle is tether's one
 # dependency, pinned here to the version the tests ran with; IPython runs notebook-like
-# cells).
+# cells; mkdocs builds the documentation site).
 TEST_DEPS := torch==2.15.0 numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 loky==3.7.0 py-spy==0.4.3 \
-             cloudpickle==3.1.3 ipython==9.18.1
+             cloudpickle==3.1.3 ipython==9.18.1 mkdocs==1.6.1
 TOOLS     := maturin==1.16.0 ruff==0.17.6 mypy==2.4.1
 
 $(DEPS): pyproject.toml Makefile
@@ -51,7 +51,7 @@ $(BUILT): $(DEPS) $(BUILD_INPUTS) $(if $(wildcard python/tether/_native*.so),,FO
 wheel: $(DEPS)
 	$(VENV)/bin/maturin build --release --out dist
 
-test: build lint test-rust test-python
+test: build lint docs test-rust test-python
 
 # The edit-test loop: every test but those marked slow (the wheel's, and the longest stress
 # tests; see the "slow" marker in pyproject.toml).
@@ -76,6 +76,14 @@ lint: build
 	$(VENV)/bin/ruff check python tests bench examples tools
 	$(PY) -m mypy
 	$(PY) -m mypy.stubtest tether._native
+
+# The documentation site (docs/, mkdocs.yml), built strictly: a broken link, a missing anchor
+# or a page left out of the navigation fails the build. It is built into a temporary
+# directory, removed after: `.venv/bin/mkdocs serve` shows it while you write.
+docs: $(DEPS)
+	@echo "== the documentation site, built strictly"
+	@site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && \
+	  $(VENV)/bin/mkdocs build --strict --site-dir "$$site"
 
 # Each section says in one line what to notice; every number printed is labelled.
 demo: build

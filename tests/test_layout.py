@@ -113,12 +113,12 @@ def test_the_checker_reads_rust_without_its_tests_strings_and_comments(tmp_path)
         del layout.ALLOWED_CYCLES["k"]
 
 
-def test_the_readme_lists_the_start_methods_of_the_one_table():
+def test_the_docs_list_the_start_methods_of_the_one_table():
     import tether
     from tether import _launch
 
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("| start method |") :].split("\n\n")[0].splitlines()[2:]
+    page = (ROOT / "docs" / "spawn.md").read_text()
+    table = page[page.index("| start method |") :].split("\n\n")[0].splitlines()[2:]
     names = [row.split("`")[1].strip('"') for row in table]
     assert tuple(names) == _launch.START_METHODS
     assert [row for row in table if "(default)" in row] == [
