@@ -119,3 +119,14 @@ def test_the_site_lists_every_page_in_its_navigation() -> None:
     config = (ROOT / "mkdocs.yml").read_text()
     for page in sorted(DOCS.glob("*.md")):
         assert f": {page.name}\n" in config, f"mkdocs.yml's nav leaves out {page.name}"
+
+
+def test_make_test_builds_the_site_strictly_and_leaves_nothing() -> None:
+    dry = subprocess.run(
+        ["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert dry.returncode == 0, dry.stderr
+    recipe = [line for line in dry.stdout.splitlines() if "mkdocs build" in line]
+    assert len(recipe) == 1 and "--strict" in recipe[0], dry.stdout
+    assert "--quiet" not in recipe[0]  # mkdocs would not count the warnings --strict fails on
+    assert "site=$(mktemp -d)" in dry.stdout and "trap 'rm -rf \"$site\"' EXIT" in dry.stdout
