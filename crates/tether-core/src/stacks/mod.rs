@@ -27,10 +27,13 @@
 //!   timeout; a process that cannot answer (no handler, stopped, too slow) is reported as
 //!   such with its state, and never holds up the others. With py-spy, the native frames
 //!   are added ([`Request::py_spy`]).
+//! - [`summary`] ends every block of stacks: the ranks grouped by where their main thread
+//!   waits, and the ranks that are not where most others are, named.
 
 mod collect;
 pub mod handler;
 mod native;
+mod summary;
 
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, RawFd};
@@ -39,6 +42,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub(crate) use collect::{this_process as channel, Channel};
+pub use summary::{ranks_words, summary};
 
 use crate::error::Error;
 use crate::group::{Exit, Group};
