@@ -104,10 +104,9 @@ fn keep(cfg: Config, handled: &[i32]) -> i32 {
 fn wait_for(pid: i32, signals: &SignalFd) -> i32 {
     loop {
         signals.wait(None);
-        while let Some(sig) = signals.next() {
+        while let Some((sig, queued)) = signals.next_queued() {
             if sig != libc::SIGCHLD {
-                // SAFETY: signalling our own unreaped child.
-                unsafe { libc::kill(pid, sig) };
+                forward(pid, sig, queued);
             }
         }
         let mut status = 0;
@@ -115,6 +114,24 @@ fn wait_for(pid: i32, signals: &SignalFd) -> i32 {
         if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
             return status;
         }
+    }
+}
+
+/// Sends `sig` on to the supervisor `pid`, with the value it was queued with (which names
+/// who asked for the stacks: see [`crate::stacks_reply`]).
+fn forward(pid: i32, sig: i32, queued: Option<u64>) {
+    match queued {
+        Some(value) => {
+            let value = libc::sigval {
+                sival_ptr: value as usize as *mut libc::c_void,
+            };
+            // SAFETY: queueing a signal with a plain value to our own unreaped child.
+            unsafe { libc::sigqueue(pid, sig, value) };
+        }
+        // SAFETY: signalling our own unreaped child.
+        None => unsafe {
+            libc::kill(pid, sig);
+        },
     }
 }
 

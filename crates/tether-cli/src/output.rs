@@ -190,7 +190,7 @@ pub type SharedTail = Arc<Mutex<Tail>>;
 #[derive(Debug, Clone)]
 pub struct Prefix {
     text: Vec<u8>,
-    rank: usize,
+    pub rank: usize,
 }
 
 /// What a prefix template's macros stand for.
