@@ -46,7 +46,9 @@ const RUN_AFTER: &str =
      Output: each line of a rank is printed whole, after \"[rank N]: \" unless it starts with \
      the\nrank's own prefix already (\"[rank N]\", or \"[rankN]\" as torch prints). When \
      tether's stdout\nand stderr are one file (a terminal, `2>&1`), a rank's two streams share \
-     one pipe and\nkeep the order it wrote them in.\n\n\
+     one pipe and\nkeep the order it wrote them in. A rank's stream that reaches a terminal \
+     is a\npseudo-terminal of its size (resizes follow), as a torchrun rank sees the\n\
+     terminal itself; --no-tty (PET_NO_TTY=1) gives every rank pipes.\n\n\
      Stacks: `kill -USR1 PID` (or `tether stacks PID`) prints every rank's Python stack, \
      rank\nby rank, to tether's stderr, and the run goes on; PID is tether's own.\n\n\
      Exit status: 0 when every rank exits 0; the first failing rank's exit code (128+signal\n\
@@ -335,6 +337,17 @@ pub struct OutputArgs {
     /// Print rank output without a prefix.
     #[arg(long = "no-prefix", visible_alias = "no_prefix")]
     pub no_prefix: bool,
+    /// Give every rank pipes. By default a rank's stream that reaches tether's terminal is a
+    /// pseudo-terminal of its size (resizes follow), as a torchrun rank sees the terminal:
+    /// isatty() is true, colours and progress bars behave.
+    #[arg(
+        long = "no-tty",
+        visible_alias = "no_tty",
+        env = "PET_NO_TTY",
+        value_parser = BoolishValueParser::new(),
+        hide_env = true
+    )]
+    pub no_tty: bool,
     /// Only these local ranks reach the console, e.g. "0,3" (log files get every rank).
     #[arg(long = "local-ranks-filter",
           visible_aliases = ["local_ranks_filter", "ranks-filter", "ranks_filter"],
