@@ -34,7 +34,13 @@ const RUN_EXAMPLES: &str =
      tether run --nnodes 1:4 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d \\\n      \
      --rdzv-endpoint node0:29400 --rdzv-id job42 train.py       (elastic: 1 to 4 nodes)\n  \
      tether run --nnodes 2 --node-rank 1 --master-addr node0 --nproc-per-node 8 train.py\n  \
-     tether run -n 4 --no-python -- ./bench --size 1024";
+     tether run -n 4 --no-python -- ./bench --size 1024\n\n\
+     Under a scheduler:\n  \
+     srun --nodes 2 --ntasks-per-node 1 tether run --nproc-per-node 8 train.py\n      \
+     (SLURM: the node count, node rank and first host come from the allocation)\n  \
+     tether run --nproc-per-node 8 train.py\n      \
+     (Kubernetes' PyTorchJob, elastic policy: the operator sets\n      \
+     PET_NNODES=MIN:MAX, PET_RDZV_BACKEND=c10d, PET_RDZV_ENDPOINT, PET_RDZV_ID)";
 
 const RUN_TEMPLATE: &str =
     "{about-with-newline}\n{usage-heading} {usage}\n\n{before-help}{all-args}{after-help}";
@@ -141,7 +147,7 @@ pub struct NodeArgs {
     pub nproc_per_node: Option<String>,
     /// Number of nodes: N, or an elastic range MIN:MAX (with a dynamic --rdzv-backend: the
     /// job starts with MIN to MAX nodes and takes in or loses nodes in new rounds). SLURM's
-    /// when unset.
+    /// when unset; Kubernetes' PyTorchJob sets PET_NNODES=MIN:MAX.
     #[arg(
         long,
         allow_negative_numbers = true,
