@@ -528,7 +528,13 @@ fn command(hosted: &[(String, String)]) -> clap::Command {
 /// clap errors, to be printed and exited with.
 pub fn parse(argv: Vec<OsString>, hosted: &[(String, String)]) -> Result<Parsed, clap::Error> {
     let mut cmd = command(hosted);
-    let argv = normalize::normalize(argv, &cmd);
+    let mut argv = normalize::normalize(argv, &cmd);
+    // `tether help -h` asks for help as much as `tether -h` does (clap refuses it).
+    if argv.get(1).is_some_and(|a| a == "help")
+        && argv[2..].iter().all(|a| a == "-h" || a == "--help")
+    {
+        argv.truncate(2);
+    }
     let matches = cmd.try_get_matches_from_mut(argv)?;
     if let Some((name, _)) = matches.subcommand() {
         if hosted.iter().any(|(n, _)| n == name) {
