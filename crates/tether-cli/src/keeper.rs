@@ -1,7 +1,7 @@
 //! The keeper: the process users see as `tether run` (the one they started, whose pid they
 //! hold). It stays small: it forks the supervisor ([`crate::run`]), forwards stop signals
-//! to it, and once the supervisor has ended, however it ended, kills and reaps whatever is
-//! left, then exits with the supervisor's status.
+//! (and the terminal's resizes) to it, and once the supervisor has ended, however it ended,
+//! kills and reaps whatever is left, then exits with the supervisor's status.
 //!
 //! The pact between the two processes, which leaves no orphan whichever of them dies:
 //! - both are child subreapers. The supervisor is the ranks' parent, so whatever a rank
@@ -32,6 +32,10 @@ pub fn run(cfg: Config) -> i32 {
     handled.push(libc::SIGCHLD);
     // Forwarded to the supervisor, which prints the ranks' stacks.
     handled.extend(crate::hangs::stack_signals(&cfg));
+    // Forwarded to the supervisor, which gives the terminal's new size to the ranks' ptys.
+    if cfg.output.tty {
+        handled.push(libc::SIGWINCH);
+    }
     let saved = match signals::block(&handled) {
         Ok(saved) => saved,
         Err(err) => {
