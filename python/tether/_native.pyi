@@ -32,6 +32,7 @@ __all__ = [
     "stacks_fd",
     "StacksChannel",
     "stacks",
+    "stacks_summary",
     "WorkerSet",
     "WorkerLink",
     "WorkerFds",
@@ -338,6 +339,7 @@ def stacks(
     py_spy: Optional[str] = None,
     dump_after: Optional[float] = None,
 ) -> List[StackAnswer]: ...
+def stacks_summary(ranks: Sequence[int], answers: Sequence[StackAnswer]) -> str: ...
 
 @final
 class StackAnswer:

@@ -1,7 +1,7 @@
 //! The keeper: the process users see as `tether run` (the one they started, whose pid they
 //! hold). It stays small: it forks the supervisor ([`crate::run`]), forwards stop signals
-//! to it, and once the supervisor has ended, however it ended, kills and reaps whatever is
-//! left, then exits with the supervisor's status.
+//! (and the terminal's resizes) to it, and once the supervisor has ended, however it ended,
+//! kills and reaps whatever is left, then exits with the supervisor's status.
 //!
 //! The pact between the two processes, which leaves no orphan whichever of them dies:
 //! - both are child subreapers. The supervisor is the ranks' parent, so whatever a rank
@@ -32,6 +32,10 @@ pub fn run(cfg: Config) -> i32 {
     handled.push(libc::SIGCHLD);
     // Forwarded to the supervisor, which prints the ranks' stacks.
     handled.extend(crate::hangs::stack_signals(&cfg));
+    // Forwarded to the supervisor, which gives the terminal's new size to the ranks' ptys.
+    if cfg.output.tty {
+        handled.push(libc::SIGWINCH);
+    }
     let saved = match signals::block(&handled) {
         Ok(saved) => saved,
         Err(err) => {
@@ -104,10 +108,9 @@ fn keep(cfg: Config, handled: &[i32]) -> i32 {
 fn wait_for(pid: i32, signals: &SignalFd) -> i32 {
     loop {
         signals.wait(None);
-        while let Some(sig) = signals.next() {
+        while let Some((sig, queued)) = signals.next_queued() {
             if sig != libc::SIGCHLD {
-                // SAFETY: signalling our own unreaped child.
-                unsafe { libc::kill(pid, sig) };
+                forward(pid, sig, queued);
             }
         }
         let mut status = 0;
@@ -115,6 +118,24 @@ fn wait_for(pid: i32, signals: &SignalFd) -> i32 {
         if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
             return status;
         }
+    }
+}
+
+/// Sends `sig` on to the supervisor `pid`, with the value it was queued with (which names
+/// who asked for the stacks: see [`crate::stacks_reply`]).
+fn forward(pid: i32, sig: i32, queued: Option<u64>) {
+    match queued {
+        Some(value) => {
+            let value = libc::sigval {
+                sival_ptr: value as usize as *mut libc::c_void,
+            };
+            // SAFETY: queueing a signal with a plain value to our own unreaped child.
+            unsafe { libc::sigqueue(pid, sig, value) };
+        }
+        // SAFETY: signalling our own unreaped child.
+        None => unsafe {
+            libc::kill(pid, sig);
+        },
     }
 }
 

@@ -494,6 +494,7 @@ impl Launcher {
         let oom_before = oom_kills();
         self.watchdog.restart();
         let group = Group::new();
+        output::pty::attach(&group);
         let launched = self.start_ranks(&group, specs);
         // The ranks hold their own copies now; the pumps see EOF once the ranks (and what
         // they started) are gone.

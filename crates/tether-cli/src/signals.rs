@@ -61,8 +61,22 @@ impl SignalFd {
         Ok(SignalFd { fd })
     }
 
-    /// The next pending signal, or `None` when none is pending.
+    /// The next pending signal, or `None` when none is pending. The asker of a stack
+    /// signal that `tether stacks` queued is noted for the reply ([`crate::stacks_reply`]).
     pub fn next(&self) -> Option<i32> {
+        let info = self.next_info()?;
+        crate::stacks_reply::note(&info);
+        Some(info.ssi_signo as i32)
+    }
+
+    /// The next pending signal and the value queued with it (`sigqueue`), if any.
+    pub fn next_queued(&self) -> Option<(i32, Option<u64>)> {
+        let info = self.next_info()?;
+        let queued = (info.ssi_code == libc::SI_QUEUE).then_some(info.ssi_ptr);
+        Some((info.ssi_signo as i32, queued))
+    }
+
+    fn next_info(&self) -> Option<libc::signalfd_siginfo> {
         // SAFETY: signalfd_siginfo is plain data, valid when zeroed.
         let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
         let size = std::mem::size_of::<libc::signalfd_siginfo>();
@@ -76,7 +90,7 @@ impl SignalFd {
                 )
             };
             if n == size as isize {
-                return Some(info.ssi_signo as i32);
+                return Some(info);
             }
             if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
                 continue;

@@ -1,5 +1,5 @@
-//! The wiring of a rank before its launch: its launch spec, the pipes of its stdout and
-//! stderr, its log files and the pumps that read them.
+//! The wiring of a rank before its launch: its launch spec, the pipes (or pseudo-terminals)
+//! of its stdout and stderr, its log files and the pumps that read them.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -11,7 +11,7 @@ use tether_core::LaunchSpec;
 use super::{io_err, Launcher, RunError, Sinks, Wired};
 use crate::config::Streams;
 use crate::env::rank_env;
-use crate::output::{FilterSink, Prefix, Pump, RankNames, Stream, Tail};
+use crate::output::{pty, FilterSink, Prefix, Pump, RankNames, Stream, Tail};
 
 impl Launcher {
     /// The attempt's `filtered_stdout.log` and `filtered_stderr.log`, when asked for.
@@ -40,7 +40,8 @@ impl Launcher {
 
     /// Makes local rank `local`'s launch spec, pipes, log files and pumps. Its stdout and
     /// stderr share one pipe when both reach a console that is one file and neither goes to
-    /// a log file, so that its lines keep their order.
+    /// a log file, so that its lines keep their order. A stream that reaches a terminal of
+    /// the launcher's is a pseudo-terminal instead of a pipe (one for both when they share).
     pub(super) fn wire(
         &self,
         local: usize,
@@ -57,6 +58,11 @@ impl Launcher {
         spec.stacks = cfg.python_ranks;
         let console = cfg.output.console(local);
         let merged = logs.is_none() && console == Streams::BOTH && self.one_console;
+        let tty = cfg.output.tty(local);
+        let ttys = Streams {
+            stdout: tty.stdout && pty::is_terminal(Stream::Stdout),
+            stderr: tty.stderr && pty::is_terminal(Stream::Stderr),
+        };
         let mut wired = Wired {
             spec,
             write_ends: Vec::with_capacity(2),
@@ -75,23 +81,27 @@ impl Launcher {
                 filter: None,
                 activity: Some(self.watchdog.activity.clone()),
             };
-            plumb(&mut wired, pump, &[Stream::Stdout, Stream::Stderr], done)?;
+            let shared = [Stream::Stdout, Stream::Stderr];
+            let tty = (ttys == Streams::BOTH).then_some(local);
+            plumb(&mut wired, pump, &shared, tty, done)?;
             return Ok(wired);
         }
         let files = match logs {
             Some(root) => open_logs(&root.join(format!("rank_{rank}")))?,
             None => (None, None),
         };
-        self.plumb_apart(&mut wired, console, files, prefix, sinks, done)?;
+        let ptys = [ttys.stdout, ttys.stderr].map(|tty| tty.then_some(local));
+        self.plumb_apart(&mut wired, (console, ptys), files, prefix, sinks, done)?;
         Ok(wired)
     }
 
     /// Gives a rank's stdout and stderr a pipe and a pump each: its console streams, log
-    /// files (`files`) and filters; the tail keeps stderr.
+    /// files (`files`) and filters; the tail keeps stderr. A stream whose `ptys` entry names
+    /// the rank's local rank gets a pty instead of a pipe.
     fn plumb_apart(
         &self,
         wired: &mut Wired,
-        console: Streams,
+        (console, ptys): (Streams, [Option<usize>; 2]),
         files: (Option<File>, Option<File>),
         prefix: Option<Prefix>,
         sinks: &Sinks,
@@ -105,6 +115,7 @@ impl Launcher {
                 out_file,
                 None,
                 &sinks.stdout,
+                ptys[0],
             ),
             (
                 Stream::Stderr,
@@ -112,9 +123,10 @@ impl Launcher {
                 err_file,
                 Some(wired.tail.clone()),
                 &sinks.stderr,
+                ptys[1],
             ),
         ];
-        for (stream, shown, file, tail, filter) in streams {
+        for (stream, shown, file, tail, filter, tty) in streams {
             let pump = Pump {
                 console: shown.then_some(stream),
                 prefix: prefix.clone(),
@@ -123,7 +135,7 @@ impl Launcher {
                 filter: filter.clone(),
                 activity: Some(self.watchdog.activity.clone()),
             };
-            plumb(wired, pump, &[stream], done)?;
+            plumb(wired, pump, &[stream], tty, done)?;
         }
         Ok(())
     }
@@ -153,15 +165,25 @@ impl Launcher {
     }
 }
 
-/// Makes the pipe that carries a rank's `streams` to `pump`, and starts the pump.
+/// Makes the pipe that carries a rank's `streams` to `pump` (with `tty`, local rank `tty`'s
+/// pseudo-terminal, of the size of the launcher's terminal on `streams[0]`), and starts the
+/// pump.
 fn plumb(
     wired: &mut Wired,
     pump: Pump,
     streams: &[Stream],
+    tty: Option<usize>,
     done: &mpsc::Sender<()>,
 ) -> Result<(), RunError> {
-    let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
-        .map_err(|e| io_err("cannot create a pipe")(e.into()))?;
+    let pty = tty.and_then(|local| pty::open(local, streams[0]));
+    let (read, write) = match pty {
+        Some(pty) => (pty.master, pty.slave),
+        None => {
+            let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+                .map_err(|e| io_err("cannot create a pipe")(e.into()))?;
+            (Arc::new(read), write)
+        }
+    };
     for stream in streams {
         match stream {
             Stream::Stdout => wired.spec.stdout = Some(write.as_raw_fd()),
