@@ -1,17 +1,17 @@
 //! The supervisor thread's part in a zygote's reserve of blanks: it reads the zygote's
 //! notices, watches each blank from its announcement, and reaps one that dies before a
-//! request takes it (see [`crate::zygote::Reserve`]).
+//! request takes it (see [`crate::blanks::Reserve`]).
 
 use std::os::fd::{AsFd, AsRawFd};
 use std::time::Duration;
 
+use crate::blanks::notice::Notice;
+use crate::blanks::reserve::{Blank, Reserve};
 use crate::channel::{Endpoint, Recv};
 use crate::error::Error;
 use crate::group::{signal_tree, Exit};
 use crate::supervisor::reap::{kill_and_reap, now_monotonic, open_pidfd, reap_now};
 use crate::supervisor::watch::{Loop, Watch};
-use crate::zygote::reserve::{Blank, Reserve};
-use crate::zygote::wire::Notice;
 
 impl Loop {
     /// Watches a zygote's notice channel, for `reserve`.

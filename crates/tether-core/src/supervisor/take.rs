@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use rustix::io::Errno;
 
+use crate::blanks::reserve::{Blank, Reserve};
 use crate::error::Error;
 use crate::group::{signal_tree, Exit, GroupInner, Member};
 use crate::launch::{self, LaunchSpec, PAYLOAD_FD_ENV, REPORT_FD_ENV};
@@ -19,7 +20,6 @@ use crate::supervisor::reap::{
 };
 use crate::supervisor::request::{Added, Adoption};
 use crate::supervisor::watch::Loop;
-use crate::zygote::reserve::{Blank, Reserve};
 
 impl Loop {
     /// Starts each spec; at the first error, kills those started (the caller waits for

@@ -9,6 +9,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use crate::attrs::Attributes;
+use crate::blanks::reserve::Reserve;
 use crate::channel::{Endpoint, Recv};
 use crate::error::Error;
 use crate::group::{Exit, Group, WaitFor};
@@ -17,7 +18,6 @@ use crate::memfd::payload_memfd;
 use crate::proc::{describe_state, process_state};
 use crate::supervisor::request::Adoption;
 use crate::supervisor::thread::watch_blanks;
-use crate::zygote::reserve::Reserve;
 use crate::zygote::wire::{Common, Order, Reply};
 
 /// Ranks per message: the zygote holds at most this many report pipes at once.

@@ -1,5 +1,5 @@
 //! The zygote's wire format: the messages between the parent and the zygote ([`Order`],
-//! [`Reply`]), the notices to the parent's supervisor ([`Notice`]), and a blank's job, all
+//! [`Reply`]) and a blank's job, all
 //! written with [`crate::wire`].
 
 use std::io;
@@ -16,8 +16,6 @@ const STARTED: u8 = 3;
 const FAILED: u8 = 4;
 const READY: u8 = 5;
 const JOB: u8 = 6;
-const BLANK: u8 = 7;
-const RETIRED: u8 = 8;
 
 /// What every child of a request shares: where the shared fds go, and the caller's
 /// attributes.
@@ -171,33 +169,6 @@ impl Order {
     }
 }
 
-/// A notice from the zygote to the parent's supervisor about its blank children.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Notice {
-    /// A blank was forked: watch it.
-    Blank(i32),
-    /// A blank was found dead and will never be handed out.
-    Retired(i32),
-}
-
-impl Notice {
-    pub fn encode(self) -> Vec<u8> {
-        match self {
-            Notice::Blank(pid) => Writer::new().u8(BLANK).i32(pid).finish(),
-            Notice::Retired(pid) => Writer::new().u8(RETIRED).i32(pid).finish(),
-        }
-    }
-
-    pub fn decode(data: &[u8]) -> Option<Notice> {
-        let mut r = Reader::new(data, WHAT);
-        match (r.u8().ok()?, r.i32().ok()?) {
-            (BLANK, pid) => Some(Notice::Blank(pid)),
-            (RETIRED, pid) => Some(Notice::Retired(pid)),
-            _ => None,
-        }
-    }
-}
-
 /// The message that hands a blank its part of a request: its rank and the raw [`Common`]
 /// part (its fds travel with it: payload, shared fds, report pipe).
 pub(super) fn job_message(rank: u32, common: &[u8]) -> Vec<u8> {
@@ -269,9 +240,6 @@ mod tests {
         ] {
             assert_eq!(Reply::decode(&reply.encode()).unwrap(), reply);
         }
-        for notice in [Notice::Blank(42), Notice::Retired(43)] {
-            assert_eq!(Notice::decode(&notice.encode()), Some(notice));
-        }
     }
 
     #[test]
@@ -291,6 +259,5 @@ mod tests {
         // A list length beyond the message is refused before anything is allocated.
         let huge = Writer::new().u8(START).u32(u32::MAX).finish();
         assert!(Order::decode(&huge).is_err());
-        assert_eq!(Notice::decode(&[BLANK]), None);
     }
 }
