@@ -74,6 +74,34 @@ impl Loop {
         }
     }
 
+    /// A start of this process met the process limit: kills every blank that its zygotes
+    /// hold (they count against the same limit, see [`crate::blanks`]) and reaps them, so
+    /// that the start can try once more; returns how many it gave back. A zygote finds such
+    /// a blank's channel closed when it hands it a rank, and forks instead.
+    pub(super) fn give_back_blanks(&mut self) -> usize {
+        let held: Vec<(u64, Reserve, i32)> = self
+            .watches
+            .iter()
+            .filter_map(|(&token, watch)| match watch {
+                Watch::Blank { reserve, pid } => Some((token, reserve.clone(), *pid)),
+                _ => None,
+            })
+            .collect();
+        for (_, reserve, pid) in &held {
+            if let Some(Blank::Waiting { pidfd, .. }) = reserve.blanks().get(pid) {
+                // By pidfd: the blank is our child, unreaped, and cannot be another process.
+                let _ = rustix::process::pidfd_send_signal(pidfd, rustix::process::Signal::KILL);
+            }
+        }
+        for (token, reserve, pid) in &held {
+            self.on_blank_exit(*token, reserve, *pid);
+        }
+        if !held.is_empty() {
+            log::info!(target: "tether::supervisor", "gave back {} blank(s) to make room for a start", held.len());
+        }
+        held.len()
+    }
+
     /// Watches a blank child from its announcement; one that cannot be watched is killed.
     fn watch_blank(&mut self, reserve: &Reserve, pid: i32) {
         let pidfd = match open_pidfd(pid) {

@@ -6,7 +6,7 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, IntoRawFd, OwnedFd};
 use std::time::Duration;
 
-use crate::blanks::kept::Kept;
+use crate::blanks::kept::{Kept, ROOM_CHECK};
 use crate::channel::{Endpoint, Recv};
 use crate::launch;
 use crate::wire::malformed;
@@ -101,7 +101,7 @@ pub fn serve(
     let mut server = Server {
         request: Endpoint::from_fd(request),
         fork,
-        blanks: Kept::new(Endpoint::from_fd(notices), blanks),
+        blanks: Kept::new(Endpoint::from_fd(notices), blanks, parent),
         pending: None,
         collapser: Some(Collapser::new()),
         quiet,
@@ -137,19 +137,17 @@ impl Server<'_> {
     fn step(&mut self) -> io::Result<Step> {
         let idle_work = self.collapser.is_some() || self.blanks.wants_more();
         let quiet_left = self.quiet.saturating_sub(self.quiet_since.elapsed());
-        if idle_work && !readable(&self.request, REPLENISH_DELAY.max(quiet_left))? {
-            if let Some(collapser) = self.collapser.as_mut() {
-                while collapser.slice() {
-                    if readable(&self.request, Duration::ZERO)? {
-                        return Ok(Step::Continue);
-                    }
-                }
-                self.collapser = None;
-            }
-            if let Some(step) = self.replenish()? {
-                return Ok(step);
-            }
-            return Ok(Step::Continue);
+        let wait = match (idle_work, self.blanks.holds_any()) {
+            (true, _) => Some(REPLENISH_DELAY.max(quiet_left)),
+            (false, true) => Some(ROOM_CHECK),
+            (false, false) => None,
+        };
+        let idle = match wait {
+            Some(wait) => !readable(&self.request, wait)?,
+            None => false,
+        };
+        if idle {
+            return self.idle(idle_work);
         }
         let message = match self.request.recv(None) {
             Ok(Recv::Message(m)) => {
@@ -174,11 +172,38 @@ impl Server<'_> {
                 batch,
             }) => self.start(ranks, shared, common, batch, &mut fds),
             Ok(Order::Batch { batch }) => self.batch(batch, &mut fds),
+            Ok(Order::Room { limit }) => {
+                let held = self.blanks.announce(limit)?;
+                self.reply(&Reply::Kept(held as u32))?;
+                Ok(Step::Continue)
+            }
             Err(err) => {
                 self.fail(&err, "cannot read a request", Vec::new())?;
                 Ok(Step::Continue)
             }
         }
+    }
+
+    /// Its idle work, with no request waiting: keeps its blanks within the caller's room (which
+    /// may have shrunk: its limit lowered, its user's other processes grown), then collapses
+    /// its memory and forks blanks, stopping when a request comes.
+    fn idle(&mut self, idle_work: bool) -> io::Result<Step> {
+        self.blanks.fit()?;
+        if !idle_work {
+            return Ok(Step::Continue);
+        }
+        if let Some(collapser) = self.collapser.as_mut() {
+            while collapser.slice() {
+                if readable(&self.request, Duration::ZERO)? {
+                    return Ok(Step::Continue);
+                }
+            }
+            self.collapser = None;
+        }
+        if let Some(step) = self.replenish()? {
+            return Ok(step);
+        }
+        Ok(Step::Continue)
     }
 
     fn start(
@@ -338,8 +363,9 @@ impl Server<'_> {
         while let Some((pid, channel)) = self.blanks.take() {
             match channel.send(&message, &fds, Some(Duration::from_secs(1))) {
                 Ok(true) => return Ok(Some(pid)),
-                // Dead (or stuck): never handed out.
-                Ok(false) | Err(_) => self.blanks.retire(pid)?,
+                // Stuck: killed; dead (its channel closed): given back.
+                Ok(false) => self.blanks.kill(pid, channel)?,
+                Err(_) => self.blanks.give_back(pid, channel)?,
             }
         }
         Ok(None)

@@ -16,6 +16,8 @@ const STARTED: u8 = 3;
 const FAILED: u8 = 4;
 const READY: u8 = 5;
 const JOB: u8 = 6;
+const ROOM: u8 = 9;
+const KEPT: u8 = 10;
 
 /// What every child of a request shares: where the shared fds go, and the caller's
 /// attributes.
@@ -82,6 +84,8 @@ pub(super) enum Reply {
         message: String,
         made: Vec<Made>,
     },
+    /// The blanks it holds once within the room an [`Order::Room`] announced.
+    Kept(u32),
 }
 
 impl Reply {
@@ -98,6 +102,7 @@ impl Reply {
                 let w = Writer::new().u8(FAILED).i32(*errno);
                 w.bytes(message.as_bytes()).list(list, made).finish()
             }
+            Reply::Kept(blanks) => Writer::new().u8(KEPT).u32(*blanks).finish(),
         }
     }
 
@@ -118,6 +123,7 @@ impl Reply {
                 message: String::from_utf8_lossy(r.bytes()?).into_owned(),
                 made: r.list(made)?,
             }),
+            KEPT => Ok(Reply::Kept(r.u32()?)),
             _ => Err(malformed(WHAT)),
         }
     }
@@ -136,6 +142,9 @@ pub(super) enum Order {
     },
     /// The next `batch` ranks' report pipes.
     Batch { batch: u32 },
+    /// The caller is about to set its soft `RLIMIT_NPROC` to `limit` (`None`: unlimited):
+    /// keep the blanks within the room it leaves.
+    Room { limit: Option<u64> },
 }
 
 impl Order {
@@ -151,6 +160,10 @@ impl Order {
                 w.u32(*shared).bytes(common).u32(*batch).finish()
             }
             Order::Batch { batch } => Writer::new().u8(BATCH_MSG).u32(*batch).finish(),
+            Order::Room { limit } => {
+                let w = Writer::new().u8(ROOM).u8(limit.is_some() as u8);
+                w.u64(limit.unwrap_or(0)).finish()
+            }
         }
     }
 
@@ -164,6 +177,13 @@ impl Order {
                 batch: r.u32()?,
             }),
             BATCH_MSG => Ok(Order::Batch { batch: r.u32()? }),
+            ROOM => {
+                let bound = r.u8()? != 0;
+                let limit = r.u64()?;
+                Ok(Order::Room {
+                    limit: bound.then_some(limit),
+                })
+            }
             _ => Err(malformed(WHAT)),
         }
     }
@@ -217,6 +237,10 @@ mod tests {
         assert_eq!(Order::decode(&start.encode()).unwrap(), start);
         let batch = Order::Batch { batch: 7 };
         assert_eq!(Order::decode(&batch.encode()).unwrap(), batch);
+        for limit in [None, Some(0), Some(61), Some(u64::MAX)] {
+            let room = Order::Room { limit };
+            assert_eq!(Order::decode(&room.encode()).unwrap(), room);
+        }
         let made = vec![
             Made {
                 rank: 3,
@@ -237,6 +261,7 @@ mod tests {
                 message: "cannot fork rank 5".into(),
                 made,
             },
+            Reply::Kept(3),
         ] {
             assert_eq!(Reply::decode(&reply.encode()).unwrap(), reply);
         }
