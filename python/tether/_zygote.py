@@ -36,6 +36,7 @@ from typing import (
     List,
     Optional,
     Sequence,
+    Set,
     Tuple,
 )
 
@@ -279,15 +280,19 @@ def pids() -> List[int]:
     return [pid for z in running() for pid in z.pids()]
 
 
-_watching_the_limit = False
+#: The processes whose zygotes hear of a new RLIMIT_NPROC (a fork child inherits the hook,
+#: not the watch: it takes no lock its parent's threads may have held at the fork).
+_watching: Set[int] = set()
+_hooked = False
 
 
 def _watch_the_process_limit() -> None:
-    """Installs, once, the audit hook that tells this process's zygotes of a new
-    RLIMIT_NPROC before it takes effect (see the module's documentation)."""
-    global _watching_the_limit
-    if not _watching_the_limit:
-        _watching_the_limit = True
+    """Has the audit hook tell this process's zygotes of a new RLIMIT_NPROC before it takes
+    effect (see the module's documentation); the hook is installed once per interpreter."""
+    global _hooked
+    _watching.add(os.getpid())
+    if not _hooked:
+        _hooked = True
         sys.addaudithook(_on_audit)
 
 
@@ -295,6 +300,8 @@ def _on_audit(event: str, args: Tuple[Any, ...]) -> None:
     # Called for every audited event of the process: the first test is all most pay. An
     # exception here would fail the call audited; none leaves.
     if event != "resource.setrlimit" and event != "resource.prlimit":
+        return
+    if os.getpid() not in _watching:
         return
     try:
         if event == "resource.prlimit":
