@@ -201,6 +201,9 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
     replaced after that many tasks. A worker that dies fails only the task it ran
     (``WorkerCrashedError``, a ``BrokenProcessPool``); the pool starts another."""
 
+    #: Its public name (``tether.pool`` gives it on first use).
+    __module__ = "tether.pool"
+
     def __init__(
         self,
         max_workers: Optional[int] = None,

@@ -44,6 +44,9 @@ class Pool(concurrent.futures.Executor):
     ``with`` block) stops everything once the work given is done; so does the garbage
     collection of the pool, and the interpreter's exit."""
 
+    #: Its public name (``tether.pool`` gives it on first use).
+    __module__ = "tether.pool"
+
     def __init__(
         self,
         processes: Optional[int] = None,
