@@ -12,6 +12,9 @@ use crate::reaper;
 use crate::rendezvous::{nodes_spec, Message, Place};
 use crate::report::{cause_code, render_cause, Failure};
 
+use super::supervise::Record;
+use tether_core::Group;
+
 /// How waiting for the helper ended.
 enum Heard {
     Said(Message),
@@ -93,6 +96,7 @@ impl Launcher {
                      round (not counted as a restart)"
                 )),
                 AttemptEnd::Ended(cause) => return report_cause(&cause),
+                AttemptEnd::Away(why, cause) => return away(&why, &cause),
                 AttemptEnd::Failed(failure) if failures < max => {
                     failures += 1;
                     output::message(&format!(
@@ -123,10 +127,29 @@ impl Launcher {
             {
                 report_cause(&cause)
             }
+            Heard::Said(Message::Away { why, cause }) => {
+                output::message(&failure.render());
+                away(&why, &cause)
+            }
+            Heard::Said(Message::Cause(cause) | Message::Ended(cause)) => {
+                output::message(&failure.render_in_job(&cause));
+                failure.root.status.as_shell_code()
+            }
             _ => {
                 output::message(&failure.render());
                 failure.root.status.as_shell_code()
             }
+        }
+    }
+
+    /// A rank failed: the other nodes get its record at once, before this node's other
+    /// ranks are stopped (the first failure in time is the job's root cause).
+    pub(super) fn publish_failure(&mut self, group: &Group, record: Record<'_>) {
+        if self.helper.is_none() {
+            return;
+        }
+        if let (Some(record), Some(helper)) = (record(self, group), self.helper.as_mut()) {
+            helper.failing(record);
         }
     }
 
@@ -148,6 +171,7 @@ impl Launcher {
                 Heard::Said(Message::Ended(cause) | Message::Cause(cause)) => {
                     return Err(report_cause(&cause))
                 }
+                Heard::Said(Message::Away { why, cause }) => return Err(away(&why, &cause)),
                 Heard::Said(Message::Error(message)) => {
                     output::message(&format!("tether: {message}"));
                     return Err(1);
@@ -191,6 +215,7 @@ impl Launcher {
         helper.done();
         match self.hear() {
             Heard::Said(Message::Ended(cause)) => report_cause(&cause),
+            Heard::Said(Message::Away { why, cause }) => away(&why, &cause),
             Heard::Signal(sig) => 128 + sig,
             Heard::Said(_) => 0,
         }
@@ -201,6 +226,7 @@ impl Launcher {
         match message {
             Message::Restart { round, why } if round == self.round => Some(Stop::Membership(why)),
             Message::Ended(cause) | Message::Cause(cause) => Some(Stop::Ended(cause)),
+            Message::Away { why, cause } => Some(Stop::Away(why, cause)),
             Message::Error(message) => {
                 output::message(&format!("tether: {message}; the ranks go on"));
                 None
@@ -246,6 +272,20 @@ fn is_own(cause: &serde_json::Value, own: &serde_json::Value, place: &Place) -> 
     cause["node_rank"].as_u64() == Some(place.node_rank as u64)
         && cause["rank"] == own["rank"]
         && cause["pid"] == own["pid"]
+}
+
+/// The job moved on while this node was away: says what happened, then the job's root cause
+/// if it ended; returns the exit status (the root cause's, else 1: the job went on without
+/// this node).
+fn away(why: &str, cause: &serde_json::Value) -> i32 {
+    output::message(&format!("tether: {why}; this node's ranks were stopped"));
+    if cause.is_null() {
+        output::message(
+            "tether: the job went on without this node, which leaves it; exit status 1",
+        );
+        return 1;
+    }
+    report_cause(cause)
 }
 
 /// Prints the job's root cause; returns the exit status it gives.
