@@ -76,6 +76,7 @@ class Node:
         self.group_rank = -1
         self.nodes = 0
         self.rounds = 0
+        self.joined = 0  # the number of the round this node joined last
         self.watch_stop = threading.Event()
         self.watcher: Optional[threading.Thread] = None
 
@@ -125,6 +126,7 @@ class Node:
             self.joining_failed(exc)
             return
         self.rounds += 1
+        self.joined = self.round_number()
         self.store = info.store
         self.group_rank, self.nodes = info.rank, info.world_size
         ranks = _rendezvous_torch.assign_ranks(
@@ -176,8 +178,7 @@ class Node:
         fail(self.say, join_failed(self.endpoint, exc))
 
     def hold_the_end(self) -> None:
-        """Once the job ended, the node hosting the store keeps it until every other node
-        read the end (or finished, left, or stopped answering): none misses it and runs on."""
+        """Once the job ended, the node hosting the store keeps it until every node read it."""
         if hosts(self.endpoint):
             _rendezvous_end.hold(self.store, self.group_rank, self.nodes, self.dead_after + 1)
 
@@ -274,9 +275,8 @@ class Node:
         return _rendezvous_end.take_end(store, self.group_rank, self.nodes)
 
     def missed(self, store: Any, away: Optional[float], cause: Any) -> Optional[Dict[str, Any]]:
-        """What this node missed while it was away (`away` seconds without the store, None
-        when it was not): another node declared it lost, or the job ended meanwhile."""
-        return _rendezvous_end.missed(store, self.group_rank, away, self.round_number(), cause)
+        """What this node missed while away (`away` s, or None): see `_rendezvous_end`."""
+        return _rendezvous_end.missed(store, self.group_rank, away, self.joined, cause)
 
     # -- the end of an attempt ----------------------------------------------------------
 

@@ -121,7 +121,13 @@ impl Launcher {
             return 1;
         };
         helper.failed(failure.record(), true);
-        match self.hear() {
+        // What the watch said while the ranks were stopping (a node gone, a new round) is
+        // over: the job ends.
+        let mut heard = self.hear();
+        while let Heard::Said(Message::Restart { .. } | Message::Bye | Message::Round(..)) = heard {
+            heard = self.hear();
+        }
+        match heard {
             Heard::Said(Message::Cause(cause) | Message::Ended(cause))
                 if !is_own(&cause, &failure.record(), &self.cfg.place) =>
             {
@@ -281,7 +287,7 @@ fn away(why: &str, cause: &serde_json::Value) -> i32 {
     output::message(&format!("tether: {why}; this node's ranks were stopped"));
     if cause.is_null() {
         output::message(
-            "tether: the job went on without this node, which leaves it; exit status 1",
+            "tether: the job went on without this node; it leaves the job with exit status 1",
         );
         return 1;
     }
