@@ -38,7 +38,7 @@ import time
 from typing import Any, Dict, List, Optional, TextIO
 
 from . import _rendezvous_end, _rendezvous_torch
-from ._rendezvous_end import FINISHED, LEFT, away_for, declare_lost
+from ._rendezvous_end import FINISHED, LEFT, declare_lost
 from ._rendezvous_say import (
     Say,
     announce_run_id,
@@ -219,7 +219,7 @@ class Node:
                 failing_since = failing_since or time.monotonic()
                 silent = time.monotonic() - failing_since
                 if away > self.dead_after and silent > min(self.dead_after, self.read_timeout):
-                    gone = f"{away_for(away)}, and the store at {self.endpoint} no longer answers"
+                    gone = _rendezvous_end.store_gone(failing_since - last, self.endpoint)
                     self.say("away", round=self.round_number(), why=gone, cause=None)
                     return
                 if silent < self.read_timeout:

@@ -148,6 +148,13 @@ def away_for(away: Optional[float]) -> str:
     return f"this node was away{how_long} (stopped, or cut off from the store)"
 
 
+def store_gone(away: float, endpoint: str) -> str:
+    return (
+        f"{away_for(away)}, and the store at {endpoint} no longer answers: the job ended or went "
+        "on without it"
+    )
+
+
 def what_happened(store: Any, me: int, away: Optional[float], round_number: int) -> Optional[str]:
     """What the job did while this node was away for `away` seconds (stopped, or cut off from
     the store): a sentence when another node declared it lost, None when none did."""
