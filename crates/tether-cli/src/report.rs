@@ -381,6 +381,28 @@ mod tests {
     }
 
     #[test]
+    fn lists_the_consequences_of_a_root_cause_in_time_order_with_their_delay() {
+        let cause = serde_json::json!({
+            "rank": 1, "node_rank": 1, "host": "a", "local_rank": 0, "pid": 10,
+            "exit": "signal SIGSEGV", "code": 139, "time": 100.0,
+            "consequences": [
+                {"rank": 0, "node_rank": 0, "host": "b", "local_rank": 0, "pid": 20,
+                 "exit": "exit code 1", "time": 100.25, "error": "Connection closed by peer"},
+            ],
+        });
+        let text = render_cause(&cause);
+        assert!(text.contains("rank 1 on node 1 failed first"), "{text}");
+        let later = &text[text.find("consequences").expect("a list of consequences")..];
+        assert!(
+            later.contains("+0.250 s  rank 0 on node 0 (host b, local rank 0, pid 20): exit code 1: Connection closed by peer"),
+            "{text}"
+        );
+        assert_eq!(cause_code(&cause), 139);
+        let alone = render_cause(&serde_json::json!({"rank": 1, "consequences": []}));
+        assert!(!alone.contains("consequences"), "{alone}");
+    }
+
+    #[test]
     fn renders_signal_names_and_hints() {
         let f = Failure {
             root: RankEnd {
