@@ -1,19 +1,20 @@
 //! The attempts of a dynamic rendezvous: each one is a round of torch's rendezvous, which the
 //! helper process joins; a failure on any node, a node that joins or one that goes starts a
-//! new round on every node, and the first failure in time ends the job on every node.
+//! new round on every node, and the first failure in time ends the job on every node (a node
+//! publishes a failure the moment it sees it, before it stops its other ranks; the helper's
+//! `_rendezvous_end` chooses the earliest). A node that was away (stopped, or cut off from the
+//! store) and finds that the job went on without it stops its ranks and says what happened.
 
 use rustix::event::{PollFd, PollFlags};
-use tether_core::signal_name;
+use tether_core::{signal_name, Group};
 
+use super::supervise::Record;
 use super::{AttemptEnd, Launcher, Stop};
 use crate::hangs;
 use crate::output;
 use crate::reaper;
 use crate::rendezvous::{nodes_spec, Message, Place};
 use crate::report::{cause_code, render_cause, Failure};
-
-use super::supervise::Record;
-use tether_core::Group;
 
 /// How waiting for the helper ended.
 enum Heard {
