@@ -510,12 +510,7 @@ impl Launcher {
         if let Err(err) = launched {
             kill_all(&group);
             self.cleanup(&group, &done_rx, pumps);
-            return Err(match err {
-                tether_core::Error::Launch { program, source } => {
-                    RunError::Start { program, source }
-                }
-                other => RunError::Core(other),
-            });
+            return Err(start_error(err));
         }
         log::info!(
             target: "tether::run",
@@ -539,6 +534,15 @@ impl Launcher {
             None => {}
         }
         Ok(self.conclude(&group, attempt, stop_mono, &wired, oom, logs))
+    }
+}
+
+/// What a failed start of the ranks reports: the program that could not start, or the
+/// core's error.
+fn start_error(err: tether_core::Error) -> RunError {
+    match err {
+        tether_core::Error::Launch { program, source } => RunError::Start { program, source },
+        other => RunError::Core(other),
     }
 }
 
