@@ -72,6 +72,24 @@ def test_the_checker_finds_long_python_modules_functions_and_lazy_import_cycles(
     ]
 
 
+def test_the_checker_follows_relative_imports_through_subpackages(tmp_path):
+    _write(
+        tmp_path / "python" / "tether",
+        {
+            "__init__.py": "",
+            "z.py": "def f():\n    from .p.x import g\n",
+            "p/__init__.py": "from typing import Any\n",
+            "p/x.py": "from . import y\n",
+            "p/y.py": "from .. import z\nfrom ... import outside\n",
+            "p/q.py": "from ..p import x\nimport tether.p.y\n",
+            "p/s/__init__.py": "from .. import q\nfrom ...z import f\n",
+        },
+    )
+    assert layout.check_python(tmp_path) == [
+        "python/tether: import cycle among p.x, p.y, z (e.g. p.x -> p.y -> z -> p.x)"
+    ]
+
+
 def test_the_checker_reads_rust_without_its_tests_strings_and_comments(tmp_path):
     long_fn = "fn long() {\n" + "    let _ = 1;\n" * 60 + "}\n"
     _write(
@@ -111,6 +129,28 @@ def test_the_checker_reads_rust_without_its_tests_strings_and_comments(tmp_path)
         ]
     finally:
         del layout.ALLOWED_CYCLES["k"]
+
+
+def test_the_checker_finds_a_circle_between_folders_that_no_two_files_make(tmp_path):
+    _write(
+        tmp_path / "crates" / "k" / "src",
+        {
+            "lib.rs": "pub mod server;\npub mod watcher;\npub mod record;\n",
+            "server/mod.rs": "mod client;\nmod fork;\n",
+            "server/client.rs": "use crate::watcher::thread::watch;\n",
+            "server/fork.rs": "pub fn fork() {}\n",
+            "watcher/mod.rs": "pub mod thread;\n",
+            "watcher/thread.rs": "pub fn watch() { crate::server::fork::fork() }\n",
+            "record.rs": "use crate::server::fork::fork;\n",
+        },
+    )
+    circle = (
+        "crates/k/src (top-level modules): import cycle among server, watcher"
+        " (e.g. server -> watcher -> server)"
+    )
+    assert layout.check_rust("k", tmp_path, folders=True) == [circle]
+    assert layout.check_rust("k", tmp_path) == []
+    assert "tether-core" in layout.FOLDER_CRATES
 
 
 def test_the_docs_list_the_start_methods_of_the_one_table():

@@ -1,7 +1,7 @@
 """The layout rules of the project, checked: run ``python tools/layout.py`` (from anywhere)
 to see every place that breaks one; it exits 1 when there is any.
 
-- a Python module of python/tether has at most 400 lines;
+- a Python module of python/tether (its subpackages' too) has at most 400 lines;
 - a Rust file under crates/*/src has at most 600 lines, not counting its test code
   (``#[cfg(test)]`` items: the ``mod tests`` block, test-only helpers, a test module's file);
 - a function has at most 60 lines (Python: from ``def`` to its last line, by ``ast``; Rust: a
@@ -11,7 +11,10 @@ to see every place that breaks one; it exits 1 when there is any.
   one crate (``use crate::...``, ``super::...``, ``self::...`` and a child module's name, in
   ``use`` items and in code), a re-export (``pub use``) followed to the file that defines
   the item (a re-export is no edge of its own: a module's face is not a dependency).
-  ``ALLOWED_CYCLES`` lists the few circles a design keeps on purpose.
+  ``ALLOWED_CYCLES`` lists the few circles a design keeps on purpose;
+- in the crates of ``FOLDER_CRATES``, no two top-level modules (a folder such as ``zygote/``,
+  or a file such as ``group.rs``) import each other, directly or round a longer circle,
+  through any of their files: each concern's folder depends on others one way only.
 
 ``tests/test_layout.py`` holds the Python package to these rules, and the Rust crates it
 names."""
@@ -38,6 +41,8 @@ MAX_FUNCTION = 60
 #: it drives (the handle sends the thread requests; the thread's loop calls back into the
 #: handle's types): put the pair here with a line saying so.
 ALLOWED_CYCLES: Dict[str, List[Tuple[Set[str], str]]] = {}
+#: The crates whose top-level modules are held to the rule of no circle among them.
+FOLDER_CRATES: Set[str] = {"tether-core"}
 
 
 # -- cycles ---------------------------------------------------------------------------------
@@ -110,8 +115,16 @@ def _cycle_lines(edges: Dict[str, Set[str]], allowed: Iterable[Set[str]], where:
 
 
 def _python_modules(package: Path) -> Dict[str, Path]:
-    """Module name (``pool``, ``__init__``) -> file, for the package's .py files."""
-    return {path.stem: path for path in sorted(package.glob("*.py"))}
+    """Module name -> file, for every .py file of the package and of its subpackages: a
+    module by its dotted name below the package (``spawn``, ``pool.core``), a subpackage by
+    its own (``pool``), the package's own ``__init__`` as ``__init__``."""
+    found: Dict[str, Path] = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package).with_suffix("").parts)
+        if len(parts) > 1 and parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
 
 
 def _python_functions(tree: ast.AST) -> Iterator[Tuple[str, int, int]]:
@@ -132,33 +145,55 @@ def _python_functions(tree: ast.AST) -> Iterator[Tuple[str, int, int]]:
     return walk(tree, "")
 
 
-def _python_imports(tree: ast.AST, modules: Set[str]) -> Set[str]:
-    """The package's modules that a module imports, anywhere in it (``from . import x``,
-    ``from .x import y``, ``import tether.x``, ``from tether import x``); a name that is no
-    module stands for the package's ``__init__``, except the compiled ``_native`` (no file
-    of the package: it imports none of them)."""
+def _nearest(dotted: str, modules: Set[str]) -> str:
+    """The module a dotted name below the package is, or else the nearest package above it
+    (a name that is no module is an attribute of that package's ``__init__``)."""
+    while dotted and dotted not in modules:
+        dotted = dotted.rpartition(".")[0]
+    return dotted or "__init__"
+
+
+def _import_base(node: ast.ImportFrom, home: List[str]) -> Optional[str]:
+    """The dotted name below the package that ``from <base> import ...`` names (the package
+    itself: ""), or None when it is outside the package; ``home`` is the package the
+    importing module lives in."""
+    if node.level >= 1:
+        if node.level - 1 > len(home):
+            return None
+        anchor = home[: len(home) - (node.level - 1)]
+        return ".".join(anchor + (node.module.split(".") if node.module else []))
+    if node.module == PACKAGE:
+        return ""
+    if (node.module or "").startswith(PACKAGE + "."):
+        return (node.module or "")[len(PACKAGE) + 1 :]
+    return None
+
+
+def _python_imports(
+    tree: ast.AST, modules: Set[str], name: str = "__init__", package: bool = True
+) -> Set[str]:
+    """The package's modules that the module ``name`` (a package's ``__init__`` when
+    ``package``) imports, anywhere in it (``from . import x``, ``from .x import y``,
+    ``from ..x import y``, ``import tether.x``, ``from tether.x import y``); a name that is no
+    module stands for the ``__init__`` of the nearest package above it, except the compiled
+    ``_native`` (no file of the package: it imports none of them)."""
     modules = modules | {NATIVE}
+    here = [] if name == "__init__" else name.split(".")
+    home = here if package else here[:-1]
     found: Set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 or (node.level == 0 and node.module == PACKAGE):
-                base = None
-            elif node.level == 0 and (node.module or "").startswith(PACKAGE + "."):
-                base = (node.module or "").split(".")[1]
-            else:
-                continue
-            if node.level == 1 and node.module:
-                base = node.module.split(".")[0]
-            if base is not None:
-                found.add(base if base in modules else "__init__")
+            base = _import_base(node, home)
+            if base is None:
                 continue
             for alias in node.names:
-                found.add(alias.name if alias.name in modules else "__init__")
+                full = f"{base}.{alias.name}" if base else alias.name
+                found.add(full if full in modules else _nearest(base, modules))
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[0] == PACKAGE:
-                    found.add(parts[1] if len(parts) > 1 and parts[1] in modules else "__init__")
+                    found.add(_nearest(".".join(parts[1:]), modules))
     return found - {NATIVE}
 
 
@@ -178,7 +213,8 @@ def check_python(root: Path = ROOT) -> List[str]:
         for function, line, length in _python_functions(tree):
             if length > MAX_FUNCTION:
                 problems.append(f"{rel}:{line}: {function} has {length} lines (at most 60)")
-        edges[name] = _python_imports(tree, set(modules)) - {name}
+        package = path.name == "__init__.py"
+        edges[name] = _python_imports(tree, set(modules), name, package) - {name}
     return problems + _cycle_lines(edges, [], f"python/{PACKAGE}")
 
 
@@ -429,12 +465,20 @@ def _rust_files(src: Path) -> Dict[Tuple[str, ...], RustFile]:
     return {module: file for module, file in files.items() if module not in tests}
 
 
-def check_rust(crate: str, root: Path = ROOT) -> List[str]:
-    """Every break of the rules in ``crates/<crate>/src``, one line each."""
+def _top_level(module: Tuple[str, ...]) -> Optional[str]:
+    """The top-level module a file belongs to (None for the crate's root)."""
+    return module[0] if module else None
+
+
+def check_rust(crate: str, root: Path = ROOT, folders: Optional[bool] = None) -> List[str]:
+    """Every break of the rules in ``crates/<crate>/src``, one line each; ``folders``: hold
+    its top-level modules to the rule of no circle (default: when ``FOLDER_CRATES`` names
+    it)."""
     src = root / "crates" / crate / "src"
     files = _rust_files(src)
     problems: List[str] = []
     edges: Dict[str, Set[str]] = {}
+    tops: Dict[str, Set[str]] = {}
     for module, file in files.items():
         rel = file.path.relative_to(root)
         lines = len(file.text.splitlines()) - file.test_lines
@@ -448,8 +492,15 @@ def check_rust(crate: str, root: Path = ROOT) -> List[str]:
         edges[name] = {
             str(files[t].path.relative_to(src)) for t in targets if t is not None and t != module
         }
+        top = _top_level(module)
+        if top is not None:
+            reached = {_top_level(t) for t in targets if t is not None}
+            tops.setdefault(top, set()).update(r for r in reached if r not in (None, top))
     allowed = [members for members, _ in ALLOWED_CYCLES.get(crate, [])]
-    return problems + _cycle_lines(edges, allowed, f"crates/{crate}/src")
+    problems += _cycle_lines(edges, allowed, f"crates/{crate}/src")
+    if folders if folders is not None else crate in FOLDER_CRATES:
+        problems += _cycle_lines(tops, [], f"crates/{crate}/src (top-level modules)")
+    return problems
 
 
 def rust_crates(root: Path = ROOT) -> List[str]:

@@ -303,6 +303,9 @@ enum AttemptEnd {
     Membership(String),
     /// Another node ended the job; its root cause.
     Ended(serde_json::Value),
+    /// The job moved on while this node was away: what happened, and the root cause if the
+    /// job ended.
+    Away(String, serde_json::Value),
 }
 
 /// Why the launcher stopped the ranks of an attempt itself.
@@ -311,6 +314,7 @@ enum Stop {
     Limit(Limit),
     Membership(String),
     Ended(serde_json::Value),
+    Away(String, serde_json::Value),
 }
 
 /// The pipes and files of one rank, ready for its launch.
@@ -396,9 +400,12 @@ impl Launcher {
             }
             match self.attempt(attempt) {
                 // Only a rendezvous (`run_rounds`) moves on or ends the job from elsewhere.
-                Ok(AttemptEnd::Success | AttemptEnd::Membership(_) | AttemptEnd::Ended(_)) => {
-                    return 0
-                }
+                Ok(
+                    AttemptEnd::Success
+                    | AttemptEnd::Membership(_)
+                    | AttemptEnd::Ended(_)
+                    | AttemptEnd::Away(..),
+                ) => return 0,
                 Ok(AttemptEnd::Interrupted(sig)) => return 128 + sig,
                 Ok(AttemptEnd::TimedOut(limit)) => {
                     output::message(&format!(
@@ -503,19 +510,15 @@ impl Launcher {
         if let Err(err) = launched {
             kill_all(&group);
             self.cleanup(&group, &done_rx, pumps);
-            return Err(match err {
-                tether_core::Error::Launch { program, source } => {
-                    RunError::Start { program, source }
-                }
-                other => RunError::Core(other),
-            });
+            return Err(start_error(err));
         }
         log::info!(
             target: "tether::run",
             "attempt {attempt}: started {n} rank(s), pids {:?}",
             (0..group.len()).filter_map(|i| group.pid(i)).collect::<Vec<_>>()
         );
-        let supervised = self.supervise(&group);
+        let record = |me: &Launcher, g: &Group| me.record(g, attempt, &wired, oom_before, &logs);
+        let supervised = self.supervise(&group, &record);
         if supervised.is_err() {
             kill_all(&group);
         }
@@ -527,9 +530,19 @@ impl Launcher {
             Some(Stop::Limit(limit)) => return Ok(AttemptEnd::TimedOut(limit)),
             Some(Stop::Membership(why)) => return Ok(AttemptEnd::Membership(why)),
             Some(Stop::Ended(cause)) => return Ok(AttemptEnd::Ended(cause)),
+            Some(Stop::Away(why, cause)) => return Ok(AttemptEnd::Away(why, cause)),
             None => {}
         }
         Ok(self.conclude(&group, attempt, stop_mono, &wired, oom, logs))
+    }
+}
+
+/// What a failed start of the ranks reports: the program that could not start, or the
+/// core's error.
+fn start_error(err: tether_core::Error) -> RunError {
+    match err {
+        tether_core::Error::Launch { program, source } => RunError::Start { program, source },
+        other => RunError::Core(other),
     }
 }
 

@@ -32,6 +32,23 @@ impl Launcher {
             .collect()
     }
 
+    /// The record of the attempt's first failure so far (`None` while none failed), which
+    /// the other nodes get before this node's other ranks are stopped.
+    pub(super) fn record(
+        &self,
+        group: &Group,
+        attempt: u32,
+        wired: &[Wired],
+        oom_before: Option<u64>,
+        logs: &Option<PathBuf>,
+    ) -> Option<serde_json::Value> {
+        let oom = oom_before.zip(crate::report::oom_kills());
+        match self.conclude(group, attempt, None, wired, oom, logs.clone()) {
+            AttemptEnd::Failed(failure) => Some(failure.record()),
+            _ => None,
+        }
+    }
+
     /// The attempt's outcome: success, or the failure that came first in time.
     pub(super) fn conclude(
         &self,

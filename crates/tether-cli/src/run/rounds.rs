@@ -1,10 +1,14 @@
 //! The attempts of a dynamic rendezvous: each one is a round of torch's rendezvous, which the
 //! helper process joins; a failure on any node, a node that joins or one that goes starts a
-//! new round on every node, and the first failure in time ends the job on every node.
+//! new round on every node, and the first failure in time ends the job on every node (a node
+//! publishes a failure the moment it sees it, before it stops its other ranks; the helper's
+//! `_rendezvous_end` chooses the earliest). A node that was away (stopped, or cut off from the
+//! store) and finds that the job went on without it stops its ranks and says what happened.
 
 use rustix::event::{PollFd, PollFlags};
-use tether_core::signal_name;
+use tether_core::{signal_name, Group};
 
+use super::supervise::Record;
 use super::{AttemptEnd, Launcher, Stop};
 use crate::hangs;
 use crate::output;
@@ -93,6 +97,7 @@ impl Launcher {
                      round (not counted as a restart)"
                 )),
                 AttemptEnd::Ended(cause) => return report_cause(&cause),
+                AttemptEnd::Away(why, cause) => return away(&why, &cause),
                 AttemptEnd::Failed(failure) if failures < max => {
                     failures += 1;
                     output::message(&format!(
@@ -117,16 +122,41 @@ impl Launcher {
             return 1;
         };
         helper.failed(failure.record(), true);
-        match self.hear() {
+        // What the watch said while the ranks were stopping (a node gone, a new round) is
+        // over: the job ends.
+        let mut heard = self.hear();
+        while let Heard::Said(Message::Restart { .. } | Message::Bye | Message::Round(..)) = heard {
+            heard = self.hear();
+        }
+        match heard {
             Heard::Said(Message::Cause(cause) | Message::Ended(cause))
                 if !is_own(&cause, &failure.record(), &self.cfg.place) =>
             {
                 report_cause(&cause)
             }
+            Heard::Said(Message::Away { why, cause }) => {
+                output::message(&failure.render());
+                away(&why, &cause)
+            }
+            Heard::Said(Message::Cause(cause) | Message::Ended(cause)) => {
+                output::message(&failure.render_in_job(&cause));
+                failure.root.status.as_shell_code()
+            }
             _ => {
                 output::message(&failure.render());
                 failure.root.status.as_shell_code()
             }
+        }
+    }
+
+    /// A rank failed: the other nodes get its record at once, before this node's other
+    /// ranks are stopped (the first failure in time is the job's root cause).
+    pub(super) fn publish_failure(&mut self, group: &Group, record: Record<'_>) {
+        if self.helper.is_none() {
+            return;
+        }
+        if let (Some(record), Some(helper)) = (record(self, group), self.helper.as_mut()) {
+            helper.failing(record);
         }
     }
 
@@ -148,6 +178,7 @@ impl Launcher {
                 Heard::Said(Message::Ended(cause) | Message::Cause(cause)) => {
                     return Err(report_cause(&cause))
                 }
+                Heard::Said(Message::Away { why, cause }) => return Err(away(&why, &cause)),
                 Heard::Said(Message::Error(message)) => {
                     output::message(&format!("tether: {message}"));
                     return Err(1);
@@ -191,6 +222,7 @@ impl Launcher {
         helper.done();
         match self.hear() {
             Heard::Said(Message::Ended(cause)) => report_cause(&cause),
+            Heard::Said(Message::Away { why, cause }) => away(&why, &cause),
             Heard::Signal(sig) => 128 + sig,
             Heard::Said(_) => 0,
         }
@@ -201,6 +233,7 @@ impl Launcher {
         match message {
             Message::Restart { round, why } if round == self.round => Some(Stop::Membership(why)),
             Message::Ended(cause) | Message::Cause(cause) => Some(Stop::Ended(cause)),
+            Message::Away { why, cause } => Some(Stop::Away(why, cause)),
             Message::Error(message) => {
                 output::message(&format!("tether: {message}; the ranks go on"));
                 None
@@ -246,6 +279,20 @@ fn is_own(cause: &serde_json::Value, own: &serde_json::Value, place: &Place) -> 
     cause["node_rank"].as_u64() == Some(place.node_rank as u64)
         && cause["rank"] == own["rank"]
         && cause["pid"] == own["pid"]
+}
+
+/// The job moved on while this node was away: says what happened, then the job's root cause
+/// if it ended; returns the exit status (the root cause's, else 1: the job went on without
+/// this node).
+fn away(why: &str, cause: &serde_json::Value) -> i32 {
+    output::message(&format!("tether: {why}; this node's ranks were stopped"));
+    if cause.is_null() {
+        output::message(
+            "tether: the job went on without this node; it leaves the job with exit status 1",
+        );
+        return 1;
+    }
+    report_cause(cause)
 }
 
 /// Prints the job's root cause; returns the exit status it gives.

@@ -21,20 +21,26 @@ const INT_TO_TERM: Duration = Duration::from_secs(3);
 /// What one poll saw: ranks that exited, signals, and the rendezvous helper's message.
 type Polled = (Vec<usize>, Vec<i32>, Option<Message>);
 
+/// The record of the attempt's first failure so far, for the other nodes.
+pub(super) type Record<'a> = &'a dyn Fn(&Launcher, &Group) -> Option<serde_json::Value>;
+
 impl Launcher {
     /// Waits until every rank has exited. On the first failure, on a stop signal to the
     /// launcher, or past a limit (after every rank's stack is shown), stops the others (the
     /// signal, the grace period, SIGKILL). A stack signal prints every rank's stack and the
-    /// run goes on. Returns when the stopping began (monotonic clock) and why the launcher
-    /// stopped the ranks itself, if it did.
+    /// run goes on. A first failure is published (`record`) before the others are stopped.
+    /// Returns when the stopping began (monotonic clock) and why the launcher stopped the
+    /// ranks itself, if it did.
     pub(super) fn supervise(
         &mut self,
         group: &Group,
+        record: Record<'_>,
     ) -> Result<(Option<Duration>, Option<Stop>), RunError> {
         let ranks = self.ranks(group);
         loop {
             if let Some(first) = group.first_failure() {
                 log::info!(target: "tether::run", "rank {first} failed: stopping the others");
+                self.publish_failure(group, record);
                 return Ok((Some(self.stop(group, libc::SIGTERM)), None));
             }
             let live: Vec<usize> = (0..group.len())
