@@ -285,7 +285,7 @@ def _stop_unsupervised(children: Sequence[_native.ForkedChild]) -> None:
 
 
 #: The start methods, the one list of them: ``START_METHODS``, the tests' ``start_method``
-#: fixture, the docstrings (``with_start_methods``) and the README's table follow it.
+#: fixture, the docstrings (``with_start_methods``) and the table of docs/spawn.md follow it.
 STARTERS: Dict[str, Starter] = {
     "forkserver": Starter(_start_forkserver, "a fork of tether's warm zygote", fresh=True),
     "spawn": Starter(_start_spawn, "a fresh interpreter", fresh=True),

@@ -109,7 +109,7 @@ class Pool(concurrent.futures.Executor):
         and ``worker_init_fn`` a loader sent them for as long as this process holds those
         objects, and a later loader over the same objects sends none of them, unless what
         pickling them would send now cannot be proven to be what was sent (any change, at
-        any depth; see the README): then it sends them again, so that the workers never
+        any depth; see docs/pool.md): then it sends them again, so that the workers never
         read a stale dataset. Each loader starts from the objects as they were sent: what
         a worker changed in its copy (in ``worker_init_fn``, ``__getitem__``, ``__iter__``)
         is undone. With ``keep_datasets=False``, every iterator sends them anew; either
