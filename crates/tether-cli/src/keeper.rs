@@ -28,40 +28,22 @@ use crate::signals::{self, SignalFd};
 /// Runs `cfg` in a supervisor process and returns the exit status. Must be called while
 /// the process has a single thread.
 pub fn run(cfg: Config) -> i32 {
-    let mut handled = cfg.stop_signals.clone();
-    handled.push(libc::SIGCHLD);
-    // Forwarded to the supervisor, which prints the ranks' stacks.
-    handled.extend(crate::hangs::stack_signals(&cfg));
-    let saved = match signals::block(&handled) {
+    let saved = match signals::block(&signals::handled(&cfg)) {
         Ok(saved) => saved,
         Err(err) => {
             message(&format!("tether: cannot block signals: {err}"));
             return 1;
         }
     };
-    let code = keep(cfg, &handled);
+    let code = keep(cfg);
     signals::restore(saved);
     code
 }
 
-fn keep(cfg: Config, handled: &[i32]) -> i32 {
-    let signals = match SignalFd::new(handled) {
-        Ok(fd) => fd,
-        Err(err) => {
-            message(&format!(
-                "tether: cannot create a signalfd: {}{}",
-                tether_core::strerror(&err),
-                tether_core::limit_hint(&err)
-            ));
-            return 1;
-        }
+fn keep(cfg: Config) -> i32 {
+    let Some(signals) = signals::set_up(&cfg, "tether") else {
+        return 1;
     };
-    if let Err(err) = reaper::become_subreaper() {
-        message(&format!(
-            "tether: warning: cannot become a child subreaper ({err}); processes that ranks \
-             leave behind may outlive tether"
-        ));
-    }
     let tmp = match TempDir::name("tether-run-") {
         Ok(tmp) => tmp,
         Err(err) => {

@@ -1,16 +1,42 @@
-//! The attempts of a dynamic rendezvous: each one is a round of torch's rendezvous, which the
-//! helper process joins; a failure on any node, a node that joins or one that goes starts a
-//! new round on every node, and the first failure in time ends the job on every node.
+//! The node's place in each round, and what the rounds mean. A fixed membership (the static
+//! form, one node) knows the place from the start: a failure restarts this node's ranks, and
+//! nothing moves on from elsewhere. A dynamic one (torch's rendezvous, `--rdzv-backend c10d`
+//! and the others on several nodes or an elastic `--nnodes`) asks the node's rendezvous
+//! helper ([`helper`]) for it round after round: a failure on any node, a node that joins or
+//! one that goes starts a new round on every node, and the first failure in time ends the job
+//! on every node.
+
+use std::os::fd::BorrowedFd;
 
 use rustix::event::{PollFd, PollFlags};
 use tether_core::signal_name;
 
-use super::{AttemptEnd, Launcher, Stop};
-use crate::hangs;
+use super::node::Node;
+use super::warm::Warm;
+use crate::clock;
+use crate::config::{nodes_spec, Place, Rendezvous};
 use crate::output;
-use crate::reaper;
-use crate::rendezvous::{nodes_spec, Message, Place};
 use crate::report::{cause_code, render_cause, Failure};
+
+mod helper;
+
+pub use helper::let_the_helper_leave;
+use helper::{Helper, Message};
+
+/// How the job moved on while the ranks ran; the ranks were stopped.
+pub enum Moved {
+    /// Nodes wait to join, or a node is gone: a new round, which is no restart.
+    Round(String),
+    /// Another node ended the job; its root cause.
+    Ended(serde_json::Value),
+}
+
+pub enum Membership {
+    /// The place is known from the start (the configuration's).
+    Fixed(Place),
+    /// torch's rendezvous, through the node's helper; the round the ranks run in.
+    Dynamic { helper: Helper, round: u64 },
+}
 
 /// How waiting for the helper ended.
 enum Heard {
@@ -19,26 +45,25 @@ enum Heard {
     Signal(i32),
 }
 
-impl Launcher {
-    /// Every round of a dynamic rendezvous; returns the launcher's exit status.
-    pub(super) fn run_rounds(&mut self) -> i32 {
-        let Some(rdzv) = self.cfg.rendezvous.clone() else {
-            return 1;
+impl Membership {
+    /// The membership of `node`'s run: for a dynamic rendezvous, its helper is started (a fork
+    /// of the zygote where it can be) and the node says it joins; `Err` holds the exit status.
+    pub fn start(node: &Node, warm: &mut Warm) -> Result<Membership, i32> {
+        let cfg = &node.cfg;
+        let Some(rdzv) = &cfg.rendezvous else {
+            return Ok(Membership::Fixed(cfg.place.clone()));
         };
-        if let Err(sig) = self.await_zygote() {
-            return 128 + sig;
-        }
-        match self.start_helper(&rdzv) {
-            Ok(helper) => self.helper = Some(helper),
+        let helper = match start_helper(node, rdzv, warm) {
+            Ok(helper) => helper,
             Err(err) => {
                 output::message(&format!(
                     "tether: cannot start the rendezvous helper ({} -m tether._rendezvous): {}",
-                    self.cfg.rendezvous_python.to_string_lossy(),
+                    cfg.rendezvous_python.to_string_lossy(),
                     tether_core::strerror(&err)
                 ));
-                return 1;
+                return Err(1);
             }
-        }
+        };
         output::message(&format!(
             "tether: joining run {} at {} ({}, --nnodes {}) as a node of {} rank(s)",
             rdzv.run_id,
@@ -47,103 +72,48 @@ impl Launcher {
             nodes_spec(rdzv.min_nodes, rdzv.max_nodes),
             rdzv.nproc
         ));
-        let code = self.rounds();
-        if let Some(mut helper) = self.helper.take() {
-            helper.leave();
-        }
-        code
+        Ok(Membership::Dynamic { helper, round: 0 })
     }
 
-    fn rounds(&mut self) -> i32 {
-        let max = self.cfg.max_restarts;
-        // This node's own failures, as torchrun counts them: a new round for a change of
-        // membership does not count.
-        let mut failures = 0;
+    /// The rendezvous helper's pid, which only the membership reaps.
+    pub fn pid(&self) -> Option<i32> {
+        match self {
+            Membership::Fixed(_) => None,
+            Membership::Dynamic { helper, .. } => Some(helper.pid()),
+        }
+    }
+
+    /// What the node does on a stop signal between attempts.
+    pub fn on_stop(&self) -> &'static str {
+        match self {
+            Membership::Fixed(_) => "not restarting",
+            Membership::Dynamic { .. } => "leaving the job",
+        }
+    }
+
+    /// Whose ranks a limit of the run stopped.
+    pub fn whose_ranks(&self) -> &'static str {
+        match self {
+            Membership::Fixed(_) => "every rank was",
+            Membership::Dynamic { .. } => "this node's ranks were",
+        }
+    }
+
+    /// This node's place in the next round: the fixed one, or the one the rendezvous gives
+    /// (announced); `Err` holds the exit status when the job cannot go on.
+    pub fn place(&mut self, node: &Node, warm: &Warm) -> Result<Place, i32> {
+        match self {
+            Membership::Fixed(place) => return Ok(place.clone()),
+            Membership::Dynamic { helper, .. } => helper.next_round(),
+        }
         loop {
-            if let Some(sig) = self.pending_stop_signal() {
-                output::message(&format!(
-                    "tether: got {}; leaving the job",
-                    signal_name(sig)
-                ));
-                return 128 + sig;
-            }
-            if let Err(code) = self.join() {
-                return code;
-            }
-            let end = match self.attempt(failures) {
-                Ok(end) => end,
-                Err(err) => {
-                    output::message(&format!("tether: {err}"));
-                    return err.exit_code();
-                }
-            };
-            match end {
-                AttemptEnd::Success => return self.finish(),
-                AttemptEnd::Interrupted(sig) => return 128 + sig,
-                AttemptEnd::TimedOut(limit) => {
-                    output::message(&format!(
-                        "tether: this node's ranks were stopped: {}; exit status {}",
-                        limit.describe(),
-                        hangs::TIMED_OUT
-                    ));
-                    return hangs::TIMED_OUT;
-                }
-                AttemptEnd::Membership(why) => output::message(&format!(
-                    "tether: {why}: this node's ranks were stopped; they start again in a new \
-                     round (not counted as a restart)"
-                )),
-                AttemptEnd::Ended(cause) => return report_cause(&cause),
-                AttemptEnd::Failed(failure) if failures < max => {
-                    failures += 1;
-                    output::message(&format!(
-                        "tether: rank {} (pid {}) ended with {}; restarting every node's ranks in \
-                         a new round (this node's restart {failures} of {max})",
-                        failure.root.rank, failure.root.pid, failure.root.status,
-                    ));
-                    if let Some(helper) = &mut self.helper {
-                        helper.failed(failure.record(), false);
-                    }
-                }
-                AttemptEnd::Failed(failure) => return self.end_the_job(&failure),
-            }
-        }
-    }
-
-    /// This node's failure with no restart left ends the job on every node: reports the
-    /// job's root cause (another node's, when it failed first, else this one) and returns
-    /// the exit status.
-    fn end_the_job(&mut self, failure: &Failure) -> i32 {
-        let Some(helper) = &mut self.helper else {
-            return 1;
-        };
-        helper.failed(failure.record(), true);
-        match self.hear() {
-            Heard::Said(Message::Cause(cause) | Message::Ended(cause))
-                if !is_own(&cause, &failure.record(), &self.cfg.place) =>
-            {
-                report_cause(&cause)
-            }
-            _ => {
-                output::message(&failure.render());
-                failure.root.status.as_shell_code()
-            }
-        }
-    }
-
-    /// Joins the next round and takes this node's place in it; `Err` holds the exit status
-    /// when the job cannot go on.
-    fn join(&mut self) -> Result<(), i32> {
-        let Some(helper) = &mut self.helper else {
-            return Err(1);
-        };
-        helper.next_round();
-        loop {
-            match self.hear() {
+            match self.hear(node, warm) {
                 Heard::Said(Message::Round(place, round)) => {
-                    self.announce(&place, round);
-                    self.cfg.place = place;
-                    self.round = round;
-                    return Ok(());
+                    announce(node, &place, round);
+                    if let Membership::Dynamic { round: now, .. } = self {
+                        *now = round;
+                    }
+                    return Ok(place);
                 }
                 Heard::Said(Message::Ended(cause) | Message::Cause(cause)) => {
                     return Err(report_cause(&cause))
@@ -165,42 +135,29 @@ impl Launcher {
         }
     }
 
-    fn announce(&self, place: &Place, round: u64) {
-        let n = self.cfg.nproc;
-        output::message(&format!(
-            "tether: round {round} of run {}: node rank {} of {} node(s), ranks {}..{} of a \
-             world of {}; MASTER_ADDR={} MASTER_PORT={}",
-            self.cfg.run_id,
-            place.node_rank,
-            place.nnodes,
-            place.rank_base,
-            place.rank_base + n.saturating_sub(1),
-            place.world_size,
-            place.master_addr,
-            place.master_port
-        ));
-    }
-
-    /// This node's ranks succeeded: wait, as torchrun's exit barrier does, for the other
-    /// nodes (the node hosting the store keeps it for them); another node's final failure
-    /// ends the job with its code.
-    fn finish(&mut self) -> i32 {
-        let Some(helper) = &mut self.helper else {
-            return 0;
-        };
-        helper.done();
-        match self.hear() {
-            Heard::Said(Message::Ended(cause)) => report_cause(&cause),
-            Heard::Signal(sig) => 128 + sig,
-            Heard::Said(_) => 0,
+    /// The fd to poll, beside the ranks, for the rendezvous moving on.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        match self {
+            Membership::Fixed(_) => None,
+            Membership::Dynamic { helper, .. } => Some(helper.fd()),
         }
     }
 
-    /// What the running ranks' round means for them: a new round, or the end of the job.
-    pub(super) fn moved_on(&self, message: Message) -> Option<Stop> {
-        match message {
-            Message::Restart { round, why } if round == self.round => Some(Stop::Membership(why)),
-            Message::Ended(cause) | Message::Cause(cause) => Some(Stop::Ended(cause)),
+    /// Whether something the rendezvous said is already read and waits (poll would not say
+    /// so).
+    pub fn has_buffered(&self) -> bool {
+        matches!(self, Membership::Dynamic { helper, .. } if helper.has_buffered())
+    }
+
+    /// Reads what the rendezvous said while the ranks ran (its fd is ready): whether the
+    /// running ranks' round moved on, or the job ended.
+    pub fn moved_on(&mut self) -> Option<Moved> {
+        let Membership::Dynamic { helper, round } = self else {
+            return None;
+        };
+        match helper.read() {
+            Message::Restart { round: of, why } if of == *round => Some(Moved::Round(why)),
+            Message::Ended(cause) | Message::Cause(cause) => Some(Moved::Ended(cause)),
             Message::Error(message) => {
                 output::message(&format!("tether: {message}; the ranks go on"));
                 None
@@ -209,36 +166,143 @@ impl Launcher {
         }
     }
 
+    /// The ranks were stopped because the job moved on: a new round (`None`), or the exit
+    /// status of a job that ended elsewhere.
+    pub fn moved(&self, moved: Moved) -> Option<i32> {
+        match moved {
+            Moved::Round(why) => {
+                output::message(&format!(
+                    "tether: {why}: this node's ranks were stopped; they start again in a new \
+                     round (not counted as a restart)"
+                ));
+                None
+            }
+            Moved::Ended(cause) => Some(report_cause(&cause)),
+        }
+    }
+
+    /// This node's ranks failed with a restart left (restart `restart` of `max`): says so
+    /// (and tells the other nodes, which start a new round too).
+    pub fn restart(&mut self, failure: &Failure, node: &Node, restart: u32, max: u32) {
+        let root = &failure.root;
+        match self {
+            Membership::Fixed(_) => output::message(&format!(
+                "tether: attempt {} failed at {}: rank {} (pid {}) ended with {}; restarting all \
+                 {} ranks (restart {restart} of {max})",
+                failure.attempt,
+                clock::local_iso(failure.ended_at),
+                root.rank,
+                root.pid,
+                root.status,
+                node.cfg.nproc,
+            )),
+            Membership::Dynamic { helper, .. } => {
+                output::message(&format!(
+                    "tether: rank {} (pid {}) ended with {}; restarting every node's ranks in \
+                     a new round (this node's restart {restart} of {max})",
+                    root.rank, root.pid, root.status,
+                ));
+                helper.failed(failure.record(), false);
+            }
+        }
+    }
+
+    /// This node's failure with no restart left ends the job (on every node): reports the
+    /// job's root cause (another node's, when it failed first, else this one) and returns
+    /// the exit status.
+    pub fn failed(&mut self, failure: &Failure, node: &Node, warm: &Warm) -> i32 {
+        if let Membership::Dynamic { helper, .. } = self {
+            helper.failed(failure.record(), true);
+            match self.hear(node, warm) {
+                Heard::Said(Message::Cause(cause) | Message::Ended(cause))
+                    if !is_own(&cause, &failure.record(), &node.cfg.place) =>
+                {
+                    return report_cause(&cause)
+                }
+                _ => {}
+            }
+        }
+        output::message(&failure.render());
+        failure.root.status.as_shell_code()
+    }
+
+    /// This node's ranks succeeded. In a dynamic rendezvous, waits, as torchrun's exit
+    /// barrier does, for the other nodes (the node hosting the store keeps it for them);
+    /// another node's final failure ends the job with its code.
+    pub fn succeeded(&mut self, node: &Node, warm: &Warm) -> i32 {
+        let Membership::Dynamic { helper, .. } = self else {
+            return 0;
+        };
+        helper.done();
+        match self.hear(node, warm) {
+            Heard::Said(Message::Ended(cause)) => report_cause(&cause),
+            Heard::Signal(sig) => 128 + sig,
+            Heard::Said(_) => 0,
+        }
+    }
+
+    /// The node leaves the job (the others start a new round without it), at the end of
+    /// the run.
+    pub fn leave(&mut self) {
+        if let Membership::Dynamic { helper, .. } = self {
+            helper.leave();
+        }
+    }
+
     /// The helper's next message, or the stop signal that came first; stack signals and
     /// SIGCHLD are handled on the way.
-    fn hear(&mut self) -> Heard {
+    fn hear(&mut self, node: &Node, warm: &Warm) -> Heard {
+        let Membership::Dynamic { helper, .. } = self else {
+            return Heard::Said(Message::Error("no rendezvous helper".into()));
+        };
         loop {
-            let Some(helper) = self.helper.as_mut() else {
-                return Heard::Said(Message::Error("no rendezvous helper".into()));
-            };
+            let mut own = warm.pids();
+            own.insert(helper.pid());
             if helper.has_buffered() {
                 return Heard::Said(helper.read());
             }
             let mut fds = [
-                PollFd::new(&self.signals, PollFlags::IN),
+                PollFd::new(&node.signals, PollFlags::IN),
                 PollFd::from_borrowed_fd(helper.fd(), PollFlags::IN),
             ];
             let _ = rustix::event::poll(&mut fds, None);
             let helper_ready = !fds[1].revents().is_empty();
-            while let Some(sig) = self.signals.next() {
-                if sig == libc::SIGCHLD {
-                    reaper::reap_orphans(&self.own_pids());
-                } else if !self.stack_signals.contains(&sig) {
-                    return Heard::Signal(sig);
-                }
+            if let Some(sig) = node.next_stop(&own) {
+                return Heard::Signal(sig);
             }
             if helper_ready {
-                if let Some(helper) = self.helper.as_mut() {
-                    return Heard::Said(helper.read());
-                }
+                return Heard::Said(helper.read());
             }
         }
     }
+}
+
+/// The node's rendezvous helper: a fork of the zygote while it serves and has imported what
+/// the helper needs, else a new interpreter (`python -m tether._rendezvous`).
+fn start_helper(node: &Node, rdzv: &Rendezvous, warm: &mut Warm) -> std::io::Result<Helper> {
+    if let Some(zygote) = warm.helper_host() {
+        match Helper::fork(zygote, rdzv) {
+            Ok(helper) => return Ok(helper),
+            Err(err) => warm.off(&err.to_string()),
+        }
+    }
+    Helper::spawn(&node.cfg.rendezvous_python, rdzv)
+}
+
+fn announce(node: &Node, place: &Place, round: u64) {
+    let n = node.cfg.nproc;
+    output::message(&format!(
+        "tether: round {round} of run {}: node rank {} of {} node(s), ranks {}..{} of a world \
+         of {}; MASTER_ADDR={} MASTER_PORT={}",
+        node.cfg.run_id,
+        place.node_rank,
+        place.nnodes,
+        place.rank_base,
+        place.rank_base + n.saturating_sub(1),
+        place.world_size,
+        place.master_addr,
+        place.master_port
+    ));
 }
 
 /// Whether the job's root cause is this node's own failure (`own`, its record).

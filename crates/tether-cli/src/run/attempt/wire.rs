@@ -1,22 +1,31 @@
 //! The wiring of a rank before its launch: its launch spec, the pipes of its stdout and
-//! stderr, its log files and the pumps that read them.
+//! stderr, its log files, its error file and the pumps that read them.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex};
 
 use tether_core::LaunchSpec;
 
-use super::{io_err, Launcher, RunError, Sinks, Wired};
-use crate::config::Streams;
+use crate::config::{Config, Streams};
 use crate::env::rank_env;
-use crate::output::{FilterSink, Prefix, Pump, RankNames, Stream, Tail};
+use crate::output::{FilterSink, Prefix, Pump, SharedTail, Stream, Tail};
+use crate::run::error::{io_err, RunError};
+use crate::run::node::Node;
 
-impl Launcher {
-    /// The attempt's `filtered_stdout.log` and `filtered_stderr.log`, when asked for.
-    pub(super) fn sinks(&self, logs: Option<&Path>) -> Result<Sinks, RunError> {
-        let (Some(dir), out) = (logs, &self.cfg.output) else {
+/// The duplicate-filter files of an attempt.
+#[derive(Default)]
+pub struct Sinks {
+    stdout: Option<FilterSink>,
+    stderr: Option<FilterSink>,
+}
+
+impl Sinks {
+    /// The attempt's `filtered_stdout.log` and `filtered_stderr.log` in `logs`, when asked
+    /// for.
+    pub fn open(cfg: &Config, logs: Option<&Path>) -> Result<Sinks, RunError> {
+        let (Some(dir), out) = (logs, &cfg.output) else {
             return Ok(Sinks::default());
         };
         std::fs::create_dir_all(dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
@@ -37,26 +46,39 @@ impl Launcher {
             stderr: sink(&out.stderr_filters, "filtered_stderr.log")?,
         })
     }
+}
 
-    /// Makes local rank `local`'s launch spec, pipes, log files and pumps. Its stdout and
-    /// stderr share one pipe when both reach a console that is one file and neither goes to
-    /// a log file, so that its lines keep their order.
-    pub(super) fn wire(
-        &self,
+/// The pipes and files of one rank, ready for its launch.
+pub struct Wired {
+    pub spec: LaunchSpec,
+    pub write_ends: Vec<OwnedFd>,
+    pub pumps: usize,
+    pub tail: SharedTail,
+    /// Whether the tail holds both streams (one pipe).
+    pub merged: bool,
+    pub error_file: PathBuf,
+}
+
+impl Wired {
+    /// Makes local rank `local`'s launch spec, pipes, log files and pumps for attempt
+    /// `attempt`. Its stdout and stderr share one pipe when both reach a console that is one
+    /// file and neither goes to a log file, so that its lines keep their order.
+    pub fn new(
+        node: &Node,
         local: usize,
         attempt: u32,
         logs: Option<&Path>,
         sinks: &Sinks,
         done: &mpsc::Sender<()>,
     ) -> Result<Wired, RunError> {
-        let cfg = &self.cfg;
+        let cfg = &node.cfg;
         let rank = cfg.global_rank(local);
-        let error_file = self.error_file(attempt, rank)?;
+        let error_file = error_file(node, attempt, rank)?;
         let mut spec = LaunchSpec::new(cfg.command.clone());
-        spec.env = rank_env(cfg, local, attempt, &error_file, self.omp_unset);
+        spec.env = rank_env(cfg, local, attempt, &error_file, node.omp_unset);
         spec.stacks = cfg.python_ranks;
         let console = cfg.output.console(local);
-        let merged = logs.is_none() && console == Streams::BOTH && self.one_console;
+        let merged = logs.is_none() && console == Streams::BOTH && node.one_console;
         let mut wired = Wired {
             spec,
             write_ends: Vec::with_capacity(2),
@@ -65,7 +87,7 @@ impl Launcher {
             merged,
             error_file,
         };
-        let prefix = self.prefix(local);
+        let prefix = node.prefix(local);
         if merged {
             let pump = Pump {
                 console: Some(Stream::Stdout),
@@ -73,24 +95,24 @@ impl Launcher {
                 file: None,
                 tail: Some(wired.tail.clone()),
                 filter: None,
-                activity: Some(self.watchdog.activity.clone()),
+                activity: Some(node.watchdog.activity.clone()),
             };
-            plumb(&mut wired, pump, &[Stream::Stdout, Stream::Stderr], done)?;
+            wired.plumb(pump, &[Stream::Stdout, Stream::Stderr], done)?;
             return Ok(wired);
         }
         let files = match logs {
             Some(root) => open_logs(&root.join(format!("rank_{rank}")))?,
             None => (None, None),
         };
-        self.plumb_apart(&mut wired, console, files, prefix, sinks, done)?;
+        wired.plumb_apart(node, console, files, prefix, sinks, done)?;
         Ok(wired)
     }
 
-    /// Gives a rank's stdout and stderr a pipe and a pump each: its console streams, log
+    /// Gives the rank's stdout and stderr a pipe and a pump each: its console streams, log
     /// files (`files`) and filters; the tail keeps stderr.
     fn plumb_apart(
-        &self,
-        wired: &mut Wired,
+        &mut self,
+        node: &Node,
         console: Streams,
         files: (Option<File>, Option<File>),
         prefix: Option<Prefix>,
@@ -110,7 +132,7 @@ impl Launcher {
                 Stream::Stderr,
                 console.stderr,
                 err_file,
-                Some(wired.tail.clone()),
+                Some(self.tail.clone()),
                 &sinks.stderr,
             ),
         ];
@@ -121,58 +143,41 @@ impl Launcher {
                 file,
                 tail,
                 filter: filter.clone(),
-                activity: Some(self.watchdog.activity.clone()),
+                activity: Some(node.watchdog.activity.clone()),
             };
-            plumb(wired, pump, &[stream], done)?;
+            self.plumb(pump, &[stream], done)?;
         }
         Ok(())
     }
 
-    /// Rank `rank`'s TORCHELASTIC_ERROR_FILE in attempt `attempt`, its directory created.
-    pub(super) fn error_file(&self, attempt: u32, rank: usize) -> Result<PathBuf, RunError> {
-        let dir = self.tmp.join(format!("attempt_{attempt}/rank_{rank}"));
-        std::fs::create_dir_all(&dir)
-            .map_err(io_err(format!("cannot create {}", dir.display())))?;
-        Ok(dir.join("error.json"))
-    }
-
-    /// Local rank `local`'s console prefix (`None` for `--no-prefix`).
-    pub(super) fn prefix(&self, local: usize) -> Option<Prefix> {
-        let template = self.cfg.output.prefix.as_ref()?;
-        Some(self.render_prefix(template, local))
-    }
-
-    pub(super) fn render_prefix(&self, template: &str, local: usize) -> Prefix {
-        let names = RankNames {
-            rank: self.cfg.global_rank(local),
-            local_rank: local,
-            role: &self.cfg.role,
-            hostname: &self.hostname,
-        };
-        Prefix::render(template, &names)
+    /// Makes the pipe that carries the rank's `streams` to `pump`, and starts the pump.
+    fn plumb(
+        &mut self,
+        pump: Pump,
+        streams: &[Stream],
+        done: &mpsc::Sender<()>,
+    ) -> Result<(), RunError> {
+        let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+            .map_err(|e| io_err("cannot create a pipe")(e.into()))?;
+        for stream in streams {
+            match stream {
+                Stream::Stdout => self.spec.stdout = Some(write.as_raw_fd()),
+                Stream::Stderr => self.spec.stderr = Some(write.as_raw_fd()),
+            }
+        }
+        self.write_ends.push(write);
+        pump.spawn(read, done.clone())
+            .map_err(io_err("cannot start an output thread"))?;
+        self.pumps += 1;
+        Ok(())
     }
 }
 
-/// Makes the pipe that carries a rank's `streams` to `pump`, and starts the pump.
-fn plumb(
-    wired: &mut Wired,
-    pump: Pump,
-    streams: &[Stream],
-    done: &mpsc::Sender<()>,
-) -> Result<(), RunError> {
-    let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
-        .map_err(|e| io_err("cannot create a pipe")(e.into()))?;
-    for stream in streams {
-        match stream {
-            Stream::Stdout => wired.spec.stdout = Some(write.as_raw_fd()),
-            Stream::Stderr => wired.spec.stderr = Some(write.as_raw_fd()),
-        }
-    }
-    wired.write_ends.push(write);
-    pump.spawn(read, done.clone())
-        .map_err(io_err("cannot start an output thread"))?;
-    wired.pumps += 1;
-    Ok(())
+/// Rank `rank`'s TORCHELASTIC_ERROR_FILE in attempt `attempt`, its directory created.
+fn error_file(node: &Node, attempt: u32, rank: usize) -> Result<PathBuf, RunError> {
+    let dir = node.tmp.join(format!("attempt_{attempt}/rank_{rank}"));
+    std::fs::create_dir_all(&dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
+    Ok(dir.join("error.json"))
 }
 
 /// `dir/stdout.log` and `dir/stderr.log`, created.
