@@ -113,6 +113,28 @@ def test_the_checker_reads_rust_without_its_tests_strings_and_comments(tmp_path)
         del layout.ALLOWED_CYCLES["k"]
 
 
+def test_the_checker_finds_a_circle_between_folders_that_no_two_files_make(tmp_path):
+    _write(
+        tmp_path / "crates" / "k" / "src",
+        {
+            "lib.rs": "pub mod server;\npub mod watcher;\npub mod record;\n",
+            "server/mod.rs": "mod client;\nmod fork;\n",
+            "server/client.rs": "use crate::watcher::thread::watch;\n",
+            "server/fork.rs": "pub fn fork() {}\n",
+            "watcher/mod.rs": "pub mod thread;\n",
+            "watcher/thread.rs": "pub fn watch() { crate::server::fork::fork() }\n",
+            "record.rs": "use crate::server::fork::fork;\n",
+        },
+    )
+    circle = (
+        "crates/k/src (top-level modules): import cycle among server, watcher"
+        " (e.g. server -> watcher -> server)"
+    )
+    assert layout.check_rust("k", tmp_path, folders=True) == [circle]
+    assert layout.check_rust("k", tmp_path) == []
+    assert "tether-core" in layout.FOLDER_CRATES
+
+
 def test_the_readme_lists_the_start_methods_of_the_one_table():
     import tether
     from tether import _launch

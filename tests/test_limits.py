@@ -75,3 +75,30 @@ def test_tether_run_past_the_process_or_fd_limit_names_ulimit(limit: str, tmp_pa
     )
     assert proc.returncode != 0, proc
     assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_idle_blanks_give_way_to_a_process_limit_lowered_after_a_40_rank_start(
+    tmp_path: Path,
+) -> None:
+    # A uid of this test alone: every task of it is the script's, counted at the moment.
+    uid = 61000 + (os.getpid() + 1) % 4000
+    os.chown(tmp_path, uid, uid)
+    margin = 8
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "lowered_nproc.py"), str(uid), str(margin)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    # The 40-rank start left more blanks than the margin: kept, they would take it all.
+    assert out["blanks_before"] >= 2 * margin, out
+    # Lowering the limit gave them back before it took effect, down to half of the room.
+    assert out["blanks_after"] <= margin // 2, out
+    assert (out["thread"], out["subprocess"]) == ("started", "exit 0"), out
+    # A start that needs more than the room the blanks left took theirs too.
+    assert out["spawn"] == "ran", out

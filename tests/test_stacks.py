@@ -414,6 +414,11 @@ def test_tether_run_past_a_limit_shows_the_stacks_stops_and_exits_124(
     assert f"[rank 0]:   {frame('sleep')}" in run.err
     assert f"[rank 1]:   {frame('queue')}" in run.err
     assert not any("Native stack" in line for line in run.err)
+    # Two ranks in two places: the summary says no place holds most of them.
+    at = f"stuck.py:{stuck.line_of('sleep')} in stuck_here"
+    waits = f"get called from stuck.py:{stuck.line_of('queue')}"
+    summary = f"rank 0 is at {at}; rank 1 waits in {waits}"
+    assert f"tether: summary: no place holds most of the ranks; {summary}" in run.err
     assert run.err[-1] == f"tether: every rank was stopped: {said}; exit status 124"
     assert not wait_gone(pids, 10)
 

@@ -11,7 +11,10 @@ to see every place that breaks one; it exits 1 when there is any.
   one crate (``use crate::...``, ``super::...``, ``self::...`` and a child module's name, in
   ``use`` items and in code), a re-export (``pub use``) followed to the file that defines
   the item (a re-export is no edge of its own: a module's face is not a dependency).
-  ``ALLOWED_CYCLES`` lists the few circles a design keeps on purpose.
+  ``ALLOWED_CYCLES`` lists the few circles a design keeps on purpose;
+- in the crates of ``FOLDER_CRATES``, no two top-level modules (a folder such as ``zygote/``,
+  or a file such as ``group.rs``) import each other, directly or round a longer circle,
+  through any of their files: each concern's folder depends on others one way only.
 
 ``tests/test_layout.py`` holds the Python package to these rules, and the Rust crates it
 names."""
@@ -38,6 +41,8 @@ MAX_FUNCTION = 60
 #: it drives (the handle sends the thread requests; the thread's loop calls back into the
 #: handle's types): put the pair here with a line saying so.
 ALLOWED_CYCLES: Dict[str, List[Tuple[Set[str], str]]] = {}
+#: The crates whose top-level modules are held to the rule of no circle among them.
+FOLDER_CRATES: Set[str] = {"tether-core"}
 
 
 # -- cycles ---------------------------------------------------------------------------------
@@ -429,12 +434,20 @@ def _rust_files(src: Path) -> Dict[Tuple[str, ...], RustFile]:
     return {module: file for module, file in files.items() if module not in tests}
 
 
-def check_rust(crate: str, root: Path = ROOT) -> List[str]:
-    """Every break of the rules in ``crates/<crate>/src``, one line each."""
+def _top_level(module: Tuple[str, ...]) -> Optional[str]:
+    """The top-level module a file belongs to (None for the crate's root)."""
+    return module[0] if module else None
+
+
+def check_rust(crate: str, root: Path = ROOT, folders: Optional[bool] = None) -> List[str]:
+    """Every break of the rules in ``crates/<crate>/src``, one line each; ``folders``: hold
+    its top-level modules to the rule of no circle (default: when ``FOLDER_CRATES`` names
+    it)."""
     src = root / "crates" / crate / "src"
     files = _rust_files(src)
     problems: List[str] = []
     edges: Dict[str, Set[str]] = {}
+    tops: Dict[str, Set[str]] = {}
     for module, file in files.items():
         rel = file.path.relative_to(root)
         lines = len(file.text.splitlines()) - file.test_lines
@@ -448,8 +461,15 @@ def check_rust(crate: str, root: Path = ROOT) -> List[str]:
         edges[name] = {
             str(files[t].path.relative_to(src)) for t in targets if t is not None and t != module
         }
+        top = _top_level(module)
+        if top is not None:
+            reached = {_top_level(t) for t in targets if t is not None}
+            tops.setdefault(top, set()).update(r for r in reached if r not in (None, top))
     allowed = [members for members, _ in ALLOWED_CYCLES.get(crate, [])]
-    return problems + _cycle_lines(edges, allowed, f"crates/{crate}/src")
+    problems += _cycle_lines(edges, allowed, f"crates/{crate}/src")
+    if folders if folders is not None else crate in FOLDER_CRATES:
+        problems += _cycle_lines(tops, [], f"crates/{crate}/src (top-level modules)")
+    return problems
 
 
 def rust_crates(root: Path = ROOT) -> List[str]:

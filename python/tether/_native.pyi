@@ -32,6 +32,7 @@ __all__ = [
     "stacks_fd",
     "StacksChannel",
     "stacks",
+    "stacks_summary",
     "WorkerSet",
     "WorkerLink",
     "WorkerFds",
@@ -239,6 +240,7 @@ class Zygote:
         shared: Sequence[SharedFd],
         payload: bytes,
     ) -> List[int]: ...
+    def make_room(self, limit: Optional[int]) -> int: ...
     def close(self, grace: float = 1.0) -> None: ...
 
 @final
@@ -338,6 +340,7 @@ def stacks(
     py_spy: Optional[str] = None,
     dump_after: Optional[float] = None,
 ) -> List[StackAnswer]: ...
+def stacks_summary(ranks: Sequence[int], answers: Sequence[StackAnswer]) -> str: ...
 
 @final
 class StackAnswer:

@@ -8,24 +8,35 @@ process attributes, supervision of every child by pidfd. What stays in Python is
 be: here, the parent's side (choosing the preload, one zygote per preload set, started
 again when it died, its warnings); in ``_zygote_server``, the zygote process itself
 (importing the preload, and, in each child, installing the caller's environment, fresh
-random state and running the payload)."""
+random state and running the payload).
+
+The blanks a zygote keeps ready are processes of this process's user: they count against
+its ``RLIMIT_NPROC``. The zygote keeps them within half of what this process's limits would
+leave without them (it reads them from this process), and this process tells it of a new
+process limit before it takes effect: once a zygote has started, ``resource.setrlimit`` and
+``resource.prlimit`` of ``RLIMIT_NPROC`` on this process (seen through an audit hook) return
+only once every zygote of it holds no more blanks than the new limit leaves room for, so that
+the thread or process started next finds that room."""
 
 from __future__ import annotations
 
 import atexit
 import os
 import pickle
+import resource
 import site
 import sys
 import sysconfig
 import threading
 import warnings
 from typing import (
+    Any,
     Dict,
     Iterable,
     List,
     Optional,
     Sequence,
+    Set,
     Tuple,
 )
 
@@ -151,6 +162,7 @@ class Zygote:
             "sys_path": list(sys.path),
             "reserve": reserve,
         }
+        _watch_the_process_limit()
         argv = _child.python_argv(_zygote_server.ENTRY)
         self._process = _native.Zygote(argv, [], pickle.dumps(config))
         self._ready = False
@@ -217,6 +229,13 @@ class Zygote:
                     if attempt == 2 or len(group) != before or not died:
                         raise
 
+    def make_room(self, limit: Optional[int]) -> None:
+        """This process is about to set its soft RLIMIT_NPROC to ``limit`` (None:
+        unlimited): returns once the zygote's blanks fit in the room that leaves."""
+        with self._lock:
+            if self._process is not None:
+                self._process.make_room(limit)
+
     def close(self) -> None:
         """Stops the zygote (children it started are not affected)."""
         with self._lock:
@@ -259,6 +278,46 @@ def running() -> List[Zygote]:
 def pids() -> List[int]:
     """The pids of this process's running zygotes and of the children they keep ready."""
     return [pid for z in running() for pid in z.pids()]
+
+
+#: The processes whose zygotes hear of a new RLIMIT_NPROC (a fork child inherits the hook,
+#: not the watch: it takes no lock its parent's threads may have held at the fork).
+_watching: Set[int] = set()
+_hooked = False
+
+
+def _watch_the_process_limit() -> None:
+    """Has the audit hook tell this process's zygotes of a new RLIMIT_NPROC before it takes
+    effect (see the module's documentation); the hook is installed once per interpreter."""
+    global _hooked
+    _watching.add(os.getpid())
+    if not _hooked:
+        _hooked = True
+        sys.addaudithook(_on_audit)
+
+
+def _on_audit(event: str, args: Tuple[Any, ...]) -> None:
+    # Called for every audited event of the process: the first test is all most pay. An
+    # exception here would fail the call audited; none leaves.
+    if event != "resource.setrlimit" and event != "resource.prlimit":
+        return
+    if os.getpid() not in _watching:
+        return
+    try:
+        if event == "resource.prlimit":
+            pid, which, limits = args
+            if pid not in (0, os.getpid()):
+                return
+        else:
+            which, limits = args
+        if which != resource.RLIMIT_NPROC or limits is None:
+            return
+        soft = int(limits[0])
+        limit = None if soft == resource.RLIM_INFINITY or soft < 0 else soft
+        for zygote in running():
+            zygote.make_room(limit)
+    except Exception as exc:  # noqa: BLE001 - the caller's call must go on
+        logger.info("could not tell the zygote of a new process limit: %s", exc)
 
 
 @atexit.register

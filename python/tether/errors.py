@@ -61,7 +61,8 @@ class ProcessExitedException(ProcessException):
 class ProcessTimeoutError(TimeoutError):
     """The job ran past its ``timeout``: every rank's stack was taken, then every rank was
     stopped (SIGTERM, the grace period, SIGKILL). ``stacks`` maps each rank to the text of
-    its stack (or why there is none); ``timeout`` is the limit in seconds."""
+    its stack (or why there is none), and its ``summary`` names the rank not where the
+    others wait (the message ends with it); ``timeout`` is the limit in seconds."""
 
     def __init__(self, msg: str, stacks: Dict[int, str], timeout: float) -> None:
         super().__init__(msg)

@@ -93,16 +93,18 @@ class ProcessContext:
 
     def stacks(
         self, timeout: float = _stacks.DEFAULT_TIMEOUT, native: bool = False
-    ) -> Dict[int, str]:
+    ) -> _stacks.Stacks:
         """Where every rank is: ``{rank: text}``, the Python stack of each of its threads
         (most recent call first), asked of all ranks at once without stopping them and
         without ptrace. A rank that cannot answer within ``timeout`` seconds (stopped, in
         the kernel, no longer running, or running no Python of tether's) gets a line that
         says so, with its pid and state; it never holds up the others. With ``native`` and
-        py-spy installed, py-spy's native frames follow each stack."""
+        py-spy installed, py-spy's native frames follow each stack. The dict's ``summary``
+        groups the ranks by where they wait and names those not where most others are;
+        ``str()`` of it is the whole block, summary last."""
         ranks = range(len(self.processes))
         answers = _stacks.ask([_native.Member(self._group, i) for i in ranks], timeout, native)
-        return {rank: answer.text for rank, answer in zip(ranks, answers)}
+        return _stacks.of_ranks(ranks, answers)
 
     def join(self, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> bool:
         """Waits for the children. Returns True once all of them have exited 0 (and on every
@@ -157,13 +159,9 @@ class ProcessContext:
         self._stop(grace)
         self._done = True
         assert self.timeout is not None
-        shown = "".join(
-            f"\n\n-- rank {rank} (pid {self.processes[rank].pid}):\n{text}"
-            for rank, text in stacks.items()
-        )
         msg = (
             f"the processes ran past their timeout of {self.timeout:g} s and were stopped; "
-            f"where each rank was:{shown}"
+            f"where each rank was:\n\n{stacks}"
         )
         logger.info("timeout of %g s: stopped %d process(es)", self.timeout, len(stacks))
         return ProcessTimeoutError(msg, stacks, self.timeout)

@@ -39,7 +39,13 @@ const RUN_EXAMPLES: &str =
      tether run --nnodes 1:4 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d \\\n      \
      --rdzv-endpoint node0:29400 --rdzv-id job42 train.py       (elastic: 1 to 4 nodes)\n  \
      tether run --nnodes 2 --node-rank 1 --master-addr node0 --nproc-per-node 8 train.py\n  \
-     tether run -n 4 --no-python -- ./bench --size 1024";
+     tether run -n 4 --no-python -- ./bench --size 1024\n\n\
+     Under a scheduler:\n  \
+     srun --nodes 2 --ntasks-per-node 1 tether run --nproc-per-node 8 train.py\n      \
+     (SLURM: the node count, node rank and first host come from the allocation)\n  \
+     tether run --nproc-per-node 8 train.py\n      \
+     (Kubernetes' PyTorchJob, elastic policy: the operator sets\n      \
+     PET_NNODES=MIN:MAX, PET_RDZV_BACKEND=c10d, PET_RDZV_ENDPOINT, PET_RDZV_ID)";
 
 const RUN_TEMPLATE: &str =
     "{about-with-newline}\n{usage-heading} {usage}\n\n{before-help}{all-args}{after-help}";
@@ -51,7 +57,9 @@ const RUN_AFTER: &str =
      Output: each line of a rank is printed whole, after \"[rank N]: \" unless it starts with \
      the\nrank's own prefix already (\"[rank N]\", or \"[rankN]\" as torch prints). When \
      tether's stdout\nand stderr are one file (a terminal, `2>&1`), a rank's two streams share \
-     one pipe and\nkeep the order it wrote them in.\n\n\
+     one pipe and\nkeep the order it wrote them in. A rank's stream that reaches a terminal \
+     is a\npseudo-terminal of its size (resizes follow), as a torchrun rank sees the\n\
+     terminal itself; --no-tty (PET_NO_TTY=1) gives every rank pipes.\n\n\
      Stacks: `kill -USR1 PID` (or `tether stacks PID`) prints every rank's Python stack, \
      rank\nby rank, to tether's stderr, and the run goes on; PID is tether's own.\n\n\
      Exit status: 0 when every rank exits 0; the first failing rank's exit code (128+signal\n\
@@ -136,7 +144,7 @@ pub struct NodeArgs {
     pub nproc_per_node: Option<String>,
     /// Number of nodes: N, or an elastic range MIN:MAX (with a dynamic --rdzv-backend: the
     /// job starts with MIN to MAX nodes and takes in or loses nodes in new rounds). SLURM's
-    /// when unset.
+    /// when unset; Kubernetes' PyTorchJob sets PET_NNODES=MIN:MAX.
     #[arg(long, allow_negative_numbers = true, value_name = "N")]
     pub nnodes: Option<String>,
     /// This node's rank among the nodes, with --rdzv-backend static. SLURM's when unset, else
@@ -227,6 +235,11 @@ pub struct OutputArgs {
     /// Print rank output without a prefix.
     #[arg(long)]
     pub no_prefix: bool,
+    /// Give every rank pipes. By default a rank's stream that reaches tether's terminal is a
+    /// pseudo-terminal of its size (resizes follow), as a torchrun rank sees the terminal:
+    /// isatty() is true, colours and progress bars behave.
+    #[arg(long)]
+    pub no_tty: bool,
     /// Only these local ranks reach the console, e.g. "0,3" (log files get every rank).
     #[arg(long = "local-ranks-filter", value_name = "RANKS")]
     pub ranks_filter: Option<String>,
@@ -390,7 +403,13 @@ fn command(hosted: &[(String, String)]) -> clap::Command {
 /// clap errors, to be printed and exited with.
 pub fn parse(argv: Vec<OsString>, hosted: &[(String, String)]) -> Result<Parsed, clap::Error> {
     let mut cmd = command(hosted);
-    let argv = normalize::normalize(argv, &cmd);
+    let mut argv = normalize::normalize(argv, &cmd);
+    // `tether help -h` asks for help as much as `tether -h` does (clap refuses it).
+    if argv.get(1).is_some_and(|a| a == "help")
+        && argv[2..].iter().all(|a| a == "-h" || a == "--help")
+    {
+        argv.truncate(2);
+    }
     let matches = cmd.try_get_matches_from_mut(argv)?;
     if let Some((name, _)) = matches.subcommand() {
         if hosted.iter().any(|(n, _)| n == name) {

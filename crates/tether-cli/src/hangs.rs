@@ -4,7 +4,10 @@
 //!
 //! The stacks come from tether-core ([`tether_core::stacks`]): a rank running tether's
 //! Python registers its dump handler at start-up, and answers without being stopped; one
-//! that cannot answer is named, with its pid and state, within the request's timeout.
+//! that cannot answer is named, with its pid and state, within the request's timeout. Every
+//! block ends with tether-core's summary of where the ranks are (the rank not where the
+//! others wait, named), and goes to whoever asked with `tether stacks` as well
+//! ([`crate::stacks_reply`]).
 
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
@@ -18,6 +21,7 @@ use tether_core::{signal_name, Group};
 use crate::clock;
 use crate::config::Config;
 use crate::output::{self, touch, Activity, Prefix, Stream};
+use crate::stacks_reply;
 
 /// How long a request waits for the ranks' stacks.
 pub const STACKS_TIMEOUT: Duration = Duration::from_secs(5);
@@ -118,16 +122,38 @@ pub struct Ranks {
 
 /// Asks every rank for its stack and prints them all, rank by rank, each line with the
 /// rank's prefix, in one block on the launcher's stderr: first `tether: {why}`, how many
-/// answered, and `then`.
+/// answered, and `then`; last the summary of where the ranks are. Whoever asked with
+/// `tether stacks` gets the block too.
 pub fn print_stacks(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) {
-    if let Some(block) = stacks_block(ranks, why, then, py_spy) {
-        output::write_console(Stream::Stderr, &block);
+    let block = stacks_block(ranks, why, then, py_spy);
+    if let Some(block) = &block {
+        output::write_console(Stream::Stderr, &block.text);
+    }
+    reply(block.as_ref());
+}
+
+/// A block of stacks, and the ranks (rank, pid) that did not answer.
+struct Block {
+    text: Vec<u8>,
+    silent: Vec<(usize, i32)>,
+}
+
+/// Hands `block` (or why there is none) to those who asked with `tether stacks`.
+fn reply(block: Option<&Block>) {
+    match block {
+        Some(block) => stacks_reply::answer(&stacks_reply::Reply::Stacks {
+            block: &block.text,
+            silent: &block.silent,
+        }),
+        None => stacks_reply::answer(&stacks_reply::Reply::Error(
+            "it cannot ask its ranks for their stacks (its stderr says why)",
+        )),
     }
 }
 
 /// The block [`print_stacks`] prints, once every rank has answered or timed out; `None`
 /// (said on stderr) when the ranks cannot be asked.
-fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -> Option<Vec<u8>> {
+fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -> Option<Block> {
     let request = Request::new(STACKS_TIMEOUT, py_spy);
     let started = Instant::now();
     let answers = match ranks.group.stacks(&request) {
@@ -157,7 +183,23 @@ fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -
             block.push(b'\n');
         }
     }
-    Some(block)
+    let by_rank: Vec<(usize, &stacks::Answer)> = ranks
+        .prefixes
+        .iter()
+        .map(|prefix| prefix.rank)
+        .zip(answers.iter())
+        .collect();
+    let summary = stacks::summary(&by_rank);
+    block.extend_from_slice(format!("tether: summary: {summary}\n").as_bytes());
+    let silent = by_rank
+        .iter()
+        .filter(|(_, answer)| !answer.answered())
+        .map(|&(rank, answer)| (rank, answer.pid))
+        .collect();
+    Some(Block {
+        text: block,
+        silent,
+    })
 }
 
 /// Prints the stacks in a thread of its own, so that the launcher keeps watching its ranks;
@@ -165,6 +207,7 @@ fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -
 pub fn print_stacks_in_background(ranks: &Ranks, sig: i32) {
     static BUSY: AtomicBool = AtomicBool::new(false);
     if BUSY.swap(true, Ordering::SeqCst) {
+        // Whoever asked with `tether stacks` gets the block being collected.
         output::message("tether: the ranks' stacks are being collected already");
         return;
     }
@@ -180,9 +223,10 @@ pub fn print_stacks_in_background(ranks: &Ranks, sig: i32) {
             // (one refused after its block had been read would seem lost).
             let block = stacks_block(&ranks, &why, "", None);
             BUSY.store(false, Ordering::SeqCst);
-            if let Some(block) = block {
-                output::write_console(Stream::Stderr, &block);
+            if let Some(block) = &block {
+                output::write_console(Stream::Stderr, &block.text);
             }
+            reply(block.as_ref());
         });
     if spawned.is_err() {
         BUSY.store(false, Ordering::SeqCst);

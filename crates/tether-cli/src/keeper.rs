@@ -1,7 +1,7 @@
 //! The keeper: the process users see as `tether run` (the one they started, whose pid they
 //! hold). It stays small: it forks the supervisor ([`crate::run`]), forwards stop signals
-//! to it, and once the supervisor has ended, however it ended, kills and reaps whatever is
-//! left, then exits with the supervisor's status.
+//! (and the terminal's resizes) to it, and once the supervisor has ended, however it ended,
+//! kills and reaps whatever is left, then exits with the supervisor's status.
 //!
 //! The pact between the two processes, which leaves no orphan whichever of them dies:
 //! - both are child subreapers. The supervisor is the ranks' parent, so whatever a rank
@@ -28,20 +28,25 @@ use crate::signals::{self, SignalFd};
 /// Runs `cfg` in a supervisor process and returns the exit status. Must be called while
 /// the process has a single thread.
 pub fn run(cfg: Config) -> i32 {
-    let saved = match signals::block(&signals::handled(&cfg)) {
+    let mut handled = signals::handled(&cfg);
+    // Forwarded to the supervisor, which gives the terminal's new size to the ranks' ptys.
+    if cfg.output.tty {
+        handled.push(libc::SIGWINCH);
+    }
+    let saved = match signals::block(&handled) {
         Ok(saved) => saved,
         Err(err) => {
             message(&format!("tether: cannot block signals: {err}"));
             return 1;
         }
     };
-    let code = keep(cfg);
+    let code = keep(cfg, &handled);
     signals::restore(saved);
     code
 }
 
-fn keep(cfg: Config) -> i32 {
-    let Some(signals) = signals::set_up(&cfg, "tether") else {
+fn keep(cfg: Config, handled: &[i32]) -> i32 {
+    let Some(signals) = signals::set_up(handled, "tether") else {
         return 1;
     };
     let tmp = match TempDir::name("tether-run-") {
@@ -86,10 +91,9 @@ fn keep(cfg: Config) -> i32 {
 fn wait_for(pid: i32, signals: &SignalFd) -> i32 {
     loop {
         signals.wait(None);
-        while let Some(sig) = signals.next() {
+        while let Some((sig, queued)) = signals.next_queued() {
             if sig != libc::SIGCHLD {
-                // SAFETY: signalling our own unreaped child.
-                unsafe { libc::kill(pid, sig) };
+                forward(pid, sig, queued);
             }
         }
         let mut status = 0;
@@ -97,6 +101,24 @@ fn wait_for(pid: i32, signals: &SignalFd) -> i32 {
         if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
             return status;
         }
+    }
+}
+
+/// Sends `sig` on to the supervisor `pid`, with the value it was queued with (which names
+/// who asked for the stacks: see [`crate::stacks_reply`]).
+fn forward(pid: i32, sig: i32, queued: Option<u64>) {
+    match queued {
+        Some(value) => {
+            let value = libc::sigval {
+                sival_ptr: value as usize as *mut libc::c_void,
+            };
+            // SAFETY: queueing a signal with a plain value to our own unreaped child.
+            unsafe { libc::sigqueue(pid, sig, value) };
+        }
+        // SAFETY: signalling our own unreaped child.
+        None => unsafe {
+            libc::kill(pid, sig);
+        },
     }
 }
 

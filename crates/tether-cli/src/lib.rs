@@ -24,6 +24,7 @@ mod run;
 mod signals;
 mod slurm;
 mod stacks_cmd;
+mod stacks_reply;
 mod zygote;
 
 use std::ffi::OsString;

@@ -32,6 +32,8 @@ use rustix::io::Errno;
 
 use crate::clock;
 
+pub mod pty;
+
 /// Lines longer than this (64 MiB) are cut into pieces of this size.
 pub const MAX_LINE: usize = 64 << 20;
 /// Lines kept per rank for the failure report.
@@ -190,7 +192,7 @@ pub type SharedTail = Arc<Mutex<Tail>>;
 #[derive(Debug, Clone)]
 pub struct Prefix {
     text: Vec<u8>,
-    rank: usize,
+    pub rank: usize,
 }
 
 /// What a prefix template's macros stand for.
@@ -281,8 +283,9 @@ pub struct Pump {
 }
 
 impl Pump {
-    /// Starts the thread that drains `pipe` until EOF, then sends on `done`.
-    pub fn spawn(self, pipe: OwnedFd, done: mpsc::Sender<()>) -> std::io::Result<()> {
+    /// Starts the thread that drains `pipe` (a pipe's read end, or a pty's master) until
+    /// EOF, then sends on `done`.
+    pub fn spawn(self, pipe: Arc<OwnedFd>, done: mpsc::Sender<()>) -> std::io::Result<()> {
         std::thread::Builder::new()
             .name("tether-output".into())
             .spawn(move || {
@@ -296,13 +299,13 @@ impl Pump {
         self.console.is_some() || self.tail.is_some() || self.filter.is_some()
     }
 
-    fn run(mut self, pipe: OwnedFd) {
+    fn run(mut self, pipe: Arc<OwnedFd>) {
         let mut buf = vec![0u8; 1 << 16];
         let mut line = Line::new(self.prefix.clone());
         loop {
             if let Some(due) = line.due().filter(|_| self.console.is_some()) {
                 let left = due.saturating_duration_since(Instant::now());
-                if !readable_within(&pipe, left) {
+                if !readable_within(pipe.as_fd(), left) {
                     if let Some(stream) = self.console {
                         line.show_partial(stream);
                     }
@@ -313,6 +316,7 @@ impl Pump {
                 Ok(0) => break,
                 Ok(n) => n,
                 Err(Errno::INTR) | Err(Errno::AGAIN) => continue,
+                // EIO: a pty whose every holder closed it (the end, once drained).
                 Err(_) => break,
             };
             let chunk = &buf[..n];
@@ -398,12 +402,12 @@ impl Pump {
 }
 
 /// Whether `pipe` has something to read (or its end) within `left`.
-fn readable_within(pipe: &OwnedFd, left: Duration) -> bool {
+fn readable_within(pipe: BorrowedFd<'_>, left: Duration) -> bool {
     let timeout = rustix::event::Timespec {
         tv_sec: left.as_secs() as _,
         tv_nsec: left.subsec_nanos() as _,
     };
-    let mut fds = [rustix::event::PollFd::new(
+    let mut fds = [rustix::event::PollFd::from_borrowed_fd(
         pipe,
         rustix::event::PollFlags::IN,
     )];

@@ -25,8 +25,10 @@ pub struct Process {
     pub args: String,
 }
 
-/// `tether ps ARGS`: prints the tree on stdout; 2 (and the usage) when given arguments.
+/// `tether ps ARGS`: prints the tree on stdout; the usage for `-h`/`--help` (status 0) and
+/// for any other argument (status 2).
 pub fn main(args: &[OsString]) -> i32 {
+    let help = matches!(args, [flag] if flag == "-h" || flag == "--help");
     let text = if args.is_empty() {
         let me = rustix::process::getpid().as_raw_nonzero().get();
         let mut table = processes(rustix::process::getuid().as_raw());
@@ -37,7 +39,7 @@ pub fn main(args: &[OsString]) -> i32 {
     };
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{text}").and_then(|()| out.flush());
-    if args.is_empty() {
+    if args.is_empty() || help {
         0
     } else {
         2

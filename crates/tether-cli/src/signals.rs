@@ -23,12 +23,12 @@ pub fn handled(cfg: &Config) -> Vec<i32> {
     handled
 }
 
-/// The set-up the keeper and the supervisor share, with the [`handled`] signals blocked
-/// already: their signalfd, and the process made a child subreaper (what the ranks leave
-/// behind comes back to it; should it fail, they "may outlive `whom`"). `None` after saying
-/// why there is no signalfd.
-pub fn set_up(cfg: &Config, whom: &str) -> Option<SignalFd> {
-    let signals = match SignalFd::new(&handled(cfg)) {
+/// The set-up the keeper and the supervisor share, with `handled` (theirs: [`handled`], and
+/// the keeper's SIGWINCH) blocked already: their signalfd, and the process made a child
+/// subreaper (what the ranks leave behind comes back to it; should it fail, they "may
+/// outlive `whom`"). `None` after saying why there is no signalfd.
+pub fn set_up(handled: &[i32], whom: &str) -> Option<SignalFd> {
+    let signals = match SignalFd::new(handled) {
         Ok(fd) => fd,
         Err(err) => {
             message(&format!(
@@ -100,8 +100,22 @@ impl SignalFd {
         Ok(SignalFd { fd })
     }
 
-    /// The next pending signal, or `None` when none is pending.
+    /// The next pending signal, or `None` when none is pending. The asker of a stack
+    /// signal that `tether stacks` queued is noted for the reply ([`crate::stacks_reply`]).
     pub fn next(&self) -> Option<i32> {
+        let info = self.next_info()?;
+        crate::stacks_reply::note(&info);
+        Some(info.ssi_signo as i32)
+    }
+
+    /// The next pending signal and the value queued with it (`sigqueue`), if any.
+    pub fn next_queued(&self) -> Option<(i32, Option<u64>)> {
+        let info = self.next_info()?;
+        let queued = (info.ssi_code == libc::SI_QUEUE).then_some(info.ssi_ptr);
+        Some((info.ssi_signo as i32, queued))
+    }
+
+    fn next_info(&self) -> Option<libc::signalfd_siginfo> {
         // SAFETY: signalfd_siginfo is plain data, valid when zeroed.
         let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
         let size = std::mem::size_of::<libc::signalfd_siginfo>();
@@ -115,7 +129,7 @@ impl SignalFd {
                 )
             };
             if n == size as isize {
-                return Some(info.ssi_signo as i32);
+                return Some(info);
             }
             if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
                 continue;

@@ -1,16 +1,29 @@
-//! `tether stacks PID`: asks the `tether run` whose pid is PID to print every rank's stack
-//! on its stderr, as `kill -USR1 PID` does; the run goes on.
+//! `tether stacks PID`: asks the `tether run` whose pid is PID for every rank's stack, as
+//! `kill -USR1 PID` does (the run goes on, the block shows on its stderr), and prints the
+//! block it gets back on stdout ([`crate::stacks_reply`]), summary last.
 
 use std::ffi::OsString;
 use std::io::Write;
+use std::time::Duration;
 
 use tether_core::proc::{self, Of};
 use tether_core::stacks;
 
+use crate::stacks_reply::{self, Got};
+
+/// How long the asker waits for the block: the launcher's wait for its ranks, and time to
+/// write it.
+const WAIT: Duration = Duration::from_secs(crate::hangs::STACKS_TIMEOUT.as_secs() + 10);
+
+/// The exit status when some rank did not answer.
+const SILENT: i32 = 3;
+
 const USAGE: &str = "usage: tether stacks PID  (PID: the pid of a running `tether run`)";
 
-/// `tether stacks ARGS`: 0 when the run was asked, 1 when PID is no `tether run` this user
-/// may ask, 2 (and the usage) for bad usage, 0 for the usage that `-h` asks.
+/// `tether stacks ARGS`: prints the stacks on stdout; 0 when every rank answered, 3 (and a
+/// line on stderr naming the ranks and pids) when some did not, 1 when PID is no `tether
+/// run` this user may ask or sent no stacks back in time, 2 (and the usage) for bad usage,
+/// 0 for the usage that `-h` asks.
 pub fn main(args: &[OsString]) -> i32 {
     let digits = match args {
         [pid] => pid
@@ -40,22 +53,57 @@ pub fn main(args: &[OsString]) -> i32 {
     else {
         return not_a_run();
     };
-    // SAFETY: kill(2) with a pid and a signal number has no memory-safety requirement;
-    // rustix has no safe constructor of a real-time signal such as this one.
-    if unsafe { libc::kill(pid, stacks::signal()) } != 0 {
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EPERM) {
-            return not_a_run();
+    match stacks_reply::ask(pid, stacks::signal(), WAIT) {
+        Ok(Some(got)) => show(pid, got),
+        Ok(None) => {
+            crate::output::message(&format!(
+                "tether stacks: `tether run` (pid {pid}) sent no stacks back within {} s \
+                 (between attempts, it has no rank to ask)",
+                WAIT.as_secs()
+            ));
+            1
         }
-        crate::output::message(&format!(
-            "tether stacks: pid {pid} belongs to another user: ask as that user (or as root)"
-        ));
-        return 1;
+        Err(err) if err.raw_os_error() == Some(libc::EPERM) => {
+            crate::output::message(&format!(
+                "tether stacks: pid {pid} belongs to another user: ask as that user (or as root)"
+            ));
+            1
+        }
+        Err(err) if err.raw_os_error() == Some(libc::ESRCH) => not_a_run(),
+        Err(err) => {
+            crate::output::message(&format!(
+                "tether stacks: cannot ask `tether run` (pid {pid}): {}",
+                tether_core::strerror(&err)
+            ));
+            1
+        }
     }
-    println_flushed(&format!(
-        "tether stacks: asked `tether run` (pid {pid}); the stacks appear on its stderr"
+}
+
+/// Prints what the launcher `pid` sent back; the exit status.
+fn show(pid: i32, got: Got) -> i32 {
+    let (block, silent) = match got {
+        Got::Stacks { block, silent } => (block, silent),
+        Got::Error(why) => {
+            crate::output::message(&format!("tether stacks: `tether run` (pid {pid}): {why}"));
+            return 1;
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(&block).and_then(|()| out.flush());
+    if silent.is_empty() {
+        return 0;
+    }
+    let named: Vec<String> = silent
+        .iter()
+        .map(|(rank, pid)| format!("rank {rank} (pid {pid})"))
+        .collect();
+    crate::output::message(&format!(
+        "tether stacks: {} of the ranks did not answer: {}; their lines above say why",
+        silent.len(),
+        named.join(", ")
     ));
-    0
+    SILENT
 }
 
 fn println_flushed(line: &str) {

@@ -122,13 +122,9 @@ fn ps_takes_no_argument() {
 }
 
 #[test]
-fn stacks_asks_a_tether_run_for_every_rank_stack_and_the_run_goes_on() {
+fn stacks_prints_every_rank_stack_to_its_caller_and_the_run_goes_on() {
     let (job, ranks) = sleeping_job(2);
     let asked = tether(&["stacks", &job.pid().to_string()]);
-    let said = format!(
-        "tether stacks: asked `tether run` (pid {}); the stacks appear on its stderr\n",
-        job.pid()
-    );
     let both = |err: &str| {
         ranks
             .keys()
@@ -137,16 +133,35 @@ fn stacks_asks_a_tether_run_for_every_rank_stack_and_the_run_goes_on() {
     let shown = eventually(Duration::from_secs(20), || both(&job.stderr_so_far()));
     let alive = ranks.values().all(|&pid| common::alive(pid));
     let err = stop(job);
-    assert_eq!(
-        (asked.status.code(), text(&asked.stdout)),
-        (Some(0), said),
-        "{err}"
-    );
+    let out = text(&asked.stdout);
     assert!(shown && alive, "{err}");
-    for (rank, pid) in ranks {
+    // The caller gets the block the job's stderr shows; no rank of `sleep` can answer.
+    let pids: Vec<String> = ranks.values().map(|pid| pid.to_string()).collect();
+    let named: Vec<String> = ranks
+        .iter()
+        .map(|(rank, pid)| format!("rank {rank} (pid {pid})"))
+        .collect();
+    assert_eq!(
+        (asked.status.code(), text(&asked.stderr)),
+        (
+            Some(3),
+            format!(
+                "tether stacks: 2 of the ranks did not answer: {}; their lines above say why\n",
+                named.join(", ")
+            )
+        ),
+        "{out}"
+    );
+    assert!(out.starts_with("tether: `tether stacks` asked: the stack of every rank (0 of 2"));
+    for (rank, pid) in &ranks {
         let line = format!("[rank {rank}]: (no Python stack: pid {pid} cannot answer: it is not");
-        assert!(err.contains(&line), "{err}");
+        assert!(out.contains(&line) && err.contains(&line), "{out}");
     }
+    let summary = format!(
+        "tether: summary: no place holds most of the ranks; ranks 0-1 did not answer (pids {})\n",
+        pids.join(", ")
+    );
+    assert!(out.ends_with(&summary) && err.contains(&summary), "{out}");
 }
 
 #[test]

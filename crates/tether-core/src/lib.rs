@@ -10,6 +10,8 @@
 //!   terminate).
 //! - [`zygote`]: the fork server's protocol, both sides: the warm process that forks
 //!   children on request, and its client in the parent.
+//! - [`blanks`]: the children a zygote forks ahead: the zygote's set, the notices about
+//!   them, the parent's record; the one owner the zygote and the supervisor share.
 //! - [`limits`]: how many more processes the user's and the cgroup's limits leave.
 //! - [`report`]: a child's failure report as it arrives.
 //! - [`stacks`]: every Python child's stacks on demand, through one channel per process.
@@ -26,6 +28,7 @@
 //! - [`workers`]: a pool's worker set: its table of workers, task scheduling, deaths.
 
 pub mod attrs;
+pub mod blanks;
 pub mod channel;
 pub mod error;
 pub mod group;
@@ -44,9 +47,9 @@ mod wire;
 pub mod workers;
 pub mod zygote;
 
+pub use blanks::Reserve;
 pub use error::{limit_hint, strerror, Error};
 pub use group::{Escalation, Exit, Group, Member, WaitFor};
 pub use launch::LaunchSpec;
 pub use status::{signal_name, ExitStatus};
 pub use supervisor::Adoption;
-pub use zygote::Reserve;

@@ -1,8 +1,11 @@
-//! How many more processes this process may start before a limit stops it: the user's
-//! `RLIMIT_NPROC` (every process and thread of the real user counts, the kernel's own
-//! exemptions aside) and the `pids.max` of its cgroup and of every cgroup above it. The
-//! zygote keeps its reserve of blanks within what they leave, so that the processes it
-//! holds idle never take the user's last ones.
+//! How many more processes a caller may start before a limit stops it: the caller's
+//! `RLIMIT_NPROC` (every process and thread of its real user counts, the kernel's own
+//! exemptions aside) and the `pids.max` of this process's cgroup and of every cgroup above
+//! it. The limit is read from the caller (`/proc/PID/limits`), never assumed from the
+//! process that asks: a zygote keeps the limits its caller had when it started it, and the
+//! caller may lower its own since. The zygote keeps its blanks within what these leave (see
+//! [`crate::blanks`]), so that the processes it holds idle never take the caller's last
+//! ones.
 
 use std::path::{Path, PathBuf};
 
@@ -10,21 +13,39 @@ use rustix::process::{getrlimit, Resource};
 
 use crate::proc::{self, Of};
 
-/// How many more tasks (processes or threads) this process can make, by the tightest limit
-/// that binds it; `None` when none does.
-pub fn process_room() -> Option<usize> {
-    match (nproc_room(), cgroup_room()) {
+/// The name of `RLIMIT_NPROC` in `/proc/PID/limits`.
+const NPROC: &str = "Max processes";
+/// Past this much room, an exact count of the user's tasks would change no decision: the
+/// system's task count (one read) bounds it instead of a walk of `/proc`.
+const PLENTY: i64 = 1024;
+
+/// The soft `RLIMIT_NPROC` of `caller` as it stands (`Some(None)`: unlimited), or `None`
+/// when it cannot be read.
+pub fn caller_nproc(caller: i32) -> Option<Option<u64>> {
+    proc::soft_limit(caller, NPROC)
+}
+
+/// How many more tasks (processes or threads) `caller` can make, by the tightest limit that
+/// binds it (negative: how far past it they are already); `None` when none binds.
+/// `announced`: a soft `RLIMIT_NPROC` the caller is about to set (`Some(None)`: unlimited);
+/// until it shows, the lower of the two counts.
+pub fn process_room(caller: i32, announced: Option<Option<u64>>) -> Option<i64> {
+    match (nproc_room(caller, announced), cgroup_room()) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
 }
 
-/// The room `RLIMIT_NPROC` leaves: its soft value less the tasks of the real user, unless
-/// the limit is infinite or does not bind (the kernel exempts root and holders of
-/// CAP_SYS_RESOURCE or CAP_SYS_ADMIN).
-fn nproc_room() -> Option<usize> {
-    let soft = getrlimit(Resource::Nproc).current?;
-    let status = proc::status(Of::This)?;
+/// The room `RLIMIT_NPROC` leaves the caller: its soft value less the tasks of its real
+/// user, unless the limit is infinite or does not bind (the kernel exempts root and holders
+/// of CAP_SYS_RESOURCE or CAP_SYS_ADMIN).
+fn nproc_room(caller: i32, announced: Option<Option<u64>>) -> Option<i64> {
+    let read = caller_nproc(caller).unwrap_or_else(|| getrlimit(Resource::Nproc).current);
+    let soft = match announced {
+        Some(Some(a)) => Some(read.map_or(a, |r| r.min(a))),
+        _ => read,
+    }?;
+    let status = proc::status(Of::Pid(caller)).or_else(|| proc::status(Of::This))?;
     let uid = status.number("Uid")?;
     let caps = status.radix("CapEff", 16)?;
     const CAP_SYS_ADMIN: u64 = 21;
@@ -32,8 +53,13 @@ fn nproc_room() -> Option<usize> {
     if uid == 0 || caps & (1 << CAP_SYS_ADMIN | 1 << CAP_SYS_RESOURCE) != 0 {
         return None;
     }
-    let used = user_tasks(uid);
-    Some((soft as usize).saturating_sub(used))
+    let soft = i64::try_from(soft).unwrap_or(i64::MAX);
+    if let Some(all) = proc::system_tasks() {
+        if soft.saturating_sub(all as i64) >= PLENTY {
+            return Some(soft - all as i64);
+        }
+    }
+    Some(soft.saturating_sub(user_tasks(uid) as i64))
 }
 
 /// The tasks (threads included) of the processes whose real user is `uid`.
@@ -48,7 +74,7 @@ fn user_tasks(uid: u64) -> usize {
 
 /// The room the pids controller leaves this process: the least `pids.max - pids.current`
 /// of its cgroup and every cgroup above it (cgroup v2, or v1's pids hierarchy).
-fn cgroup_room() -> Option<usize> {
+fn cgroup_room() -> Option<i64> {
     let mut rooms = Vec::new();
     for cgroup in proc::cgroups() {
         let base = if cgroup.id == "0" && cgroup.controllers.is_empty() {
@@ -69,13 +95,13 @@ fn cgroup_room() -> Option<usize> {
 }
 
 /// The least room of the cgroup `path` under `base` and of its ancestors.
-fn hierarchy_room(base: &Path, path: &str) -> Option<usize> {
+fn hierarchy_room(base: &Path, path: &str) -> Option<i64> {
     let mut dir = base.join(path.trim_start_matches('/'));
-    let mut least: Option<usize> = None;
+    let mut least: Option<i64> = None;
     loop {
         let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
         if let (Some(max), Some(current)) = (read("pids.max"), read("pids.current")) {
-            if let (Ok(max), Ok(current)) = (max.trim().parse::<usize>(), current.trim().parse()) {
+            if let (Ok(max), Ok(current)) = (max.trim().parse::<i64>(), current.trim().parse()) {
                 let room = max.saturating_sub(current);
                 least = Some(least.map_or(room, |l| l.min(room)));
             }

@@ -149,6 +149,29 @@ pub fn describe_state(state: Option<char>) -> String {
     }
 }
 
+/// The soft value of the limit named `name` in `/proc/PID/limits` (`Max processes`):
+/// `Some(None)` when it is unlimited, `None` when it cannot be read.
+pub fn soft_limit(pid: i32, name: &str) -> Option<Option<u64>> {
+    let text = read(Of::Pid(pid), "limits")?;
+    let line = text.lines().find(|l| l.starts_with(name))?;
+    match line[name.len()..].split_whitespace().next()? {
+        "unlimited" => Some(None),
+        soft => soft.parse().ok().map(Some),
+    }
+}
+
+/// How many tasks (threads) the whole system runs now: the fourth field of
+/// `/proc/loadavg` (`running/total`), which a pid namespace does not narrow.
+pub fn system_tasks() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    text.split_whitespace()
+        .nth(3)?
+        .split('/')
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
 /// Whether `/proc/PID` exists: the process (or its zombie) is there.
 pub fn exists(pid: i32) -> bool {
     path(Of::Pid(pid), "").exists()

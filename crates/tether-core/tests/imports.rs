@@ -7,6 +7,10 @@
 //! Notice`, not `crate::zygote::Notice`): a `mod.rs` re-exports for other crates, and naming
 //! it would import every child it re-exports from.
 //!
+//! The same holds one level up: no top-level module (a folder such as `zygote/`, a file
+//! such as `group.rs`) reaches itself through another, whichever of their files name the
+//! paths.
+//!
 //! `cargo test -p tether-core --test imports -- --nocapture` prints the graph.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -356,6 +360,36 @@ fn no_file_of_tether_core_imports_itself_through_another() {
         .map(|cycle| cycle.join(" -> "))
         .collect();
     assert!(cycles.is_empty(), "import cycles:\n{}", cycles.join("\n"));
+}
+
+/// The top-level module a file of `src/` belongs to: `zygote/wire.rs` is `zygote`,
+/// `group.rs` is `group`; `None` for `lib.rs`.
+fn top_level(file: &str) -> Option<String> {
+    let first = file.split('/').next()?;
+    (first != "lib.rs").then(|| first.trim_end_matches(".rs").to_string())
+}
+
+#[test]
+fn no_top_level_module_of_tether_core_imports_itself_through_another() {
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (file, targets) in graph() {
+        let Some(from) = top_level(&file) else {
+            continue;
+        };
+        let reached = targets.iter().filter_map(|t| top_level(t));
+        let entry = edges.entry(from.clone()).or_default();
+        entry.extend(reached.filter(|to| *to != from));
+    }
+    let cycles: Vec<String> = edges
+        .keys()
+        .filter_map(|top| cycle_from(&edges, top))
+        .map(|cycle| cycle.join(" -> "))
+        .collect();
+    assert!(
+        cycles.is_empty(),
+        "import cycles between top-level modules:\n{}",
+        cycles.join("\n")
+    );
 }
 
 #[test]

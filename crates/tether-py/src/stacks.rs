@@ -249,12 +249,17 @@ fn stacks_fd() -> PyResult<StacksChannel> {
 }
 
 /// A process's answer to a request for its stacks.
-#[pyclass(module = "tether._native", frozen, get_all)]
+#[pyclass(module = "tether._native", frozen)]
 struct StackAnswer {
+    #[pyo3(get)]
     pid: i32,
     /// Whether it answered; when not, `text` says why.
+    #[pyo3(get)]
     answered: bool,
+    #[pyo3(get)]
     text: String,
+    /// The answer itself, which the summary reads.
+    answer: core_stacks::Answer,
 }
 
 /// Asks each of `targets` for its stacks at once and waits (without the GIL) up to
@@ -291,8 +296,28 @@ fn stacks(
             pid: a.pid,
             answered: a.answered(),
             text: a.text(timeout),
+            answer: a.clone(),
         })
         .collect())
+}
+
+/// The summary that ends a block of stacks (see `tether_core::stacks::summary`): the ranks
+/// grouped by where their main thread is, and those not where most others are, named.
+/// `ranks` gives each answer's rank, in order.
+#[pyfunction]
+fn stacks_summary(ranks: Vec<usize>, answers: Vec<PyRef<'_, StackAnswer>>) -> PyResult<String> {
+    if ranks.len() != answers.len() {
+        return Err(PyValueError::new_err(format!(
+            "{} ranks for {} answers",
+            ranks.len(),
+            answers.len()
+        )));
+    }
+    let pairs: Vec<(usize, &core_stacks::Answer)> = ranks
+        .into_iter()
+        .zip(answers.iter().map(|a| &a.answer))
+        .collect();
+    Ok(core_stacks::summary(&pairs))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -304,5 +329,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(install_stack_handler, m)?)?;
     m.add_function(wrap_pyfunction!(stacks_fd, m)?)?;
     m.add_function(wrap_pyfunction!(stacks, m)?)?;
+    m.add_function(wrap_pyfunction!(stacks_summary, m)?)?;
     Ok(())
 }

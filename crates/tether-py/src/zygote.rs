@@ -188,6 +188,15 @@ impl Zygote {
             .map_err(core_error)
     }
 
+    /// Tells it that this process is about to set its soft RLIMIT_NPROC to `limit` (None:
+    /// unlimited); returns once its blank children fit in the room that leaves, with how
+    /// many it keeps.
+    #[pyo3(signature = (limit))]
+    fn make_room(&self, py: Python<'_>, limit: Option<u64>) -> PyResult<usize> {
+        py.allow_threads(|| self.lock().make_room(limit))
+            .map_err(core_error)
+    }
+
     /// Stops it (its blank children with it), waiting up to `grace` seconds before SIGKILL.
     #[pyo3(signature = (grace=1.0))]
     fn close(&self, py: Python<'_>, grace: f64) -> PyResult<()> {

@@ -93,6 +93,8 @@ pub struct Output {
     pub prefix: Option<String>,
     pub stdout_filters: Vec<String>,
     pub stderr_filters: Vec<String>,
+    /// Streams that reach a terminal get a pseudo-terminal (off with `--no-tty`).
+    pub tty: bool,
 }
 
 impl Output {
@@ -134,6 +136,7 @@ impl Output {
             prefix,
             stdout_filters,
             stderr_filters,
+            tty: !args.no_tty,
         })
     }
 
@@ -149,6 +152,19 @@ impl Output {
         Streams {
             stdout: shown && (teed.stdout || !redirected.stdout),
             stderr: shown && (teed.stderr || !redirected.stderr),
+        }
+    }
+
+    /// Which streams of `local_rank` are a pseudo-terminal when the launcher's stream is a
+    /// terminal: those that reach the console and are neither redirected nor teed (a
+    /// torchrun rank writes those to a log file), unless `--no-tty`.
+    pub fn tty(&self, local_rank: usize) -> Streams {
+        let console = self.console(local_rank);
+        let redirected = self.redirects.for_rank(local_rank);
+        let teed = self.tee.for_rank(local_rank);
+        Streams {
+            stdout: self.tty && console.stdout && !redirected.stdout && !teed.stdout,
+            stderr: self.tty && console.stderr && !redirected.stderr && !teed.stderr,
         }
     }
 }
@@ -193,4 +209,47 @@ pub(super) fn filter_list(spec: Option<&str>) -> Vec<String> {
     }
     items.push(item);
     items
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::parse_run;
+
+    fn output(list: &[&str]) -> Output {
+        let mut argv = list.to_vec();
+        argv.push("x.py");
+        Output::resolve(&parse_run(&argv).unwrap().output, &|_| None).unwrap()
+    }
+
+    #[test]
+    fn only_streams_that_reach_the_console_and_no_log_file_may_be_a_terminal() {
+        let stdout = Streams {
+            stdout: true,
+            stderr: false,
+        };
+        let stderr = Streams {
+            stdout: false,
+            stderr: true,
+        };
+        assert_eq!(output(&[]).tty(0), Streams::BOTH);
+        assert_eq!(output(&["--log-dir", "/l"]).tty(0), Streams::BOTH);
+        assert_eq!(
+            output(&["--duplicate-stdout-filters", "a"]).tty(0),
+            Streams::BOTH
+        );
+        assert_eq!(output(&["--no-tty"]).tty(0), Streams::NONE);
+        assert_eq!(output(&["--redirects", "1"]).tty(0), stderr);
+        assert_eq!(output(&["--tee", "2"]).tty(0), stdout);
+        let per_rank = output(&["--tee", "0:3"]);
+        assert_eq!(
+            (per_rank.tty(0), per_rank.tty(1)),
+            (Streams::NONE, Streams::BOTH)
+        );
+        let filtered = output(&["--local-ranks-filter", "1"]);
+        assert_eq!(
+            (filtered.tty(0), filtered.tty(1)),
+            (Streams::NONE, Streams::BOTH)
+        );
+    }
 }

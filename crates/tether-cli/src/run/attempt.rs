@@ -17,6 +17,7 @@ use super::node::Node;
 use super::warm::Warm;
 use crate::clock;
 use crate::hangs::Limit;
+use crate::output;
 use crate::report::{oom_kills, ErrorFile, Failure, RankEnd};
 
 mod supervise;
@@ -63,6 +64,7 @@ impl Attempt<'_> {
         let oom_before = oom_kills();
         node.watchdog.restart();
         let group = Group::new();
+        output::pty::attach(&group);
         let launched = self.warm.start_ranks(&group, specs);
         // The ranks hold their own copies now; the pumps see EOF once the ranks (and what
         // they started) are gone.

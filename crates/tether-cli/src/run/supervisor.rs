@@ -50,7 +50,7 @@ fn supervisor(cfg: Config, tmp: PathBuf, keeper: i32) -> i32 {
         libc::setpgid(0, 0);
         libc::signal(libc::SIGTTOU, libc::SIG_IGN);
     }
-    let Some(signals) = signals::set_up(&cfg, "them") else {
+    let Some(signals) = signals::set_up(&signals::handled(&cfg), "them") else {
         return 1;
     };
     if let Err(err) = abandon::watch(keeper, tmp.clone()) {

@@ -27,10 +27,13 @@
 //!   timeout; a process that cannot answer (no handler, stopped, too slow) is reported as
 //!   such with its state, and never holds up the others. With py-spy, the native frames
 //!   are added ([`Request::py_spy`]).
+//! - [`summary`] ends every block of stacks: the ranks grouped by where their main thread
+//!   waits, and the ranks that are not where most others are, named.
 
 mod collect;
 pub mod handler;
 mod native;
+mod summary;
 
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, RawFd};
@@ -39,6 +42,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub(crate) use collect::{this_process as channel, Channel};
+pub use summary::{ranks_words, summary};
 
 use crate::error::Error;
 use crate::group::{Exit, Group};
@@ -251,10 +255,7 @@ fn leave_alone(channel: &Channel, pid: i32) -> Option<Untouched> {
     if !holds_socket(pid, channel.inode()) {
         return Some(Untouched::ChannelGone);
     }
-    if blocks_for_a_while(pid, signal()) {
-        return Some(Untouched::Blocked);
-    }
-    main_thread_wait(pid, signal())
+    main_thread_takes(pid, signal())
 }
 
 /// Whether `pid` holds the socket `inode` on some fd (true when /proc does not tell).
@@ -263,17 +264,45 @@ fn holds_socket(pid: i32, inode: u64) -> bool {
     proc::fd_targets(pid).map_or(true, |fds| fds.iter().any(|fd| *fd == *want))
 }
 
-/// Whether the main thread of `pid` keeps `signal` blocked for some milliseconds: glibc
-/// blocks every signal for a moment while it creates a thread, a program that waits for a
-/// signal blocks it for good.
-fn blocks_for_a_while(pid: i32, signal: i32) -> bool {
+/// Whether the main thread of `pid` would take `signal` for itself, or wait where a
+/// request would change what it does. A program that waits for the signal blocks it
+/// while it is not in its wait, and the kernel unblocks it while it is, until the thread
+/// runs again after its wait ends (it may wait for a CPU a long while, and /proc says
+/// "running" then). So each look reads the thread's call before and after its `SigBlk`,
+/// and a wait seen in either is the answer; the signal unblocked proves nothing more
+/// while the thread sleeps in another call, or runs through looks some milliseconds
+/// apart (a busy thread), and a look that took long (this thread was not running) proves
+/// nothing. The signal kept blocked for some milliseconds is taken too (glibc blocks
+/// every signal for a moment while it creates a thread, a program that waits for a signal
+/// in another way blocks it for good).
+fn main_thread_takes(pid: i32, signal: i32) -> Option<Untouched> {
+    let mut running_unblocked = 0;
+    let mut unblocked_once = false;
     for _ in 0..10 {
-        if !blocks(pid, signal) {
-            return false;
+        let started = Instant::now();
+        let before = main_thread_call(pid);
+        let blocked = blocks(pid, signal);
+        let after = main_thread_call(pid);
+        let quick = started.elapsed() < Duration::from_millis(5);
+        if let Some(why) = [before, after]
+            .iter()
+            .find_map(|call| takes(pid, signal, call))
+        {
+            return Some(why);
         }
+        if !blocked && quick {
+            match (before, after) {
+                (Some(_), Some(_)) => return None,
+                _ => running_unblocked += 1,
+            }
+            if running_unblocked == 4 {
+                return None;
+            }
+        }
+        unblocked_once |= !blocked;
         std::thread::sleep(Duration::from_millis(2));
     }
-    true
+    (!unblocked_once).then_some(Untouched::Blocked)
 }
 
 /// Whether the main thread of `pid` blocks `signal` (`SigBlk` in /proc/PID/status).
@@ -281,25 +310,36 @@ fn blocks(pid: i32, signal: i32) -> bool {
     proc::status(Of::Pid(pid)).is_some_and(|s| s.has_signal("SigBlk", signal))
 }
 
-/// Whether the main thread of `pid` waits where a request would change what it does, from
-/// /proc/PID/syscall (nothing when it cannot be read): in a call that any signal handler
-/// ends for good (`pause`, `rt_sigsuspend`, `ppoll` on no fd without a timeout), or in a
-/// `sigwait` whose set holds `signal` (the kernel unblocks the set while it waits).
-fn main_thread_wait(pid: i32, signal: i32) -> Option<Untouched> {
+/// The call the main thread of `pid` sleeps in (its number and first arguments, from
+/// /proc/PID/syscall); nothing when it runs, or when /proc does not tell.
+fn main_thread_call(pid: i32) -> Option<(i64, [u64; 3])> {
     let (number, args) = proc::syscall(pid)?;
+    let mut first = [0u64; 3];
+    for (slot, arg) in first.iter_mut().zip(args) {
+        *slot = arg;
+    }
+    Some((number, first))
+}
+
+/// Whether `call` (see [`main_thread_call`]) is a wait a request would change: a call
+/// that any signal handler ends for good (`pause`, `rt_sigsuspend`, `ppoll` on no fd
+/// without a timeout), or a `sigwait` whose set holds `signal` (the kernel unblocks the
+/// set while it waits).
+fn takes(pid: i32, signal: i32, call: &Option<(i64, [u64; 3])>) -> Option<Untouched> {
+    let (number, args) = (*call)?;
     #[cfg(target_arch = "x86_64")]
     if number == libc::SYS_pause {
         return Some(Untouched::Paused);
     }
     if number == libc::SYS_rt_sigsuspend
-        || (number == libc::SYS_ppoll && args.len() == 3 && args.iter().all(|&a| a == 0))
+        || (number == libc::SYS_ppoll && args.iter().all(|&a| a == 0))
     {
         return Some(Untouched::Paused);
     }
     if number == libc::SYS_rt_sigtimedwait {
         // The set it waits for, read from its memory (taken as holding the signal when it
         // cannot be read).
-        let set = args.first().and_then(|&at| proc::read_u64(pid, at));
+        let set = proc::read_u64(pid, args[0]);
         if set.map_or(true, |set| {
             (1..=64).contains(&signal) && set & (1 << (signal - 1)) != 0
         }) {
@@ -511,7 +551,7 @@ mod tests {
             }
         }
         let end = Instant::now() + Duration::from_secs(10);
-        let paused = |pid| main_thread_wait(pid, signal()) == Some(Untouched::Paused);
+        let paused = |pid| takes(pid, signal(), &main_thread_call(pid)) == Some(Untouched::Paused);
         while !paused(child) && Instant::now() < end {
             std::thread::sleep(Duration::from_millis(5));
         }

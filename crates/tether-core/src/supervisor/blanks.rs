@@ -1,17 +1,17 @@
 //! The supervisor thread's part in a zygote's reserve of blanks: it reads the zygote's
 //! notices, watches each blank from its announcement, and reaps one that dies before a
-//! request takes it (see [`crate::zygote::Reserve`]).
+//! request takes it (see [`crate::blanks::Reserve`]).
 
 use std::os::fd::{AsFd, AsRawFd};
 use std::time::Duration;
 
+use crate::blanks::notice::Notice;
+use crate::blanks::reserve::{Blank, Reserve};
 use crate::channel::{Endpoint, Recv};
 use crate::error::Error;
 use crate::group::{signal_tree, Exit};
 use crate::supervisor::reap::{kill_and_reap, now_monotonic, open_pidfd, reap_now};
 use crate::supervisor::watch::{Loop, Watch};
-use crate::zygote::reserve::{Blank, Reserve};
-use crate::zygote::wire::Notice;
 
 impl Loop {
     /// Watches a zygote's notice channel, for `reserve`.
@@ -72,6 +72,34 @@ impl Loop {
                 }
             }
         }
+    }
+
+    /// A start of this process met the process limit: kills every blank that its zygotes
+    /// hold (they count against the same limit, see [`crate::blanks`]) and reaps them, so
+    /// that the start can try once more; returns how many it gave back. A zygote finds such
+    /// a blank's channel closed when it hands it a rank, and forks instead.
+    pub(super) fn give_back_blanks(&mut self) -> usize {
+        let held: Vec<(u64, Reserve, i32)> = self
+            .watches
+            .iter()
+            .filter_map(|(&token, watch)| match watch {
+                Watch::Blank { reserve, pid } => Some((token, reserve.clone(), *pid)),
+                _ => None,
+            })
+            .collect();
+        for (_, reserve, pid) in &held {
+            if let Some(Blank::Waiting { pidfd, .. }) = reserve.blanks().get(pid) {
+                // By pidfd: the blank is our child, unreaped, and cannot be another process.
+                let _ = rustix::process::pidfd_send_signal(pidfd, rustix::process::Signal::KILL);
+            }
+        }
+        for (token, reserve, pid) in &held {
+            self.on_blank_exit(*token, reserve, *pid);
+        }
+        if !held.is_empty() {
+            log::info!(target: "tether::supervisor", "gave back {} blank(s) to make room for a start", held.len());
+        }
+        held.len()
     }
 
     /// Watches a blank child from its announcement; one that cannot be watched is killed.

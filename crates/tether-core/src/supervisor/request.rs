@@ -4,11 +4,11 @@
 use std::os::fd::OwnedFd;
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 
+use crate::blanks::reserve::Reserve;
 use crate::channel::{Endpoint, Poller};
 use crate::error::Error;
 use crate::group::GroupInner;
 use crate::launch::LaunchSpec;
-use crate::zygote::reserve::Reserve;
 
 /// A child of this process started some other way than [`Group::launch`], for
 /// [`Group::adopt_all`].

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use rustix::io::Errno;
 
+use crate::blanks::reserve::{Blank, Reserve};
 use crate::error::Error;
 use crate::group::{signal_tree, Exit, GroupInner, Member};
 use crate::launch::{self, LaunchSpec, PAYLOAD_FD_ENV, REPORT_FD_ENV};
@@ -19,7 +20,6 @@ use crate::supervisor::reap::{
 };
 use crate::supervisor::request::{Added, Adoption};
 use crate::supervisor::watch::Loop;
-use crate::zygote::reserve::{Blank, Reserve};
 
 impl Loop {
     /// Starts each spec; at the first error, kills those started (the caller waits for
@@ -70,16 +70,21 @@ impl Loop {
             }
             None => None,
         };
-        let child = launch::command(&spec, &extra_keep)?
-            .spawn()
-            .map_err(|e| Error::Launch {
-                program: spec
-                    .argv
-                    .first()
-                    .map(|p| p.to_string_lossy().into_owned())
-                    .unwrap_or_default(),
-                source: e,
-            })?;
+        let spawned = match launch::command(&spec, &extra_keep)?.spawn() {
+            // The process limit: the zygotes' idle blanks give way, then once more.
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && self.give_back_blanks() > 0 => {
+                launch::command(&spec, &extra_keep)?.spawn()
+            }
+            spawned => spawned,
+        };
+        let child = spawned.map_err(|e| Error::Launch {
+            program: spec
+                .argv
+                .first()
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            source: e,
+        })?;
         let pid = child.id() as i32;
         drop(child);
         log::info!(target: "tether::supervisor", "started pid {pid}: {:?}", spec.argv);

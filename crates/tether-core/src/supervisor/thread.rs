@@ -6,6 +6,7 @@
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::mpsc;
 
+use crate::blanks::reserve::Reserve;
 use crate::channel::Endpoint;
 use crate::error::Error;
 use crate::group::{Group, WaitFor};
@@ -13,7 +14,6 @@ use crate::launch::LaunchSpec;
 use crate::stacks;
 use crate::supervisor::request::{Added, Adoption, Inbox, Request};
 use crate::supervisor::watch::{Loop, STACKS};
-use crate::zygote::reserve::Reserve;
 
 /// The per-process supervisor. It records the pid that made it, so that a process forked
 /// from this one (whose copy of the supervisor has no thread) makes its own.

@@ -10,13 +10,13 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::blanks::reserve::{Blank, Reserve};
 use crate::channel::{Endpoint, Poller};
 use crate::error::Error;
 use crate::group::{Exit, GroupInner};
 use crate::stacks::Channel;
 use crate::supervisor::reap::{drain, feed, now_monotonic, reap_now};
 use crate::supervisor::request::{Inbox, Request};
-use crate::zygote::reserve::{Blank, Reserve};
 
 /// The token of the stacks channel.
 pub(super) const STACKS: u64 = 0;

@@ -9,6 +9,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use crate::attrs::Attributes;
+use crate::blanks::reserve::Reserve;
 use crate::channel::{Endpoint, Recv};
 use crate::error::Error;
 use crate::group::{Exit, Group, WaitFor};
@@ -17,7 +18,6 @@ use crate::memfd::payload_memfd;
 use crate::proc::{describe_state, process_state};
 use crate::supervisor::request::Adoption;
 use crate::supervisor::thread::watch_blanks;
-use crate::zygote::reserve::Reserve;
 use crate::zygote::wire::{Common, Order, Reply};
 
 /// Ranks per message: the zygote holds at most this many report pipes at once.
@@ -215,7 +215,7 @@ impl Zygote {
                 };
                 (made, Some(err))
             }
-            Reply::Ready(_) => return Err(self.fail(Fault::Unexpected)),
+            Reply::Ready(_) | Reply::Kept(_) => return Err(self.fail(Fault::Unexpected)),
         };
         let mut reads: Vec<Option<OwnedFd>> = reads.into_iter().map(Some).collect();
         let children = made
@@ -233,6 +233,30 @@ impl Zygote {
         match error {
             None => Ok(indices),
             Some(err) => Err(err),
+        }
+    }
+
+    /// Tells the zygote that the caller is about to set its soft `RLIMIT_NPROC` to `limit`
+    /// (`None`: unlimited), and returns once the zygote holds no more blanks than the room
+    /// it leaves allows (see [`crate::blanks`]): how many it holds then. Call it before the
+    /// limit is set, so that the caller's next thread or process finds the room. A zygote
+    /// still importing has no blank yet (it reads the caller's limit before it forks any):
+    /// nothing is asked of it; one that is broken or gone holds none.
+    pub fn make_room(&mut self, limit: Option<u64>) -> Result<usize, Error> {
+        if self.broken.is_some() || self.exit().is_some() {
+            return Ok(0);
+        }
+        if self.ready.is_none() {
+            let said = self.request.readable_within(Duration::ZERO);
+            if !said.map_err(|e| Error::resource("cannot poll the zygote", e))? {
+                return Ok(0);
+            }
+            self.wait_ready()?;
+        }
+        self.send(&Order::Room { limit }.encode(), &[])?;
+        match self.reply(Some(ANSWER_TIMEOUT))? {
+            Reply::Kept(held) => Ok(held as usize),
+            _ => Err(self.fail(Fault::Unexpected)),
         }
     }
 

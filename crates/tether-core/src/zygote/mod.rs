@@ -18,25 +18,24 @@
 //! - `Started` / `Failed` (zygote): per batch, the children made (rank, pid, whether it was a
 //!   blank), or an errno and a message with those made before the error.
 //! - `Ready` (zygote, once): the embedding's bytes (what the preload did).
-//! - On the notice channel (zygote to parent's supervisor): `Blank(pid)` for each blank
-//!   forked, before it can be handed out; `Retired(pid)` for a blank found dead.
+//! - On the notice channel (zygote to parent's supervisor): the blanks' notices (see
+//!   [`crate::blanks`]).
 //! - To a blank: `Job` with its rank and the raw [`Common`] part; fds: payload, shared fds,
 //!   its report pipe. A blank receives only its own part.
 //!
 //! One file per concern: `wire` (the messages above), `child` (what a new child does
 //! between its fork and its job), `server` (the zygote's loop), `collapse` (its memory in
-//! huge pages), `client` (the parent's handle) and `reserve` (the parent's record of the
-//! blanks, which its supervisor thread watches).
+//! huge pages) and `client` (the parent's handle). The blanks, which both the zygote and
+//! the parent's supervisor handle, are [`crate::blanks`].
 
 mod child;
 mod client;
 mod collapse;
-pub(crate) mod reserve;
 mod server;
 pub(crate) mod wire;
 
+pub use crate::blanks::{Notice, Reserve, MAX_BLANKS};
 pub use child::{read_payload, Job, Served, SETUP_FAILED};
 pub use client::{ForkRequest, Zygote, FDS_ENV};
-pub use reserve::Reserve;
-pub use server::{clone_parent, serve, Fork, MAX_BLANKS};
-pub use wire::{Common, Made, Notice};
+pub use server::{clone_parent, serve, Fork};
+pub use wire::{Common, Made};

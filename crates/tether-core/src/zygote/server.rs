@@ -2,24 +2,21 @@
 //! blanks forked ahead), keeps its reserve of blanks filled while idle, and collapses its
 //! memory into huge pages between requests.
 
-use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, IntoRawFd, OwnedFd};
 use std::time::Duration;
 
+use crate::blanks::kept::{Kept, ROOM_CHECK};
 use crate::channel::{Endpoint, Recv};
-use crate::group::signal_tree;
 use crate::launch;
 use crate::wire::malformed;
 use crate::zygote::child::{blank_main, Parts, Served, SETUP_FAILED};
 use crate::zygote::collapse::Collapser;
-use crate::zygote::wire::{job_message, Common, Made, Notice, Order, Reply};
+use crate::zygote::wire::{job_message, Common, Made, Order, Reply};
 
 /// What the errors of this side call a message.
 const WHAT: &str = "zygote message";
 
-/// Most blank children a zygote keeps ready.
-pub const MAX_BLANKS: usize = 64;
 /// How long the zygote waits, idle, before it forks blanks to replace those used.
 const REPLENISH_DELAY: Duration = Duration::from_millis(50);
 
@@ -63,10 +60,9 @@ struct Pending {
 
 struct Server<'a> {
     request: Endpoint,
-    notices: Endpoint,
     fork: Fork<'a>,
-    target: usize,
-    blanks: VecDeque<(i32, Endpoint)>,
+    /// Its blanks, and the channel that announces them to the parent.
+    blanks: Kept,
     pending: Option<Pending>,
     /// Its memory still to collapse into huge pages, slice by slice while it is idle.
     collapser: Option<Collapser>,
@@ -89,7 +85,7 @@ enum Step {
 
 /// The zygote's loop: tells the parent `ready`, then serves requests from `request` and
 /// keeps `blanks` children forked ahead (more when a request was larger, up to
-/// [`MAX_BLANKS`]). Its idle work (collapsing its memory, forking blanks) waits until no
+/// [`crate::blanks::MAX_BLANKS`]). Its idle work (collapsing its memory, forking blanks) waits until no
 /// request has come for `quiet`, so that the processes it has just started (a job's ranks,
 /// which start together) get the CPU first. Returns in each child it makes, and when the
 /// parent goes away.
@@ -104,10 +100,8 @@ pub fn serve(
     let zygote = std::process::id();
     let mut server = Server {
         request: Endpoint::from_fd(request),
-        notices: Endpoint::from_fd(notices),
         fork,
-        target: blanks.min(MAX_BLANKS),
-        blanks: VecDeque::new(),
+        blanks: Kept::new(Endpoint::from_fd(notices), blanks, parent),
         pending: None,
         collapser: Some(Collapser::new()),
         quiet,
@@ -141,21 +135,19 @@ impl Server<'_> {
     }
 
     fn step(&mut self) -> io::Result<Step> {
-        let idle_work = self.collapser.is_some() || self.blanks.len() < self.target;
+        let idle_work = self.collapser.is_some() || self.blanks.wants_more();
         let quiet_left = self.quiet.saturating_sub(self.quiet_since.elapsed());
-        if idle_work && !readable(&self.request, REPLENISH_DELAY.max(quiet_left))? {
-            if let Some(collapser) = self.collapser.as_mut() {
-                while collapser.slice() {
-                    if readable(&self.request, Duration::ZERO)? {
-                        return Ok(Step::Continue);
-                    }
-                }
-                self.collapser = None;
-            }
-            if let Some(step) = self.replenish()? {
-                return Ok(step);
-            }
-            return Ok(Step::Continue);
+        let wait = match (idle_work, self.blanks.holds_any()) {
+            (true, _) => Some(REPLENISH_DELAY.max(quiet_left)),
+            (false, true) => Some(ROOM_CHECK),
+            (false, false) => None,
+        };
+        let idle = match wait {
+            Some(wait) => !readable(&self.request, wait)?,
+            None => false,
+        };
+        if idle {
+            return self.idle(idle_work);
         }
         let message = match self.request.recv(None) {
             Ok(Recv::Message(m)) => {
@@ -180,11 +172,38 @@ impl Server<'_> {
                 batch,
             }) => self.start(ranks, shared, common, batch, &mut fds),
             Ok(Order::Batch { batch }) => self.batch(batch, &mut fds),
+            Ok(Order::Room { limit }) => {
+                let held = self.blanks.announce(limit)?;
+                self.reply(&Reply::Kept(held as u32))?;
+                Ok(Step::Continue)
+            }
             Err(err) => {
                 self.fail(&err, "cannot read a request", Vec::new())?;
                 Ok(Step::Continue)
             }
         }
+    }
+
+    /// Its idle work, with no request waiting: keeps its blanks within the caller's room (which
+    /// may have shrunk: its limit lowered, its user's other processes grown), then collapses
+    /// its memory and forks blanks, stopping when a request comes.
+    fn idle(&mut self, idle_work: bool) -> io::Result<Step> {
+        self.blanks.fit()?;
+        if !idle_work {
+            return Ok(Step::Continue);
+        }
+        if let Some(collapser) = self.collapser.as_mut() {
+            while collapser.slice() {
+                if readable(&self.request, Duration::ZERO)? {
+                    return Ok(Step::Continue);
+                }
+            }
+            self.collapser = None;
+        }
+        if let Some(step) = self.replenish()? {
+            return Ok(step);
+        }
+        Ok(Step::Continue)
     }
 
     fn start(
@@ -213,7 +232,7 @@ impl Server<'_> {
                 return Ok(Step::Continue);
             }
         };
-        self.target = self.target.max(ranks.len()).min(MAX_BLANKS);
+        self.blanks.expect(ranks.len());
         let reports = fds.split_off(1 + shared as usize);
         let shared_fds = fds.split_off(1);
         let payload = fds.remove(0);
@@ -308,8 +327,7 @@ impl Server<'_> {
         let pid = match (self.fork)() {
             Err(err) if err.raw_os_error() == Some(libc::EAGAIN) => {
                 // The process limit: give back what is held idle, then once more.
-                self.held_at_limit = Some(1 + self.blanks.len());
-                self.drop_blanks()?;
+                self.held_at_limit = Some(self.blanks.give_back_all()?);
                 (self.fork)()?
             }
             made => made?,
@@ -342,66 +360,23 @@ impl Server<'_> {
         let mut fds: Vec<BorrowedFd<'_>> = vec![pending.payload.as_fd()];
         fds.extend(pending.shared.iter().map(|fd| fd.as_fd()));
         fds.push(report.as_fd());
-        while let Some((pid, channel)) = self.blanks.pop_front() {
+        while let Some((pid, channel)) = self.blanks.take() {
             match channel.send(&message, &fds, Some(Duration::from_secs(1))) {
                 Ok(true) => return Ok(Some(pid)),
-                Ok(false) | Err(_) => {
-                    // Dead (or stuck): never handed out; the parent's supervisor reaps it.
-                    signal_tree(pid, libc::SIGKILL);
-                    self.notify(Notice::Retired(pid))?;
-                }
+                // Stuck: killed; dead (its channel closed): given back.
+                Ok(false) => self.blanks.kill(pid, channel)?,
+                Err(_) => self.blanks.give_back(pid, channel)?,
             }
         }
         Ok(None)
     }
 
-    /// Kills every blank kept ready (the parent's supervisor reaps them) and keeps none
-    /// until the next request; returns once they are gone (reaped), or after a second.
-    fn drop_blanks(&mut self) -> io::Result<()> {
-        self.target = 0;
-        let dropped: Vec<i32> = self.blanks.drain(..).map(|(pid, _)| pid).collect();
-        for &pid in &dropped {
-            signal_tree(pid, libc::SIGKILL);
-            self.notify(Notice::Retired(pid))?;
-        }
-        let deadline = std::time::Instant::now() + Duration::from_secs(1);
-        while std::time::Instant::now() < deadline
-            && dropped.iter().any(|&pid| crate::proc::exists(pid))
-        {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        Ok(())
-    }
-
-    /// Forks blanks up to the target, stopping when a request is waiting, and never more
-    /// than half of what the process limits leave (see [`crate::limits`]), so that blanks
-    /// kept idle never take the processes and threads the user's program needs. Running out
-    /// of processes or fds here only stops the replenishing: the target drops to what
-    /// exists.
+    /// Forks blanks up to the target while no request waits (see [`Kept::replenish`]).
     fn replenish(&mut self) -> io::Result<Option<Step>> {
-        if let Some(room) = crate::limits::process_room() {
-            self.target = self.target.min(self.blanks.len() + room / 2);
-        }
-        while self.blanks.len() < self.target && !readable(&self.request, Duration::ZERO)? {
-            let made = Endpoint::pair().and_then(|pair| Ok(((self.fork)()?, pair)));
-            let Ok((pid, (ours, theirs))) = made else {
-                self.target = self.blanks.len();
-                return Ok(None);
-            };
-            if pid == 0 {
-                drop(ours);
-                return Ok(Some(Step::Blank(theirs)));
-            }
-            drop(theirs);
-            log::debug!(target: "tether::zygote", "forked blank pid {pid}");
-            self.notify(Notice::Blank(pid))?;
-            self.blanks.push_back((pid, ours));
-        }
-        Ok(None)
-    }
-
-    fn notify(&self, notice: Notice) -> io::Result<()> {
-        self.notices.send(&notice.encode(), &[], None).map(drop)
+        let request = &self.request;
+        let mut interrupted = || readable(request, Duration::ZERO);
+        let made = self.blanks.replenish(&mut *self.fork, &mut interrupted)?;
+        Ok(made.map(Step::Blank))
     }
 
     /// Replies that the request failed: `what` failed with `err` (an errno, or a message

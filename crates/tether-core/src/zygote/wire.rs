@@ -1,5 +1,5 @@
 //! The zygote's wire format: the messages between the parent and the zygote ([`Order`],
-//! [`Reply`]), the notices to the parent's supervisor ([`Notice`]), and a blank's job, all
+//! [`Reply`]) and a blank's job, all
 //! written with [`crate::wire`].
 
 use std::io;
@@ -16,8 +16,8 @@ const STARTED: u8 = 3;
 const FAILED: u8 = 4;
 const READY: u8 = 5;
 const JOB: u8 = 6;
-const BLANK: u8 = 7;
-const RETIRED: u8 = 8;
+const ROOM: u8 = 9;
+const KEPT: u8 = 10;
 
 /// What every child of a request shares: where the shared fds go, and the caller's
 /// attributes.
@@ -84,6 +84,8 @@ pub(super) enum Reply {
         message: String,
         made: Vec<Made>,
     },
+    /// The blanks it holds once within the room an [`Order::Room`] announced.
+    Kept(u32),
 }
 
 impl Reply {
@@ -100,6 +102,7 @@ impl Reply {
                 let w = Writer::new().u8(FAILED).i32(*errno);
                 w.bytes(message.as_bytes()).list(list, made).finish()
             }
+            Reply::Kept(blanks) => Writer::new().u8(KEPT).u32(*blanks).finish(),
         }
     }
 
@@ -120,6 +123,7 @@ impl Reply {
                 message: String::from_utf8_lossy(r.bytes()?).into_owned(),
                 made: r.list(made)?,
             }),
+            KEPT => Ok(Reply::Kept(r.u32()?)),
             _ => Err(malformed(WHAT)),
         }
     }
@@ -138,6 +142,9 @@ pub(super) enum Order {
     },
     /// The next `batch` ranks' report pipes.
     Batch { batch: u32 },
+    /// The caller is about to set its soft `RLIMIT_NPROC` to `limit` (`None`: unlimited):
+    /// keep the blanks within the room it leaves.
+    Room { limit: Option<u64> },
 }
 
 impl Order {
@@ -153,6 +160,10 @@ impl Order {
                 w.u32(*shared).bytes(common).u32(*batch).finish()
             }
             Order::Batch { batch } => Writer::new().u8(BATCH_MSG).u32(*batch).finish(),
+            Order::Room { limit } => {
+                let w = Writer::new().u8(ROOM).u8(limit.is_some() as u8);
+                w.u64(limit.unwrap_or(0)).finish()
+            }
         }
     }
 
@@ -166,34 +177,14 @@ impl Order {
                 batch: r.u32()?,
             }),
             BATCH_MSG => Ok(Order::Batch { batch: r.u32()? }),
+            ROOM => {
+                let bound = r.u8()? != 0;
+                let limit = r.u64()?;
+                Ok(Order::Room {
+                    limit: bound.then_some(limit),
+                })
+            }
             _ => Err(malformed(WHAT)),
-        }
-    }
-}
-
-/// A notice from the zygote to the parent's supervisor about its blank children.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Notice {
-    /// A blank was forked: watch it.
-    Blank(i32),
-    /// A blank was found dead and will never be handed out.
-    Retired(i32),
-}
-
-impl Notice {
-    pub fn encode(self) -> Vec<u8> {
-        match self {
-            Notice::Blank(pid) => Writer::new().u8(BLANK).i32(pid).finish(),
-            Notice::Retired(pid) => Writer::new().u8(RETIRED).i32(pid).finish(),
-        }
-    }
-
-    pub fn decode(data: &[u8]) -> Option<Notice> {
-        let mut r = Reader::new(data, WHAT);
-        match (r.u8().ok()?, r.i32().ok()?) {
-            (BLANK, pid) => Some(Notice::Blank(pid)),
-            (RETIRED, pid) => Some(Notice::Retired(pid)),
-            _ => None,
         }
     }
 }
@@ -246,6 +237,10 @@ mod tests {
         assert_eq!(Order::decode(&start.encode()).unwrap(), start);
         let batch = Order::Batch { batch: 7 };
         assert_eq!(Order::decode(&batch.encode()).unwrap(), batch);
+        for limit in [None, Some(0), Some(61), Some(u64::MAX)] {
+            let room = Order::Room { limit };
+            assert_eq!(Order::decode(&room.encode()).unwrap(), room);
+        }
         let made = vec![
             Made {
                 rank: 3,
@@ -266,11 +261,9 @@ mod tests {
                 message: "cannot fork rank 5".into(),
                 made,
             },
+            Reply::Kept(3),
         ] {
             assert_eq!(Reply::decode(&reply.encode()).unwrap(), reply);
-        }
-        for notice in [Notice::Blank(42), Notice::Retired(43)] {
-            assert_eq!(Notice::decode(&notice.encode()), Some(notice));
         }
     }
 
@@ -291,6 +284,5 @@ mod tests {
         // A list length beyond the message is refused before anything is allocated.
         let huge = Writer::new().u8(START).u32(u32::MAX).finish();
         assert!(Order::decode(&huge).is_err());
-        assert_eq!(Notice::decode(&[BLANK]), None);
     }
 }

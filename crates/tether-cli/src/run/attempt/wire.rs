@@ -1,5 +1,5 @@
-//! The wiring of a rank before its launch: its launch spec, the pipes of its stdout and
-//! stderr, its log files, its error file and the pumps that read them.
+//! The wiring of a rank before its launch: its launch spec, the pipes (or pseudo-terminals)
+//! of its stdout and stderr, its log files, its error file and the pumps that read them.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -10,7 +10,7 @@ use tether_core::LaunchSpec;
 
 use crate::config::{Config, Streams};
 use crate::env::rank_env;
-use crate::output::{FilterSink, Prefix, Pump, SharedTail, Stream, Tail};
+use crate::output::{pty, FilterSink, Prefix, Pump, SharedTail, Stream, Tail};
 use crate::run::error::{io_err, RunError};
 use crate::run::node::Node;
 
@@ -62,7 +62,9 @@ pub struct Wired {
 impl Wired {
     /// Makes local rank `local`'s launch spec, pipes, log files and pumps for attempt
     /// `attempt`. Its stdout and stderr share one pipe when both reach a console that is one
-    /// file and neither goes to a log file, so that its lines keep their order.
+    /// file and neither goes to a log file, so that its lines keep their order. A stream that
+    /// reaches a terminal of the launcher's is a pseudo-terminal instead of a pipe (one for
+    /// both when they share).
     pub fn new(
         node: &Node,
         local: usize,
@@ -79,6 +81,11 @@ impl Wired {
         spec.stacks = cfg.python_ranks;
         let console = cfg.output.console(local);
         let merged = logs.is_none() && console == Streams::BOTH && node.one_console;
+        let tty = cfg.output.tty(local);
+        let ttys = Streams {
+            stdout: tty.stdout && pty::is_terminal(Stream::Stdout),
+            stderr: tty.stderr && pty::is_terminal(Stream::Stderr),
+        };
         let mut wired = Wired {
             spec,
             write_ends: Vec::with_capacity(2),
@@ -97,23 +104,27 @@ impl Wired {
                 filter: None,
                 activity: Some(node.watchdog.activity.clone()),
             };
-            wired.plumb(pump, &[Stream::Stdout, Stream::Stderr], done)?;
+            let shared = [Stream::Stdout, Stream::Stderr];
+            let tty = (ttys == Streams::BOTH).then_some(local);
+            wired.plumb(pump, &shared, tty, done)?;
             return Ok(wired);
         }
         let files = match logs {
             Some(root) => open_logs(&root.join(format!("rank_{rank}")))?,
             None => (None, None),
         };
-        wired.plumb_apart(node, console, files, prefix, sinks, done)?;
+        let ptys = [ttys.stdout, ttys.stderr].map(|tty| tty.then_some(local));
+        wired.plumb_apart(node, (console, ptys), files, prefix, sinks, done)?;
         Ok(wired)
     }
 
     /// Gives the rank's stdout and stderr a pipe and a pump each: its console streams, log
-    /// files (`files`) and filters; the tail keeps stderr.
+    /// files (`files`) and filters; the tail keeps stderr. A stream whose `ptys` entry names
+    /// the rank's local rank gets a pty instead of a pipe.
     fn plumb_apart(
         &mut self,
         node: &Node,
-        console: Streams,
+        (console, ptys): (Streams, [Option<usize>; 2]),
         files: (Option<File>, Option<File>),
         prefix: Option<Prefix>,
         sinks: &Sinks,
@@ -127,6 +138,7 @@ impl Wired {
                 out_file,
                 None,
                 &sinks.stdout,
+                ptys[0],
             ),
             (
                 Stream::Stderr,
@@ -134,9 +146,10 @@ impl Wired {
                 err_file,
                 Some(self.tail.clone()),
                 &sinks.stderr,
+                ptys[1],
             ),
         ];
-        for (stream, shown, file, tail, filter) in streams {
+        for (stream, shown, file, tail, filter, tty) in streams {
             let pump = Pump {
                 console: shown.then_some(stream),
                 prefix: prefix.clone(),
@@ -145,20 +158,30 @@ impl Wired {
                 filter: filter.clone(),
                 activity: Some(node.watchdog.activity.clone()),
             };
-            self.plumb(pump, &[stream], done)?;
+            self.plumb(pump, &[stream], tty, done)?;
         }
         Ok(())
     }
 
-    /// Makes the pipe that carries the rank's `streams` to `pump`, and starts the pump.
+    /// Makes the pipe that carries the rank's `streams` to `pump` (with `tty`, local rank
+    /// `tty`'s pseudo-terminal, of the size of the launcher's terminal on `streams[0]`), and
+    /// starts the pump.
     fn plumb(
         &mut self,
         pump: Pump,
         streams: &[Stream],
+        tty: Option<usize>,
         done: &mpsc::Sender<()>,
     ) -> Result<(), RunError> {
-        let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
-            .map_err(|e| io_err("cannot create a pipe")(e.into()))?;
+        let pty = tty.and_then(|local| pty::open(local, streams[0]));
+        let (read, write) = match pty {
+            Some(pty) => (pty.master, pty.slave),
+            None => {
+                let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+                    .map_err(|e| io_err("cannot create a pipe")(e.into()))?;
+                (Arc::new(read), write)
+            }
+        };
         for stream in streams {
             match stream {
                 Stream::Stdout => self.spec.stdout = Some(write.as_raw_fd()),
