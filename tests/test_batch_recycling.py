@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import tether
-from tether._recycle_page import SLOTS
+from tether.pool.recycle_page import SLOTS
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -72,6 +72,24 @@ def test_the_checker_finds_long_python_modules_functions_and_lazy_import_cycles(
     ]
 
 
+def test_the_checker_follows_relative_imports_through_subpackages(tmp_path):
+    _write(
+        tmp_path / "python" / "tether",
+        {
+            "__init__.py": "",
+            "z.py": "def f():\n    from .p.x import g\n",
+            "p/__init__.py": "from typing import Any\n",
+            "p/x.py": "from . import y\n",
+            "p/y.py": "from .. import z\nfrom ... import outside\n",
+            "p/q.py": "from ..p import x\nimport tether.p.y\n",
+            "p/s/__init__.py": "from .. import q\nfrom ...z import f\n",
+        },
+    )
+    assert layout.check_python(tmp_path) == [
+        "python/tether: import cycle among p.x, p.y, z (e.g. p.x -> p.y -> z -> p.x)"
+    ]
+
+
 def test_the_checker_reads_rust_without_its_tests_strings_and_comments(tmp_path):
     long_fn = "fn long() {\n" + "    let _ = 1;\n" * 60 + "}\n"
     _write(

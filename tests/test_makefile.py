@@ -27,7 +27,7 @@ INPUTS = [
     "crates/tether-py/src/workers/set.rs",
     "python/tether.data/purelib/tether_stacks.pth",
 ]
-NOT_INPUTS = ["python/tether/pool.py", "README.md", "tests/test_pool.py", "examples/zygote.py"]
+NOT_INPUTS = ["python/tether/pool/core.py", "README.md", "tests/test_pool.py", "examples/zygote.py"]
 OUTPUTS = ["python/tether/_native.abi3.so", ".venv/.deps-installed", ".venv/.tether-built"]
 
 

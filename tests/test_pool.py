@@ -19,7 +19,7 @@ import pytest
 
 import tether
 from conftest import alive, wait_gone
-from tether import _channel
+from tether.pool import channel as pool_channel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,7 +133,7 @@ def _echo(q, back, ev):
 def test_queues_travel_only_with_processes_or_messages():
     import pickle
 
-    q = _channel.Queue()
+    q = pool_channel.Queue()
     with pytest.raises(RuntimeError, match="travel to other processes only"):
         pickle.dumps(q)
     q.close()
@@ -325,15 +325,16 @@ def test_pool_context_and_channel_import_in_one_direction():
     import ast
 
     def imports(module):
-        source = open(os.path.join(os.path.dirname(tether.__file__), module + ".py")).read()
+        """The modules of tether.pool (by name) and of tether (``..name``) it imports."""
+        path = os.path.join(os.path.dirname(tether.__file__), "pool", module + ".py")
         found = set()
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                found |= {node.module} if node.module else {a.name for a in node.names}
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom) and node.level in (1, 2):
+                dots = "" if node.level == 1 else ".."
+                found |= {dots + (node.module or a.name) for a in node.names}
         return found
 
-    pool_modules = {"pool", "_pool_core", "_pool_tasks", "_pool_futures", "_pool_leases"}
-    for lower in ("_channel", "_pickling"):
-        assert (pool_modules | {"context"}).isdisjoint(imports(lower))
-    assert pool_modules.isdisjoint(imports("context")) and "_channel" in imports("context")
-    assert {"context", "_pickling"} <= set().union(*map(imports, pool_modules))
+    pool_modules = {"facade", "core", "tasks", "futures", "leases"}
+    assert pool_modules.isdisjoint(imports("channel")) and "loader" not in imports("channel")
+    assert pool_modules.isdisjoint(imports("loader")) and "channel" in imports("loader")
+    assert {"loader", ".._pickling"} <= set().union(*map(imports, pool_modules))

@@ -20,7 +20,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 import tether
-from tether._pool_runs import GRACE
+from tether.pool.runs import GRACE
 
 pytestmark = pytest.mark.timeout(120)
 

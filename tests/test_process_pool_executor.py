@@ -250,7 +250,12 @@ def test_processes_answer_as_multiprocessing_processes_do():
         while not future.running() and time.monotonic() < deadline:
             time.sleep(0.01)
         process.terminate()
-        with pytest.raises(BrokenProcessPool, match=f"pid {pid}.*SIGTERM"):
+        # CPython's sentence for the event, then the executor's worker, by name and pid.
+        said = (
+            "^A process in the process pool was terminated abruptly while the future was "
+            rf"running or pending: tether\.ProcessPoolExecutor worker \(pid {pid}\) .*SIGTERM"
+        )
+        with pytest.raises(BrokenProcessPool, match=said):
             future.result(timeout=30)
         process.join(30)
         assert not process.is_alive() and process.exitcode == -signal.SIGTERM
@@ -279,6 +284,10 @@ def test_a_failing_initializer_breaks_the_pool_and_submit_says_why():
                 with pytest.raises(BrokenProcessPool, match="no init"):
                     first.result(timeout=60)
             assert "no init" in executor._broken
+            assert executor._broken.startswith(
+                "A child process terminated abruptly, the process pool is not usable anymore: "
+                "a tether.ProcessPoolExecutor worker (pid "
+            )
             with pytest.raises(BrokenProcessPool, match="no init"):
                 executor.submit(helpers.square, 2)
         finally:

@@ -390,7 +390,7 @@ def test_a_pool_keeps_a_dataset_that_holds_a_shared_list_and_sees_it_rebound(mon
 
 
 def test_a_pool_proves_a_shared_list_unchanged_by_its_identity_whatever_its_size():
-    from tether._snapshot import Snapshot
+    from tether.pool.snapshot import Snapshot
 
     big = helpers.KeptSamples(tether.share(helpers.samples(200_000)))
     small = helpers.KeptSamples(tether.share(helpers.samples(3)))

@@ -1,7 +1,7 @@
-"""What proves a kept dataset unchanged (``tether._snapshot``), on its own: every change pickle
-would see is seen, nothing it cannot prove counts as unchanged, identity is never mistaken
-for an address, and big containers of plain values and big arrays cost what their size
-does not."""
+"""What proves a kept dataset unchanged (``tether.pool.snapshot``), on its own: every change
+pickle would see is seen, nothing it cannot prove counts as unchanged, identity is never
+mistaken for an address, and big containers of plain values and big arrays cost what their
+size does not."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tether._snapshot import WALK_NODES, Snapshot, reaches
+from tether.pool.snapshot import WALK_NODES, Snapshot, reaches
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -86,6 +86,19 @@ def test_a_pool_worker_that_died_while_starting_shows_its_error():
     )
 
 
+def test_an_executor_worker_is_named_as_the_executor_after_cpythons_sentence():
+    assert _words.worker_crashed(Death(12, 3), lost=False, owner=_words.EXECUTOR) == (
+        "A process in the process pool was terminated abruptly while the future was running "
+        "or pending: tether.ProcessPoolExecutor worker (pid 12) exited with code 3 while "
+        "running this task; the pool started a new worker"
+    )
+    assert _words.worker_not_started(Death(7, 1), "Traceback ...", _words.EXECUTOR) == (
+        "A child process terminated abruptly, the process pool is not usable anymore: a "
+        "tether.ProcessPoolExecutor worker (pid 7) exited with code 1 before it was ready:\n"
+        "Traceback ..."
+    )
+
+
 def test_a_leased_process_ends_in_the_same_words_as_a_pool_worker():
     assert _words.pool_process_ended("PoolProcess-1", 5, KILLED) == (
         "tether.Pool process PoolProcess-1 (pid 5) was killed by signal SIGKILL (Killed)"

@@ -1,7 +1,7 @@
 """The layout rules of the project, checked: run ``python tools/layout.py`` (from anywhere)
 to see every place that breaks one; it exits 1 when there is any.
 
-- a Python module of python/tether has at most 400 lines;
+- a Python module of python/tether (its subpackages' too) has at most 400 lines;
 - a Rust file under crates/*/src has at most 600 lines, not counting its test code
   (``#[cfg(test)]`` items: the ``mod tests`` block, test-only helpers, a test module's file);
 - a function has at most 60 lines (Python: from ``def`` to its last line, by ``ast``; Rust: a
@@ -115,8 +115,16 @@ def _cycle_lines(edges: Dict[str, Set[str]], allowed: Iterable[Set[str]], where:
 
 
 def _python_modules(package: Path) -> Dict[str, Path]:
-    """Module name (``pool``, ``__init__``) -> file, for the package's .py files."""
-    return {path.stem: path for path in sorted(package.glob("*.py"))}
+    """Module name -> file, for every .py file of the package and of its subpackages: a
+    module by its dotted name below the package (``spawn``, ``pool.core``), a subpackage by
+    its own (``pool``), the package's own ``__init__`` as ``__init__``."""
+    found: Dict[str, Path] = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package).with_suffix("").parts)
+        if len(parts) > 1 and parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
 
 
 def _python_functions(tree: ast.AST) -> Iterator[Tuple[str, int, int]]:
@@ -137,33 +145,55 @@ def _python_functions(tree: ast.AST) -> Iterator[Tuple[str, int, int]]:
     return walk(tree, "")
 
 
-def _python_imports(tree: ast.AST, modules: Set[str]) -> Set[str]:
-    """The package's modules that a module imports, anywhere in it (``from . import x``,
-    ``from .x import y``, ``import tether.x``, ``from tether import x``); a name that is no
-    module stands for the package's ``__init__``, except the compiled ``_native`` (no file
-    of the package: it imports none of them)."""
+def _nearest(dotted: str, modules: Set[str]) -> str:
+    """The module a dotted name below the package is, or else the nearest package above it
+    (a name that is no module is an attribute of that package's ``__init__``)."""
+    while dotted and dotted not in modules:
+        dotted = dotted.rpartition(".")[0]
+    return dotted or "__init__"
+
+
+def _import_base(node: ast.ImportFrom, home: List[str]) -> Optional[str]:
+    """The dotted name below the package that ``from <base> import ...`` names (the package
+    itself: ""), or None when it is outside the package; ``home`` is the package the
+    importing module lives in."""
+    if node.level >= 1:
+        if node.level - 1 > len(home):
+            return None
+        anchor = home[: len(home) - (node.level - 1)]
+        return ".".join(anchor + (node.module.split(".") if node.module else []))
+    if node.module == PACKAGE:
+        return ""
+    if (node.module or "").startswith(PACKAGE + "."):
+        return (node.module or "")[len(PACKAGE) + 1 :]
+    return None
+
+
+def _python_imports(
+    tree: ast.AST, modules: Set[str], name: str = "__init__", package: bool = True
+) -> Set[str]:
+    """The package's modules that the module ``name`` (a package's ``__init__`` when
+    ``package``) imports, anywhere in it (``from . import x``, ``from .x import y``,
+    ``from ..x import y``, ``import tether.x``, ``from tether.x import y``); a name that is no
+    module stands for the ``__init__`` of the nearest package above it, except the compiled
+    ``_native`` (no file of the package: it imports none of them)."""
     modules = modules | {NATIVE}
+    here = [] if name == "__init__" else name.split(".")
+    home = here if package else here[:-1]
     found: Set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 or (node.level == 0 and node.module == PACKAGE):
-                base = None
-            elif node.level == 0 and (node.module or "").startswith(PACKAGE + "."):
-                base = (node.module or "").split(".")[1]
-            else:
-                continue
-            if node.level == 1 and node.module:
-                base = node.module.split(".")[0]
-            if base is not None:
-                found.add(base if base in modules else "__init__")
+            base = _import_base(node, home)
+            if base is None:
                 continue
             for alias in node.names:
-                found.add(alias.name if alias.name in modules else "__init__")
+                full = f"{base}.{alias.name}" if base else alias.name
+                found.add(full if full in modules else _nearest(base, modules))
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[0] == PACKAGE:
-                    found.add(parts[1] if len(parts) > 1 and parts[1] in modules else "__init__")
+                    found.add(_nearest(".".join(parts[1:]), modules))
     return found - {NATIVE}
 
 
@@ -183,7 +213,8 @@ def check_python(root: Path = ROOT) -> List[str]:
         for function, line, length in _python_functions(tree):
             if length > MAX_FUNCTION:
                 problems.append(f"{rel}:{line}: {function} has {length} lines (at most 60)")
-        edges[name] = _python_imports(tree, set(modules)) - {name}
+        package = path.name == "__init__.py"
+        edges[name] = _python_imports(tree, set(modules), name, package) - {name}
     return problems + _cycle_lines(edges, [], f"python/{PACKAGE}")
 
 

@@ -31,7 +31,7 @@ _LAZY = {
     "BrokenPool": ".pool",
     "NoFreeWorkerError": ".pool",
     "Pool": ".pool",
-    "ProcessPoolExecutor": "._pool_executor",
+    "ProcessPoolExecutor": ".pool",
     "RemoteError": ".pool",
     "WorkerCrashedError": ".pool",
     "SharedDict": "._shared",

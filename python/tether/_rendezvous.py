@@ -8,15 +8,18 @@ torch's own (`torch.distributed.elastic.rendezvous`, built as torchrun builds it
 output and the reports. It talks to the launcher in JSON lines: commands on stdin, answers
 and events on stdout (its own prints go to stderr).
 
-Commands: ``{"cmd": "next"}`` joins the next round; ``{"cmd": "failed", "record": {...},
-"final": bool}`` records a failure of this node's ranks (``final``: no restart is left, the
-job ends); ``{"cmd": "done"}`` says this node's ranks succeeded; ``{"cmd": "leave"}`` (or the
-end of stdin, or SIGTERM) leaves the job.
+Commands: ``{"cmd": "next"}`` joins the next round; ``{"cmd": "failing", "record": {...}}``
+publishes a rank's failure the moment the launcher sees it; ``{"cmd": "failed", "record":
+{...}, "final": bool}`` records the failure once the node's ranks stopped (``final``: no
+restart is left, the job ends); ``{"cmd": "done"}`` says this node's ranks succeeded;
+``{"cmd": "leave"}`` (or the end of stdin, or SIGTERM) leaves the job.
 
 Answers and events: ``round`` (this node's place in the round that formed), ``restart``
 (the membership moved on: nodes wait to join, a node left or stopped answering), ``ended``
 (another node ended the job; its root cause), ``cause`` (the job's root cause, after a final
-failure), ``bye``, and ``error`` (a message naming the endpoint, the option or the node).
+failure), ``away`` (the job moved on while this node was away: a sentence, and the root cause
+if the job ended), ``bye``, and ``error`` (a message naming the endpoint, the option or the
+node). How the job's end is chosen is `_rendezvous_end`'s.
 
 Rounds: torch shares its TCPStore with the ranks, which breaks later rounds (nobody
 publishes the master address again; restart counts that differ give different prefixes),
@@ -34,7 +37,8 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, TextIO
 
-from . import _rendezvous_torch
+from . import _rendezvous_end, _rendezvous_torch
+from ._rendezvous_end import FINISHED, LEFT, declare_lost
 from ._rendezvous_say import (
     Say,
     announce_run_id,
@@ -48,17 +52,11 @@ from ._rendezvous_say import (
     other_run_ids,
 )
 
-# Keys this helper keeps in each round's store, beside torch's own.
+# Keys this helper keeps in each round's store, beside torch's own (and those of
+# `_rendezvous_end`).
 ALIVE = "tether.alive."
-LEFT = "tether.left."
-FAILURE = "tether.failure."
-END = "tether.end"
-# Each node sets it once it has read END (the node hosting the store waits for them).
-END_SEEN = "tether.end_seen."
 # torch's agents wait for each other there when their ranks succeeded.
 TERMINAL_STATE = "torchelastic/agent/terminal_state"
-FINISHED = "tether.finished."
-MASTER = "tether.master"
 
 WATCH_EVERY = 0.1
 
@@ -78,6 +76,7 @@ class Node:
         self.group_rank = -1
         self.nodes = 0
         self.rounds = 0
+        self.joined = 0  # the number of the round this node joined last
         self.watch_stop = threading.Event()
         self.watcher: Optional[threading.Thread] = None
 
@@ -127,12 +126,15 @@ class Node:
             self.joining_failed(exc)
             return
         self.rounds += 1
+        self.joined = self.round_number()
         self.store = info.store
         self.group_rank, self.nodes = info.rank, info.world_size
         ranks = _rendezvous_torch.assign_ranks(
             self.store, self.group_rank, self.nodes, self.opts["role"], self.opts["nproc"]
         )
-        addr, port, agent = self.master(info)
+        addr, port, agent = _rendezvous_torch.master(
+            self.handler, info, self.group_rank, self.round_number(), self.opts.get("local_addr")
+        )
         self.store.set(f"{ALIVE}{self.group_rank}", json.dumps([0, self.host]))
         self.say(
             "round",
@@ -176,38 +178,14 @@ class Node:
         fail(self.say, join_failed(self.endpoint, exc))
 
     def hold_the_end(self) -> None:
-        """Once the job ended, the node hosting the store keeps it until every other node
-        read the end (or finished, left, or stopped answering): none misses it and runs on."""
-        try:
-            if not (self.store is not None and self.store.check([END]) and hosts(self.endpoint)):
-                return
-            others = [n for n in range(self.nodes) if n != self.group_rank]
-            deadline = time.monotonic() + self.dead_after + 1
-            while others and time.monotonic() < deadline:
-                keys = (END_SEEN, FINISHED, LEFT)
-                others = [n for n in others if not any(self.store.check([f"{k}{n}"]) for k in keys)]
-                time.sleep(WATCH_EVERY)
-        except Exception:  # noqa: BLE001 - the store is gone: nothing left to hold
-            pass
+        """Once the job ended, the node hosting the store keeps it until every node read it."""
+        if hosts(self.endpoint):
+            _rendezvous_end.hold(self.store, self.group_rank, self.nodes, self.dead_after + 1)
 
     def round_number(self) -> int:
         holder = getattr(self.handler, "_state_holder", None)
         state = getattr(holder, "state", None)
         return int(getattr(state, "round", self.rounds - 1))
-
-    def master(self, info: Any) -> "tuple[str, int, bool]":
-        """Where the ranks' store is, and whether it is the agent's (torch's shared one)."""
-        shared = bool(getattr(self.handler, "use_agent_store", False))
-        boot = info.bootstrap_store_info
-        if not shared or self.round_number() == 0:
-            return boot.master_addr, int(boot.master_port), shared
-        if self.group_rank == 0:
-            from torch.distributed.elastic.utils.distributed import get_free_port
-
-            addr = self.opts.get("local_addr") or socket.getfqdn()
-            self.store.set(MASTER, json.dumps([addr, get_free_port()]))
-        addr, port = json.loads(self.store.get(MASTER))
-        return addr, int(port), False
 
     # -- watching the round -------------------------------------------------------------
 
@@ -230,15 +208,21 @@ class Node:
     def watch(self, store: Any, stop: threading.Event) -> None:
         beats: Dict[int, Any] = {}
         seen: Dict[int, float] = {}
-        count, failing_since = 0, 0.0
+        count, failing_since, last = 0, 0.0, time.monotonic()
         while not stop.wait(WATCH_EVERY):
             count += 1
+            away = time.monotonic() - last
             try:
-                why = self.moved_on(store, count, beats, seen)
-                failing_since = 0.0
+                why = self.moved_on(store, count, beats, seen, away)
+                failing_since, last = 0.0, time.monotonic()
             except Exception as exc:  # noqa: BLE001 - a store silent for read_timeout ends it
                 failing_since = failing_since or time.monotonic()
-                if time.monotonic() - failing_since < self.read_timeout:
+                silent = time.monotonic() - failing_since
+                if away > self.dead_after and silent > min(self.dead_after, self.read_timeout):
+                    gone = _rendezvous_end.store_gone(failing_since - last, self.endpoint)
+                    self.say("away", round=self.round_number(), why=gone, cause=None)
+                    return
+                if silent < self.read_timeout:
                     continue
                 print(
                     f"tether: the rendezvous store at {self.endpoint} stopped answering "
@@ -253,10 +237,13 @@ class Node:
             return
 
     def moved_on(
-        self, store: Any, count: int, beats: Dict[int, Any], seen: Dict[int, float]
+        self, store: Any, count: int, beats: Dict[int, Any], seen: Dict[int, float], away: float
     ) -> Optional["tuple[str, Dict[str, Any]]"]:
         store.set(f"{ALIVE}{self.group_rank}", json.dumps([count, self.host]))
         cause = self.take_end(store)
+        missed = self.missed(store, away if away > self.dead_after else None, cause)
+        if missed is not None:
+            return "away", missed
         if cause is not None:
             return "ended", {"cause": cause}
         now = time.monotonic()
@@ -274,6 +261,7 @@ class Node:
             elif now - seen[node] > self.dead_after:
                 host = json.loads(beat)[1]
                 why = f"node {node} ({host}) stopped answering for {self.dead_after:g} s"
+                declare_lost(store, node, self.group_rank, self.host, self.dead_after)
                 return "restart", {"why": why}
         waiting = self.handler.num_nodes_waiting()
         if waiting:
@@ -282,39 +270,45 @@ class Node:
         return None
 
     def take_end(self, store: Any) -> Any:
-        """How the job ended (its root cause), marked as read by this node; None while it
-        has not ended, or when no store answers."""
-        try:
-            if store is None or not store.check([END]):
-                return None
-            store.set(f"{END_SEEN}{self.group_rank}", "1")
-            return json.loads(store.get(END))
-        except Exception:  # noqa: BLE001 - no store left to read
-            return None
+        """How the job ended (its root cause and consequences), marked as read by this node;
+        None while it has not ended, or when no store answers."""
+        return _rendezvous_end.take_end(store, self.group_rank, self.nodes)
+
+    def missed(self, store: Any, away: Optional[float], cause: Any) -> Optional[Dict[str, Any]]:
+        """What this node missed while away (`away` s, or None): see `_rendezvous_end`."""
+        return _rendezvous_end.missed(store, self.group_rank, away, self.joined, cause)
 
     # -- the end of an attempt ----------------------------------------------------------
 
-    def failed(self, record: Dict[str, Any], final: bool) -> None:
-        self.stop_watch()
+    def failing(self, record: Dict[str, Any]) -> None:
+        """A rank of this node failed: its record goes to the store at once, before the
+        launcher stops the node's other ranks (the watch goes on meanwhile)."""
         record = {**record, "node_rank": self.group_rank, "host": self.host}
         try:
-            self.store.set(f"{FAILURE}{self.group_rank}", json.dumps(record))
+            _rendezvous_end.publish(self.store, self.group_rank, record)
+        except Exception:  # noqa: BLE001 - the store is gone: the report says the rest
+            pass
+
+    def failed(self, record: Dict[str, Any], final: bool) -> None:
+        """This node's ranks stopped after a failure: its full record replaces the first
+        one; with no restart left, the job ends on the earliest failure of any node."""
+        self.stop_watch()
+        record = {**record, "node_rank": self.group_rank, "host": self.host}
+        me, store = self.group_rank, self.store
+        try:
+            _rendezvous_end.publish(store, me, record)
             if not final:
                 return
-            if self.store.check([END]):
-                cause = json.loads(self.store.get(END))
-            else:
-                cause = min(self.failures() + [record], key=lambda r: r.get("time", 0.0))
-                self.store.set(END, json.dumps(cause))
+            missed = self.missed(store, None, self.take_end(store))
+            if missed is not None:
+                self.say("away", round=self.round_number(), **missed)
+                return
+            cause = _rendezvous_end.decide(store, me, self.nodes, record)
+            cause = _rendezvous_end.with_consequences(store, self.nodes, cause)
             self.handler.set_closed()
         except Exception:  # noqa: BLE001 - the store is gone: this node's record
             cause = record
         self.say("cause", cause=cause)
-
-    def failures(self) -> List[Dict[str, Any]]:
-        keys = [f"{FAILURE}{n}" for n in range(self.nodes)]
-        present = [k for k in keys if self.store.check([k])]
-        return [json.loads(v) for v in self.store.multi_get(present)] if present else []
 
     def done(self) -> None:
         """Waits for every node's ranks to end (the node hosting the store keeps it for the
@@ -337,6 +331,10 @@ class Node:
             threading.Thread(target=wait_for_everyone, daemon=True).start()
             while not passed.wait(WATCH_EVERY):
                 cause = self.take_end(self.store)
+                missed = self.missed(self.store, None, None)
+                if missed is not None:
+                    self.say("away", round=self.round_number(), **missed)
+                    return
                 if cause is not None:
                     self.say("ended", cause=cause)
                     self.hold_the_end()
@@ -362,6 +360,8 @@ def serve(node: Node, commands: TextIO) -> None:
         cmd = msg.get("cmd")
         if cmd == "next":
             node.next_round()
+        elif cmd == "failing":
+            node.failing(msg["record"])
         elif cmd == "failed":
             node.failed(msg["record"], bool(msg.get("final")))
         elif cmd == "done":

@@ -4,7 +4,9 @@ state more often), and torch's agent's own assignment of ranks."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import sys
 from typing import Any, Dict, List, Tuple
 
@@ -106,3 +108,22 @@ def assign_ranks(store: Any, group_rank: int, nodes: int, role: str, nproc: int)
     workers = SimpleElasticAgent._assign_worker_ranks(None, store, group_rank, nodes, spec)
     first = workers[0]
     return [first.global_rank, first.world_size, first.role_rank, first.role_world_size]
+
+
+def master(
+    handler: Any, info: Any, group_rank: int, round_number: int, local_addr: Any
+) -> Tuple[str, int, bool]:
+    """Where the ranks' store is, and whether it is the agent's (torch's shared one): torch
+    publishes the master address once, so in later rounds node 0 publishes a new one under
+    ``tether.master`` in the round's store."""
+    shared = bool(getattr(handler, "use_agent_store", False))
+    boot = info.bootstrap_store_info
+    if not shared or round_number == 0:
+        return boot.master_addr, int(boot.master_port), shared
+    if group_rank == 0:
+        from torch.distributed.elastic.utils.distributed import get_free_port
+
+        addr = local_addr or socket.getfqdn()
+        info.store.set("tether.master", json.dumps([addr, get_free_port()]))
+    addr, port = json.loads(info.store.get("tether.master"))
+    return addr, int(port), False

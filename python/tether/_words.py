@@ -59,9 +59,23 @@ def exitcode_of(status: _native.ExitStatus) -> int:
     return 255 if status.exitcode is None else status.exitcode
 
 
-def worker_crashed(death: _native.WorkerDied, lost: bool) -> str:
-    """A pool worker died with a task in hand (``lost``: it had run the task, its result
-    was not sent yet). Every fact of the death is at hand here (``WorkerDied``)."""
+#: The pool that ``tether.Pool`` is, by the name its messages give it.
+POOL = "tether.Pool"
+#: ``tether.ProcessPoolExecutor``: its messages open with CPython's sentence for the event.
+EXECUTOR = "tether.ProcessPoolExecutor"
+#: CPython's ``ProcessPoolExecutor``, when a worker died with a task in hand.
+_CPYTHON_CRASHED = (
+    "A process in the process pool was terminated abruptly while the future was running or "
+    "pending"
+)
+#: CPython's ``ProcessPoolExecutor``, when a worker died (its initializer failed).
+_CPYTHON_BROKEN = "A child process terminated abruptly, the process pool is not usable anymore"
+
+
+def worker_crashed(death: _native.WorkerDied, lost: bool, owner: str = POOL) -> str:
+    """A worker of the pool ``owner`` (``POOL`` or ``EXECUTOR``) died with a task in hand
+    (``lost``: it had run the task, its result was not sent yet). Every fact of the death
+    is at hand here (``WorkerDied``)."""
     pid, exitcode = death.pid, exitcode_of(death.status)
     when = (
         "after running this task, before its result was sent back"
@@ -69,17 +83,23 @@ def worker_crashed(death: _native.WorkerDied, lost: bool) -> str:
         else "while running this task"
     )
     why = hint(exitcode)
-    return (
-        f"tether.Pool worker (pid {pid}) {ended(exitcode)} {when}"
+    said = (
+        f"{owner} worker (pid {pid}) {ended(exitcode)} {when}"
         + (f" ({why})" if why else "")
         + "; the pool started a new worker"
     )
+    return f"{_CPYTHON_CRASHED}: {said}" if owner == EXECUTOR else said
 
 
-def worker_not_started(death: _native.WorkerDied, report: Optional[str]) -> str:
-    """A pool worker died before it was ready; ``report`` is the error it wrote."""
+def worker_not_started(
+    death: _native.WorkerDied, report: Optional[str], owner: str = POOL
+) -> str:
+    """A worker of the pool ``owner`` died before it was ready; ``report`` is the error it
+    wrote."""
     pid, exitcode = death.pid, exitcode_of(death.status)
-    message = f"a tether.Pool worker (pid {pid}) {ended(exitcode)} before it was ready"
+    message = f"a {owner} worker (pid {pid}) {ended(exitcode)} before it was ready"
+    if owner == EXECUTOR:
+        message = f"{_CPYTHON_BROKEN}: {message}"
     return message + (":\n" + report if report is not None else "")
 
 

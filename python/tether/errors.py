@@ -1,9 +1,9 @@
 """The exceptions a failed child raises in its parent, with torch's names, messages and
 attributes (so code written against ``torch.multiprocessing`` keeps working), and those of
 ``tether.Pool``. Its ``BrokenProcessPool``s (``WorkerCrashedError``, ``BrokenPool``, as
-``concurrent.futures`` reports the same events) live in ``_pool_errors`` and are given here
-by name on first use, so that ``import tether`` does not import ``concurrent.futures.process``
-(and multiprocessing's queues with it)."""
+``concurrent.futures`` reports the same events) live in ``tether.pool.errors`` and are given
+here by name on first use, so that ``import tether`` does not import
+``concurrent.futures.process`` (and multiprocessing's queues with it)."""
 
 from __future__ import annotations
 
@@ -96,9 +96,9 @@ class RemoteError(Exception):
 
 
 def __getattr__(name: str) -> Any:
-    """``WorkerCrashedError`` and ``BrokenPool``, from ``_pool_errors`` when first asked for."""
+    """``WorkerCrashedError`` and ``BrokenPool``, from ``pool.errors`` when first asked for."""
     if name in ("WorkerCrashedError", "BrokenPool"):
-        from . import _pool_errors
+        from .pool import errors
 
-        return getattr(_pool_errors, name)
+        return getattr(errors, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

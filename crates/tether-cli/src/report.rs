@@ -137,6 +137,22 @@ const RULE: &str = "============================================================
 
 impl Failure {
     pub fn render(&self) -> String {
+        let mut s = self.render_open();
+        let _ = writeln!(s, "{RULE}");
+        s
+    }
+
+    /// The report of this node's failure when it is the root cause of a job of several
+    /// nodes (`cause`, as the rendezvous chose it): with the later failures of every node.
+    pub fn render_in_job(&self, cause: &serde_json::Value) -> String {
+        let mut s = self.render_open();
+        write_consequences(&mut s, cause);
+        let _ = writeln!(s, "{RULE}");
+        s
+    }
+
+    /// The report without its closing rule.
+    fn render_open(&self) -> String {
         let r = &self.root;
         let mut s = String::new();
         let _ = writeln!(s, "{RULE}");
@@ -159,7 +175,6 @@ impl Failure {
             let _ = writeln!(s, "  logs       : {dir}");
         }
         self.render_others(&mut s);
-        let _ = writeln!(s, "{RULE}");
         s
     }
 
@@ -274,8 +289,41 @@ pub fn render_cause(cause: &serde_json::Value) -> String {
         let _ = writeln!(s, "  hint       : {hint}");
     }
     write_evidence(&mut s, cause, &rank);
+    write_consequences(&mut s, cause);
     let _ = writeln!(s, "{RULE}");
     s
+}
+
+/// The failures on any node that came after the root cause (its consequences), in time
+/// order, as the rendezvous's store holds them: one line each, with the delay after it.
+fn write_consequences(s: &mut String, cause: &serde_json::Value) {
+    let Some(later) = cause["consequences"].as_array().filter(|l| !l.is_empty()) else {
+        return;
+    };
+    let root_time = cause["time"].as_f64().unwrap_or(0.0);
+    let _ = writeln!(
+        s,
+        "--- later failures on the job's nodes (consequences), in time order ---"
+    );
+    for c in later {
+        let number = |key: &str| c[key].as_i64().map_or("?".to_string(), |n| n.to_string());
+        let after = c["time"]
+            .as_f64()
+            .map_or(String::new(), |t| format!("{:+.3} s  ", t - root_time));
+        let why = c["error"]
+            .as_str()
+            .map_or(String::new(), |e| format!(": {e}"));
+        let _ = writeln!(
+            s,
+            "  {after}rank {} on node {} (host {}, local rank {}, pid {}): {}{why}",
+            number("rank"),
+            number("node_rank"),
+            c["host"].as_str().unwrap_or("?"),
+            number("local_rank"),
+            number("pid"),
+            c["exit"].as_str().unwrap_or("?"),
+        );
+    }
 }
 
 /// What a root cause's record holds of the rank's own account: its error and traceback,
@@ -330,6 +378,28 @@ mod tests {
         assert_eq!(e.timestamp.as_deref(), Some("1700000000"));
         assert_eq!(ErrorFile::parse(r#"{"message": "plain"}"#).message, "plain");
         assert_eq!(ErrorFile::parse("not json").message, "not json");
+    }
+
+    #[test]
+    fn lists_the_consequences_of_a_root_cause_in_time_order_with_their_delay() {
+        let cause = serde_json::json!({
+            "rank": 1, "node_rank": 1, "host": "a", "local_rank": 0, "pid": 10,
+            "exit": "signal SIGSEGV", "code": 139, "time": 100.0,
+            "consequences": [
+                {"rank": 0, "node_rank": 0, "host": "b", "local_rank": 0, "pid": 20,
+                 "exit": "exit code 1", "time": 100.25, "error": "Connection closed by peer"},
+            ],
+        });
+        let text = render_cause(&cause);
+        assert!(text.contains("rank 1 on node 1 failed first"), "{text}");
+        let later = &text[text.find("consequences").expect("a list of consequences")..];
+        assert!(
+            later.contains("+0.250 s  rank 0 on node 0 (host b, local rank 0, pid 20): exit code 1: Connection closed by peer"),
+            "{text}"
+        );
+        assert_eq!(cause_code(&cause), 139);
+        let alone = render_cause(&serde_json::json!({"rank": 1, "consequences": []}));
+        assert!(!alone.contains("consequences"), "{alone}");
     }
 
     #[test]

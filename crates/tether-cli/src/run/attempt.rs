@@ -88,7 +88,9 @@ impl Attempt<'_> {
             node.cfg.nproc,
             (0..group.len()).filter_map(|i| group.pid(i)).collect::<Vec<_>>()
         );
-        let supervised = watch.supervise();
+        let number = self.number;
+        let record = |g: &Group| record(node, g, number, &wired, oom_before, &logs);
+        let supervised = watch.supervise(&record);
         if supervised.is_err() {
             kill_all(&group);
         }
@@ -117,6 +119,23 @@ fn wire_ranks(
         .map(|local| Wired::new(node, local, number, logs, &sinks, &done_tx))
         .collect::<Result<Vec<_>, _>>()?;
     Ok((wired, done_rx))
+}
+
+/// The record of the attempt's first failure so far (`None` while none failed), which the
+/// other nodes get before this node's other ranks are stopped.
+fn record(
+    node: &Node,
+    group: &Group,
+    attempt: u32,
+    wired: &[Wired],
+    oom_before: Option<u64>,
+    logs: &Option<PathBuf>,
+) -> Option<serde_json::Value> {
+    let oom = oom_before.zip(oom_kills());
+    match conclude(node, group, attempt, None, wired, oom, logs.clone()) {
+        AttemptEnd::Failed(failure) => Some(failure.record()),
+        _ => None,
+    }
 }
 
 /// How each rank ended, and when (monotonic clock); `stop_mono` is when the stopping began.

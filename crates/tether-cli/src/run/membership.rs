@@ -4,7 +4,10 @@
 //! and the others on several nodes or an elastic `--nnodes`) asks the node's rendezvous
 //! helper ([`helper`]) for it round after round: a failure on any node, a node that joins or
 //! one that goes starts a new round on every node, and the first failure in time ends the job
-//! on every node.
+//! on every node (a node publishes a failure the moment it sees it, before it stops its other
+//! ranks; the helper's `_rendezvous_end` chooses the earliest). A node that was away
+//! (stopped, or cut off from the store) and finds that the job went on without it stops its
+//! ranks and says what happened.
 
 use std::os::fd::BorrowedFd;
 
@@ -29,6 +32,9 @@ pub enum Moved {
     Round(String),
     /// Another node ended the job; its root cause.
     Ended(serde_json::Value),
+    /// The job moved on while this node was away: what happened, and the root cause if the
+    /// job ended.
+    Away(String, serde_json::Value),
 }
 
 pub enum Membership {
@@ -118,6 +124,7 @@ impl Membership {
                 Heard::Said(Message::Ended(cause) | Message::Cause(cause)) => {
                     return Err(report_cause(&cause))
                 }
+                Heard::Said(Message::Away { why, cause }) => return Err(away(&why, &cause)),
                 Heard::Said(Message::Error(message)) => {
                     output::message(&format!("tether: {message}"));
                     return Err(1);
@@ -158,6 +165,7 @@ impl Membership {
         match helper.read() {
             Message::Restart { round: of, why } if of == *round => Some(Moved::Round(why)),
             Message::Ended(cause) | Message::Cause(cause) => Some(Moved::Ended(cause)),
+            Message::Away { why, cause } => Some(Moved::Away(why, cause)),
             Message::Error(message) => {
                 output::message(&format!("tether: {message}; the ranks go on"));
                 None
@@ -178,6 +186,7 @@ impl Membership {
                 None
             }
             Moved::Ended(cause) => Some(report_cause(&cause)),
+            Moved::Away(why, cause) => Some(away(&why, &cause)),
         }
     }
 
@@ -211,19 +220,47 @@ impl Membership {
     /// job's root cause (another node's, when it failed first, else this one) and returns
     /// the exit status.
     pub fn failed(&mut self, failure: &Failure, node: &Node, warm: &Warm) -> i32 {
-        if let Membership::Dynamic { helper, .. } = self {
-            helper.failed(failure.record(), true);
-            match self.hear(node, warm) {
-                Heard::Said(Message::Cause(cause) | Message::Ended(cause))
-                    if !is_own(&cause, &failure.record(), &node.cfg.place) =>
-                {
-                    return report_cause(&cause)
-                }
-                _ => {}
+        let Membership::Dynamic { helper, .. } = self else {
+            output::message(&failure.render());
+            return failure.root.status.as_shell_code();
+        };
+        helper.failed(failure.record(), true);
+        // What the watch said while the ranks were stopping (a node gone, a new round) is
+        // over: the job ends.
+        let mut heard = self.hear(node, warm);
+        while let Heard::Said(Message::Restart { .. } | Message::Bye | Message::Round(..)) = heard {
+            heard = self.hear(node, warm);
+        }
+        match heard {
+            Heard::Said(Message::Cause(cause) | Message::Ended(cause))
+                if !is_own(&cause, &failure.record(), &node.cfg.place) =>
+            {
+                report_cause(&cause)
+            }
+            Heard::Said(Message::Away { why, cause }) => {
+                output::message(&failure.render());
+                away(&why, &cause)
+            }
+            Heard::Said(Message::Cause(cause) | Message::Ended(cause)) => {
+                output::message(&failure.render_in_job(&cause));
+                failure.root.status.as_shell_code()
+            }
+            _ => {
+                output::message(&failure.render());
+                failure.root.status.as_shell_code()
             }
         }
-        output::message(&failure.render());
-        failure.root.status.as_shell_code()
+    }
+
+    /// A rank failed: in a dynamic rendezvous, the other nodes get its record (`record`) at
+    /// once, before this node's other ranks are stopped (the first failure in time is the
+    /// job's root cause).
+    pub fn publish_failure(&mut self, record: impl FnOnce() -> Option<serde_json::Value>) {
+        if let Membership::Dynamic { helper, .. } = self {
+            if let Some(record) = record() {
+                helper.failing(record);
+            }
+        }
     }
 
     /// This node's ranks succeeded. In a dynamic rendezvous, waits, as torchrun's exit
@@ -236,6 +273,7 @@ impl Membership {
         helper.done();
         match self.hear(node, warm) {
             Heard::Said(Message::Ended(cause)) => report_cause(&cause),
+            Heard::Said(Message::Away { why, cause }) => away(&why, &cause),
             Heard::Signal(sig) => 128 + sig,
             Heard::Said(_) => 0,
         }
@@ -310,6 +348,20 @@ fn is_own(cause: &serde_json::Value, own: &serde_json::Value, place: &Place) -> 
     cause["node_rank"].as_u64() == Some(place.node_rank as u64)
         && cause["rank"] == own["rank"]
         && cause["pid"] == own["pid"]
+}
+
+/// The job moved on while this node was away: says what happened, then the job's root cause
+/// if it ended; returns the exit status (the root cause's, else 1: the job went on without
+/// this node).
+fn away(why: &str, cause: &serde_json::Value) -> i32 {
+    output::message(&format!("tether: {why}; this node's ranks were stopped"));
+    if cause.is_null() {
+        output::message(
+            "tether: the job went on without this node; it leaves the job with exit status 1",
+        );
+        return 1;
+    }
+    report_cause(cause)
 }
 
 /// Prints the job's root cause; returns the exit status it gives.

@@ -33,6 +33,9 @@ pub enum Stop {
     Moved(Moved),
 }
 
+/// The record of the attempt's first failure so far, for the other nodes.
+pub type Record<'a> = &'a dyn Fn(&Group) -> Option<serde_json::Value>;
+
 /// What one poll saw: ranks that exited, signals, and how the job moved on.
 type Polled = (Vec<usize>, Vec<i32>, Option<Moved>);
 
@@ -48,14 +51,19 @@ impl Watch<'_> {
     /// Waits until every rank has exited. On the first failure, on a stop signal to the
     /// launcher, or past a limit (after every rank's stack is shown), stops the others (the
     /// signal, the grace period, SIGKILL). A stack signal prints every rank's stack and the
-    /// run goes on. Returns when the stopping began (monotonic clock) and why the launcher
-    /// stopped the ranks itself, if it did.
-    pub fn supervise(&mut self) -> Result<(Option<Duration>, Option<Stop>), RunError> {
+    /// run goes on. A first failure is published (`record`, through the membership) before
+    /// the others are stopped. Returns when the stopping began (monotonic clock) and why the
+    /// launcher stopped the ranks itself, if it did.
+    pub fn supervise(
+        &mut self,
+        record: Record<'_>,
+    ) -> Result<(Option<Duration>, Option<Stop>), RunError> {
         let (node, group) = (self.node, self.group);
         let ranks = self.ranks();
         loop {
             if let Some(first) = group.first_failure() {
                 log::info!(target: "tether::run", "rank {first} failed: stopping the others");
+                self.membership.publish_failure(|| record(group));
                 return Ok((Some(self.stop(libc::SIGTERM)), None));
             }
             let live: Vec<usize> = (0..group.len())

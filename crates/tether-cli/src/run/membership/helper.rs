@@ -37,6 +37,12 @@ pub enum Message {
     Ended(Value),
     /// The job's root cause, after this node's final failure.
     Cause(Value),
+    /// The job moved on while this node was away (stopped, or cut off from the store): what
+    /// happened meanwhile, and the job's root cause if it ended.
+    Away {
+        why: String,
+        cause: Value,
+    },
     Bye,
     /// The rendezvous failed: a sentence naming the endpoint, the option or the node.
     Error(String),
@@ -62,6 +68,13 @@ impl Message {
             },
             Some("ended") => Message::Ended(v["cause"].clone()),
             Some("cause") => Message::Cause(v["cause"].clone()),
+            Some("away") => Message::Away {
+                why: v["why"]
+                    .as_str()
+                    .unwrap_or("the job moved on while this node was away")
+                    .to_string(),
+                cause: v["cause"].clone(),
+            },
             Some("bye") => Message::Bye,
             _ => Message::Error(v["message"].as_str().map_or_else(
                 || format!("the rendezvous helper said {line:?}"),
@@ -203,6 +216,12 @@ impl Helper {
 
     pub fn next_round(&mut self) {
         self.send(json!({"cmd": "next"}));
+    }
+
+    /// A rank of this node failed: its record goes to the other nodes at once, before the
+    /// node's other ranks are stopped.
+    pub fn failing(&mut self, record: Value) {
+        self.send(json!({"cmd": "failing", "record": record}));
     }
 
     pub fn failed(&mut self, record: Value, last: bool) {

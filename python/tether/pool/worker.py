@@ -40,7 +40,8 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Final, List, NamedTuple, Optional, Sequence, Tuple
 
-from . import _channel, _child, _native, _pickling, _recycle, _shipment, _shm
+from .. import _child, _native, _pickling
+from . import channel, recycle, shipment, shm
 
 #: What a task's bytes hold (see the module's documentation).
 CALL = 0
@@ -131,7 +132,7 @@ def _run_task(
         task = _pickling.loads(blob, fds)
     except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling included
         return ERROR, _dump(Unread(describe(exc)), _pickling.FdCollector()), [], None
-    _shm.install()
+    shm.install()
     if task[0] == CHUNK:
         entries = _run_chunk(end, task[1], task[2])
         data, collector = _dump_entries(entries)
@@ -152,7 +153,7 @@ def _run_batch(
     started go back to the pool when this worker exits); each result goes back before the
     next task starts (so a crash loses no finished result). Returns how many it ran."""
     _reseed_if_needed()
-    _channel.begin_task_scope()
+    channel.begin_task_scope()
     ran = 0
     try:
         while tasks and (left is None or ran < left):
@@ -170,7 +171,7 @@ def _run_batch(
             del keep, data
     finally:
         end.idle()
-        _channel.end_task_scope()
+        channel.end_task_scope()
     for left_over in tasks:
         _pickling.close_all(left_over.fds)
     return ran
@@ -180,10 +181,10 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
     """Runs a leased process's target as ``multiprocessing.Process.run`` would: exit code 0
     on return, the code of a ``SystemExit``, 1 (with the traceback on stderr) otherwise.
     The call is ``(forgetting, target, args, kwargs, seeds)``: ``forgetting`` drops, as
-    it unpickles, what the pool no longer holds (see ``_datasets``); ``seeds`` tells whether
+    it unpickles, what the pool no longer holds (see ``datasets``); ``seeds`` tells whether
     the target seeds the random generators itself (torch's DataLoader worker loop does)."""
     global _seeded_by_lease
-    _channel.begin_task_scope()
+    channel.begin_task_scope()
     code = 0
     try:
         call: Optional[Tuple[None, Callable[..., Any], Tuple[Any, ...], Dict[str, Any], bool]]
@@ -191,8 +192,8 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
         del blob
         _, target, args, kwargs, seeds = call
         call = None
-        _shm.install()
-        _recycle.begin()
+        shm.install()
+        recycle.begin()
         if not seeds:
             _reseed_if_needed()
         try:
@@ -215,16 +216,16 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
         # The process waiting for this one goes on now; what follows is this worker's own.
         end.send_done(lease_id, code)
     finally:
-        _channel.end_task_scope()
+        channel.end_task_scope()
         _reset_after_lease()
         _seeded_by_lease = True
-        _shipment.settle()
+        shipment.settle()
 
 
 def _reset_after_lease() -> None:
     """What a DataLoader worker loop leaves behind that the next task must not see (but
     the seeds: see ``_reseed_if_needed``), and the batch storages it kept."""
-    _recycle.end()
+    recycle.end()
     worker = sys.modules.get("torch.utils.data._utils.worker")
     if worker is not None:
         # What torch.utils.data.get_worker_info() reads; private, so untyped for mypy.

@@ -10,7 +10,7 @@ are allocated when the storage is made, so that running out of memory raises an 
 that says how much was asked, not a SIGBUS later.
 
 In a leased process, the storages of at least 64 KiB go back to the worker once their
-receiver let go of them, and are reused (see ``_recycle``).
+receiver let go of them, and are reused (see ``recycle``).
 
 A tensor a worker sends that is not in shared memory yet (an item of a loader without
 batching, a view of a tensor the dataset made) moves into a memfd in place, once, as
@@ -25,7 +25,8 @@ import sys
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any, Callable, Tuple
 
-from . import _pickling, _recycle
+from .. import _pickling
+from . import recycle
 
 __all__ = ["install", "memfd", "memfd_storage", "move_to_memfd"]
 
@@ -51,8 +52,8 @@ def memfd(who: str, what: str, size: int, sealing: bool = False) -> int:
 
 def memfd_storage(cls: Any, size: int) -> Any:
     """A ``cls`` (torch's ``UntypedStorage``) of ``size`` bytes in a memfd: one that came
-    back to this worker (see ``_recycle``), or else a new one."""
-    storage = _recycle.take(cls, size)
+    back to this worker (see ``recycle``), or else a new one."""
+    storage = recycle.take(cls, size)
     if storage is not None:
         return storage
     fd = memfd(f"tether.Pool worker (pid {os.getpid()})", "a tensor", size)
@@ -62,7 +63,7 @@ def memfd_storage(cls: Any, size: int) -> Any:
         os.close(fd)
     if size >= POPULATE:
         _populate(storage.data_ptr(), size)
-    _recycle.keep(storage, size)
+    recycle.keep(storage, size)
     return storage
 
 
@@ -110,7 +111,7 @@ def _worker_reducer(
     """torch's storage reduction, but a CPU storage not in shared memory yet moves into a
     memfd first, in place (torch would move it into ``/dev/shm``), and a storage this
     worker keeps travels with what its receiver needs to give it back
-    (``_recycle.rebuild``)."""
+    (``recycle.rebuild``)."""
 
     def reduce(storage: Any) -> Tuple[Any, ...]:
         if (
@@ -120,16 +121,16 @@ def _worker_reducer(
             and torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
         ):
             move_to_memfd(storage)
-        kept = _recycle.sending(storage)
+        kept = recycle.sending(storage)
         reduced = reduce_storage(storage)
         if kept is None:
             return reduced
         rebuild, args = reduced
         if rebuild is not rebuild_fd:
-            _recycle.forget(storage)
+            recycle.forget(storage)
             return reduced
         page_fd, slot, generation = kept
-        return _recycle.rebuild, (*args, DupFd(page_fd), slot, generation)
+        return recycle.rebuild, (*args, DupFd(page_fd), slot, generation)
 
     return reduce
 

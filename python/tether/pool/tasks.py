@@ -1,6 +1,6 @@
 """The executor side of ``tether.Pool``: ``submit`` and ``map`` (chunks sized to the work, a
 chunk that does not pickle cut down to the items that do), where each task's outcome goes
-(``Tasks.sinks``, see ``_pool_futures``), and what a worker's death does to them: the item
+(``Tasks.sinks``, see ``futures``), and what a worker's death does to them: the item
 it ran fails with ``WorkerCrashedError``, the items of its chunk it never reached run again.
 A task its worker could not unpickle, or whose result does not unpickle here, fails with
 that error as ``Tasks.unread`` gives it (as it is, unless the pool's face says otherwise)."""
@@ -23,9 +23,10 @@ from typing import (
     Tuple,
 )
 
-from . import _native, _pickling, _words, _worker
-from ._pool_errors import WorkerCrashedError
-from ._pool_futures import (
+from .. import _native, _pickling, _words
+from . import worker
+from .errors import WorkerCrashedError
+from .futures import (
     Chunk,
     MapRun,
     Sink,
@@ -43,10 +44,12 @@ MAX_CHUNK = 256
 Task = _native.Task
 
 
-def crash_error(death: _native.WorkerDied, lost: bool) -> WorkerCrashedError:
+def crash_error(death: _native.WorkerDied, lost: bool, owner: str) -> WorkerCrashedError:
+    """The error of a task whose worker died (see ``_words.worker_crashed``)."""
     exitcode = _words.exitcode_of(death.status)
     name = _native.signal_name(-exitcode) if exitcode < 0 else None
-    return WorkerCrashedError(_words.worker_crashed(death, lost), death.pid, exitcode, name)
+    message = _words.worker_crashed(death, lost, owner)
+    return WorkerCrashedError(message, death.pid, exitcode, name)
 
 
 def _as_it_is(error: BaseException, where: str) -> BaseException:
@@ -64,14 +67,11 @@ def _dumps(obj: Any, collector: _pickling.FdCollector) -> Tuple[Optional[bytes],
         return None, exc
 
 
-class Lifecycle(Protocol):
-    """What the tasks need of the pool's lifecycle."""
+class TaskHost(Protocol):
+    """What the tasks need of the pool that hosts them (its ``core.Core``)."""
 
     def check_open(self) -> None:
         """Raises when the pool takes no new task."""
-
-    def free_held_workers(self) -> None:
-        """Frees the workers that garbage or failed DataLoader iterators hold, if any."""
 
     def taken(self) -> None:
         """A caller took a result in its own thread."""
@@ -86,13 +86,19 @@ class Tasks:
         ids: "itertools.count[int]",
         size: int,
         max_tasks_per_child: Optional[int],
-        lifecycle: Lifecycle,
+        host: TaskHost,
+        free_held_workers: Callable[[], None],
     ) -> None:
         self.workers = workers
         self.ids = ids
         self.size = size
         self.max_tasks_per_child = max_tasks_per_child
-        self.lifecycle = lifecycle
+        self.host = host
+        #: Frees the workers that garbage or failed DataLoader iterators hold, if any (the
+        #: pool's ``leases.Leases.free_held_workers``): called when a task waits for one.
+        self.free_held_workers = free_held_workers
+        #: The pool's name in a crashed task's error (``_words.POOL`` or ``EXECUTOR``).
+        self.owner = _words.POOL
         self.sinks: Dict[int, Sink] = {}
         #: The error a task fails with when it could not be unpickled ``where`` ("in the
         #: worker": it never ran) or its result could not be ("here"), from the error met.
@@ -102,13 +108,15 @@ class Tasks:
 
     # -- queueing ----------------------------------------------------------------------------
 
-    def submit(
+    def queue_call(
         self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
     ) -> TaskFuture:
-        self.lifecycle.check_open()
+        """``Executor.submit``: queues ``fn(*args, **kwargs)``; returns its future (failed
+        at once with the pickling error when the call does not pickle)."""
+        self.host.check_open()
         future = TaskFuture()
         collector = _pickling.FdCollector(dup=True)
-        blob, error = _dumps((_worker.CALL, fn, args, kwargs), collector)
+        blob, error = _dumps((worker.CALL, fn, args, kwargs), collector)
         if blob is None:
             collector.close()
             future.set_exception(error)
@@ -118,7 +126,7 @@ class Tasks:
         self._queue([Task(task_id, blob, collector.fds)], [(task_id, future)])
         return future
 
-    def map(
+    def queue_map(
         self,
         fn: Callable[..., Any],
         iterables: Sequence[Iterable[Any]],
@@ -129,12 +137,12 @@ class Tasks:
         1, else sized to the work); returns the iterator of their results, in order."""
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
-        self.lifecycle.check_open()
+        self.host.check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         calls = list(zip(*iterables))
         run = MapRun(len(calls))
         size = chunksize if chunksize > 1 else self.chunk_size(len(calls))
-        ids = self._queue_map(fn, calls, size, run)
+        ids = self._queue_chunks(fn, calls, size, run)
         return self._results(run, ids, len(calls), deadline)
 
     def _results(
@@ -158,7 +166,7 @@ class Tasks:
                 self.sinks.pop(task_id, None)
             raise RuntimeError("cannot schedule new futures after shutdown") from None
         if self.workers.queued():
-            self.lifecycle.free_held_workers()  # no worker was free
+            self.free_held_workers()  # no worker was free
 
     def chunk_size(self, items: int) -> int:
         """Items per task for a ``map`` of ``items``: enough tasks to spread them, few
@@ -167,7 +175,7 @@ class Tasks:
             return 1
         return max(1, min(MAX_CHUNK, items // (self.size * 8)))
 
-    def _queue_map(
+    def _queue_chunks(
         self, fn: Callable[..., Any], calls: List[Any], size: int, run: MapRun
     ) -> List[int]:
         """Queues ``calls`` as chunks of ``size``; returns their task ids."""
@@ -195,7 +203,7 @@ class Tasks:
         """Pickles one chunk; when it does not pickle, the items that do not get their
         error and the others travel together."""
         collector = _pickling.FdCollector(dup=True)
-        blob, error = _dumps((_worker.CHUNK, fn, calls), collector)
+        blob, error = _dumps((worker.CHUNK, fn, calls), collector)
         if blob is None:
             collector.close()
             if len(calls) == 1:
@@ -231,7 +239,7 @@ class Tasks:
         """Waits for ``future``'s result in this thread and delivers it (see
         ``WorkerSet.wait_for``); leaves it to the hub when that cannot be done here."""
         if not self.workers.started(future._tether_id):
-            self.lifecycle.free_held_workers()
+            self.free_held_workers()
         got = self.workers.wait_for(future._tether_id, timeout)
         if got is None:
             return
@@ -245,7 +253,7 @@ class Tasks:
             self._deliver(sink, got.ok, got.data, got.fds)
         finally:
             delivery.active = was
-        self.lifecycle.taken()
+        self.host.taken()
 
     def on_results(self, results: List[_native.TaskResult]) -> None:
         for result in results:
@@ -275,8 +283,8 @@ class Tasks:
             settle(sink, False, self._error(value))
 
     def _error(self, info: Any) -> BaseException:
-        """The exception a task's failed outcome describes (see ``_worker``)."""
-        if isinstance(info, _worker.Unread):
+        """The exception a task's failed outcome describes (see ``worker``)."""
+        if isinstance(info, worker.Unread):
             return self.unread(rebuild(info.error), "in the worker")
         return rebuild(info)
 
@@ -299,7 +307,7 @@ class Tasks:
             self._fail(sink, error)
         self.sinks.clear()
 
-    def cancel(self, ids: Iterable[int]) -> None:
+    def mark_cancelled(self, ids: Iterable[int]) -> None:
         """Cancels the tasks ``ids``, which the worker set withdrew."""
         for task_id in ids:
             sink = self.sinks.pop(task_id, None)
@@ -319,7 +327,7 @@ class Tasks:
         for task_id in death.lost:
             sink = self.sinks.pop(task_id, None)
             if sink is not None:
-                self._fail(sink, crash_error(death, lost=True))
+                self._fail(sink, crash_error(death, True, self.owner))
 
     def _on_crash(self, task_id: int, item: int, death: _native.WorkerDied) -> None:
         """Fails the item a dead worker ran; the items of its chunk it never reached run
@@ -327,8 +335,9 @@ class Tasks:
         sink = self.sinks.pop(task_id, None)
         if isinstance(sink, Chunk):
             done, rest = sink.indices[:item], sink.indices[item + 1 :]
-            sink.run.deliver((i, False, crash_error(death, lost=True)) for i in done)
-            sink.run.deliver([(sink.indices[item], False, crash_error(death, lost=False))])
+            owner = self.owner
+            sink.run.deliver((i, False, crash_error(death, True, owner)) for i in done)
+            sink.run.deliver([(sink.indices[item], False, crash_error(death, False, owner))])
             if rest and not sink.run.closed:
                 tasks: List[Task] = []
                 sinks: List[Tuple[int, Sink]] = []
@@ -339,4 +348,4 @@ class Tasks:
                     for _, chunk in sinks:
                         self._fail(chunk, exc)
         elif sink is not None:
-            settle(sink, False, crash_error(death, lost=False))
+            settle(sink, False, crash_error(death, False, self.owner))

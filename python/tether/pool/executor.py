@@ -1,6 +1,8 @@
 """``tether.ProcessPoolExecutor``: ``concurrent.futures.ProcessPoolExecutor``'s signature,
-errors and the attributes code reads of it, over tether's pool (``_pool_core``), for code
-written for the standard library's executor.
+errors and the attributes code reads of it, over tether's pool (``core``, as ``tether.Pool``),
+for code written for the standard library's executor. A task whose worker died fails with
+CPython's sentence for the event, followed by the worker's pid and end, named as this
+executor's (``_words.worker_crashed``).
 
 What it takes and says is CPython 3.11's: ``max_workers`` (default: the CPU count; 0 or
 less is "max_workers must be greater than 0"), ``mp_context``, ``initializer`` ("initializer
@@ -45,7 +47,8 @@ import weakref
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
-from . import _launch, _native, _pool_core, _words
+from .. import _launch, _native, _words
+from .core import Core, track
 
 __all__ = ["ProcessPoolExecutor", "WorkerProcess"]
 
@@ -173,7 +176,7 @@ class _CallQueue:
     which returns once the thread that hands the calls to the workers (the pool's hub)
     ended, after ``shutdown``."""
 
-    def __init__(self, core: _pool_core.Core) -> None:
+    def __init__(self, core: Core) -> None:
         self._core = core
 
     def qsize(self) -> int:
@@ -186,7 +189,7 @@ class _CallQueue:
     def join_thread(self) -> None:
         if self._core.state == "running":
             raise AssertionError("the executor is not shut down: its hub thread runs on")
-        self._core.join()
+        self._core.wait_closed()
 
 
 class ProcessPoolExecutor(concurrent.futures.Executor):
@@ -197,6 +200,9 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
     worker runs ``initializer(*initargs)`` first and, with ``max_tasks_per_child``, is
     replaced after that many tasks. A worker that dies fails only the task it ran
     (``WorkerCrashedError``, a ``BrokenProcessPool``); the pool starts another."""
+
+    #: Its public name (``tether.pool`` gives it on first use).
+    __module__ = "tether.pool"
 
     def __init__(
         self,
@@ -220,7 +226,7 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
         #: an idle worker can serve (any other starts a worker, up to ``max_workers``).
         self._idle_worker_semaphore = threading.Semaphore(0)
         self._adjust_lock = threading.Lock()
-        core = _pool_core.Core(
+        core = Core(
             self._max_workers,
             method,
             (),
@@ -228,12 +234,13 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
             initargs,
             max_tasks_per_child,
             start=0 if self._on_demand else self._max_workers,
+            name=_words.EXECUTOR,
         )
         self._core = core
         core.tasks.unread = _unread
         core.tasks.answered = self._idle_worker_semaphore.release
-        _pool_core.track(core)
-        self._finalizer = weakref.finalize(self, core.shutdown, False, False)
+        track(core)
+        self._finalizer = weakref.finalize(self, core.stop, False, False)
         if not self._on_demand:
             try:
                 core.wait_ready()
@@ -245,7 +252,7 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
     ) -> concurrent.futures.Future:
         """Runs ``fn(*args, **kwargs)`` in a worker; returns its future."""
         self._check_exiting()
-        future = self._core.tasks.submit(fn, args, kwargs)
+        future = self._core.tasks.queue_call(fn, args, kwargs)
         if self._on_demand:
             with self._adjust_lock:
                 if not self._idle_worker_semaphore.acquire(blocking=False):
@@ -262,7 +269,7 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
         """``Executor.map``: every call is queued now, in chunks (of ``chunksize`` when
         above 1, else sized to the work); the results come in order."""
         self._check_exiting()
-        results = self._core.tasks.map(fn, iterables, timeout, chunksize)
+        results = self._core.tasks.queue_map(fn, iterables, timeout, chunksize)
         if self._on_demand:
             self._core.grow(len(self._core.tasks.sinks))  # a worker for each chunk queued
         return results
@@ -270,7 +277,7 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """No new tasks; with ``cancel_futures``, those not started are cancelled; the
         others finish. With ``wait``, returns once they did and every worker exited."""
-        self._core.shutdown(wait, cancel_futures)
+        self._core.stop(wait, cancel_futures)
 
     def _check_exiting(self) -> None:
         if _exiting and self._core.broken is None:

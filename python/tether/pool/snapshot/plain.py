@@ -17,7 +17,7 @@ import itertools
 import operator
 from typing import Any, Tuple
 
-from . import _native
+from ... import _native
 
 __all__ = ["ATOMS", "is_plain", "plain_items", "same_items"]
 

@@ -2,7 +2,7 @@
 check that compares the object with it now.
 
 A pool's workers keep the dataset, ``collate_fn`` and ``worker_init_fn`` a loader sent them
-(see ``_datasets``), and a worker keeps the pristine copy it unpickled (see ``_shipment``).
+(see ``datasets``), and a worker keeps the pristine copy it unpickled (see ``shipment``).
 Either copy is used again only when a snapshot proves that pickling the object now would
 give what the copy was made from; anything it cannot prove counts as a change, and the
 object is sent (or rebuilt) again.
@@ -10,12 +10,12 @@ object is sent (or rebuilt) again.
 The snapshot walks the object's graph as pickle does: the builtin containers item by item,
 every other object through the reduction pickle would use (for an ordinary instance: its
 class, its ``__dict__`` and ``__slots__``), depth first, and writes a *token* for each value
-(``_snapshot_tokens``; per kind of value, ``_snapshot_kinds`` and ``_snapshot_data``):
+(``tokens``; per kind of value, ``kinds`` and ``data``):
 plain atoms by exact type and value; classes, functions and modules, which travel by
 reference, by identity (a weak reference: the snapshot never keeps the dataset alive); an
 object met twice by its place in the walk, as pickle's memo does; a container by its
 size, then its items. A container of at least ``PLAIN_MIN`` plain values
-(``_plain``) is one token, its shadow, compared with it in one pass over its item arrays.
+(``plain``) is one token, its shadow, compared with it in one pass over its item arrays.
 
 The check walks the object again and compares token by token; it stops at the first
 difference. Identity, never addresses: a value compared by identity is held as the object
@@ -23,17 +23,16 @@ it was (weakly, or strongly when it takes no weak reference), so an object that 
 freed one's address is a different object.
 
 Every limit means "changed": a walk that meets more than ``WALK_NODES`` values, a type it
-cannot prove (see ``_snapshot_kinds``), or an error (a container changed during the walk, a
+cannot prove (see ``kinds``), or an error (a container changed during the walk, a
 reduction that raised) gives a snapshot that proves nothing."""
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _pickling, _plain, _snapshot_data
-from . import _snapshot_kinds as kinds
-from . import _snapshot_tokens as tokens
-from ._snapshot_tokens import (
+from ... import _pickling
+from . import data, kinds, plain, tokens
+from .tokens import (
     ARRAY,
     ATOM,
     ENTER,
@@ -124,7 +123,7 @@ class _Walk:
 
     def _visit(self, value: Any, push: Any) -> None:
         kind = type(value)
-        if kind in _plain.ATOMS:
+        if kind in plain.ATOMS:
             return self.emit((ATOM, value))
         key = id(value)
         index = self.seen.get(key)
@@ -183,11 +182,11 @@ def _shadow(kind: type, value: Any) -> Any:
     """What stands for a container of plain values (None when some item is not plain)."""
     if kind is dict:
         keys, values = tuple(value), tuple(value.values())
-        if _plain.plain_items(keys) and _plain.plain_items(values):
+        if plain.plain_items(keys) and plain.plain_items(values):
             return keys, values
         return None
     items = tuple(value)
-    if not _plain.plain_items(items):
+    if not plain.plain_items(items):
         return None
     if kind in (set, frozenset):
         return items, frozenset(map(id, items))
@@ -211,13 +210,13 @@ def _same_objects(kind: type, value: Any, shadow: Any) -> bool:
         keys, values = shadow
         return (
             len(value) == len(keys)
-            and _plain.same_items(tuple(value), keys)
-            and _plain.same_items(tuple(value.values()), values)
+            and plain.same_items(tuple(value), keys)
+            and plain.same_items(tuple(value.values()), values)
         )
     if kind in (set, frozenset):
         items, ids = shadow
         return len(value) == len(items) and frozenset(map(id, value)) == ids
-    return _plain.same_items(value, shadow)
+    return plain.same_items(value, shadow)
 
 
 def _same_ref(old: Tuple[Any, ...], obj: Any) -> bool:
@@ -235,11 +234,11 @@ def _same_token(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
     if tag == SEEN:
         return bool(old[1] == new[1])
     if tag == TENSOR:
-        return _snapshot_data.same_tensor(old, new)
+        return data.same_tensor(old, new)
     if tag == ARRAY:
-        return _snapshot_data.same_array(old, new)
+        return data.same_array(old, new)
     if tag == WATCHED:
-        return _snapshot_data.same_watched(old, new)
+        return data.same_watched(old, new)
     return False
 
 

@@ -1,9 +1,9 @@
 """Proofs that a range of this process's memory was not written since a moment, without
-reading it: how a big numpy array is proven unchanged (see ``_snapshot_kinds``) in a time
+reading it: how a big numpy array is proven unchanged (see ``kinds``) in a time
 that does not grow with its size.
 
 - In a pool worker, an array unpickled from a shipment's out-of-band buffers lies in a
-  private (copy-on-write) mapping of a memfd (see ``_shipment``): a page the worker wrote
+  private (copy-on-write) mapping of a memfd (see ``shipment``): a page the worker wrote
   became a page of its own. ``/proc/self/pagemap`` tells, 8 bytes per page, whether each
   page is still the memfd's (``private_unwritten``).
 - Anywhere else (the parent's arrays), the range is registered with a userfaultfd in

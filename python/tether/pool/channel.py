@@ -18,8 +18,8 @@ from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd
 from typing import Any, List, Optional, Protocol, Tuple
 
-from . import _native
-from ._pickling import FdCollector, dumps, loads
+from .. import _native
+from .._pickling import FdCollector, dumps, loads
 
 __all__ = ["Event", "Queue", "Watched"]
 

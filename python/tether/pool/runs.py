@@ -28,7 +28,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-from . import _native
+from .. import _native
 
 __all__ = ["GRACE", "Run", "install_pid_tracking", "untrack"]
 
@@ -65,7 +65,7 @@ class Run:
         """Whether one of its leases still runs."""
         return any(lease.end() is None for lease in self.leases)
 
-    # -- what its queue tells (see context._LoaderQueue) -------------------------------------
+    # -- what its queue tells (see ``loader._LoaderQueue``) -------------------------------------
 
     def using(self) -> None:
         """Its iterator waits for data: its last next() is under way."""

@@ -24,8 +24,9 @@ from typing import (
     Union,
 )
 
-from . import _report, _worker
-from .errors import RemoteError
+from .. import _report
+from ..errors import RemoteError
+from . import worker
 
 _LOGGER = logging.getLogger("concurrent.futures")
 
@@ -37,8 +38,8 @@ def _remote_traceback(text: str) -> BaseException:
     return _CFRemoteTraceback(f'\n"""\n{text}"""')  # type: ignore[arg-type]
 
 
-def rebuild(info: _worker.ErrorInfo) -> BaseException:
-    """The exception a worker described (see ``_worker.describe``)."""
+def rebuild(info: worker.ErrorInfo) -> BaseException:
+    """The exception a worker described (see ``worker.describe``)."""
     type_name, message, text, pickled = info
     exc = _report.unpickle_exception(pickled)
     if exc is None:
@@ -76,7 +77,7 @@ class _Guarded:
 
 
 class Source(Protocol):
-    """Where a task future's result comes from (``_pool_tasks.Tasks``)."""
+    """Where a task future's result comes from (``tasks.Tasks``)."""
 
     def withdraw(self, ids: List[int]) -> List[int]:
         """Cancels those of the tasks ``ids`` not started yet."""
@@ -208,7 +209,7 @@ def chunk_outcomes(
     entries: List[Any],
     unread: Callable[[BaseException, str], BaseException],
 ) -> Iterator[Tuple[int, bool, Any]]:
-    """A chunk's results, item by item (see ``_worker``): an entry ``(None, error)`` did not
+    """A chunk's results, item by item (see ``worker``): an entry ``(None, error)`` did not
     unpickle here, and fails its item with ``unread(error, "here")``."""
     for index, (ok, value) in zip(indices, entries):
         if ok is None:

@@ -1,6 +1,6 @@
 """How a DataLoader's dataset, ``collate_fn`` and ``worker_init_fn`` cross to the pool's
 workers, and what a worker keeps of them (``_kept``, keyed by the parent's object; the
-parent's record of it is ``_datasets.Kept``).
+parent's record of it is ``datasets.Kept``).
 
 When an object must cross, the loader's three objects are pickled together (what they share
 stays shared, as in torch's one pickle of a worker's arguments), once per loader, not once
@@ -15,7 +15,7 @@ A worker keeps the bytes it was sent with its copy (``_Copy``): each lease start
 objects as the parent sent them. What a lease did to the copy (a ``worker_init_fn`` that
 narrows an ``IterableDataset`` to its shard, a ``__getitem__`` that caches) is undone by
 making the copy again from the bytes, right after the lease, unless a snapshot of the copy
-(``_snapshot``) proves it unchanged; the parent does no work for it. The bytes cost the
+(``snapshot``) proves it unchanged; the parent does no work for it. The bytes cost the
 worker what the pickle takes (a memfd's pages are shared by the workers that keep them)."""
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import weakref
 from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from . import _pickling, _shm, _watch
-from ._snapshot import Snapshot
+from .. import _pickling
+from . import shm
+from .snapshot import Snapshot, watch
 
 __all__ = ["Forgetting", "Held", "Shipment", "settle"]
 
@@ -189,7 +190,7 @@ def _unpickle(
     views: List[memoryview] = []
     if buffers is not None:
         mapping = _map(buffers, layout[-1][0] + layout[-1][1], writable=True)
-        _watch.register_private(mapping)  # what the worker writes there, it can tell
+        watch.register_private(mapping)  # what the worker writes there, it can tell
         whole = memoryview(mapping)
         views = [whole[offset : offset + length] for offset, length in layout]
         del whole, mapping
@@ -242,7 +243,7 @@ def _received(
 def _sealed_memfd(name: str, size: int, parts: Sequence[Tuple[int, memoryview]]) -> int:
     """A sealed memfd of ``size`` bytes holding each ``(offset, bytes)`` of ``parts``. The
     pages are allocated first, so that running out of memory is an error, not a SIGBUS."""
-    fd = _shm.memfd("tether.Pool", name, size, sealing=True)
+    fd = shm.memfd("tether.Pool", name, size, sealing=True)
     try:
         for offset, part in parts:
             done = 0

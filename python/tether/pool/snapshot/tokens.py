@@ -1,4 +1,4 @@
-"""The vocabulary of a snapshot (see ``_snapshot``): its tokens, what a kind of value needs of
+"""The vocabulary of a snapshot (see ``snapshot``): its tokens, what a kind of value needs of
 the walk (``Walk``), and what every kind shares: how an object compared by identity is
 held, how plain atoms compare, how a reduction (what ``__reduce_ex__`` returns) is
 walked."""

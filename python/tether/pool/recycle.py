@@ -44,7 +44,7 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._recycle_page import PAGE, SLOTS, Mapped, Page, libc
+from .recycle_page import PAGE, SLOTS, Mapped, Page, libc
 
 __all__ = ["begin", "end", "keep", "rebuild", "sending", "take", "unwatch"]
 
@@ -325,7 +325,7 @@ def _start_receiving() -> None:
 
     import torch
 
-    from . import _pickling
+    from .. import _pickling
 
     reducers = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     reduce_storage = reducers[torch.UntypedStorage]

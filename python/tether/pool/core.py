@@ -1,6 +1,6 @@
-"""The life of a ``tether.Pool``: its workers' start, the hub thread that takes the worker
-set's events (results, ended leases, deaths) and hands them on, the healing of a dead
-worker, and the states running -> shutdown -> closed.
+"""The life of a pool (``tether.Pool``, ``tether.ProcessPoolExecutor``): its workers' start,
+the hub thread that takes the worker set's events (results, ended leases, deaths) and hands
+them on, the healing of a dead worker, and the states running -> shutdown -> closed.
 
 Each worker is a direct child of this process, started by tether's launch layer (so it
 leads its own process group and dies with this process). The worker set lives in Rust
@@ -25,14 +25,14 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
+from typing import Any, Callable, List, Literal, Optional, Sequence
 
-from . import _launch, _native, _report, _status, _words, _worker
-from ._log import logger
-from ._pool_errors import BrokenPool
-from ._pool_leases import Leases, worker_state
-from ._pool_tasks import Tasks, delivery
-from .context import Leased
+from .. import _launch, _native, _report, _status, _words
+from .._log import logger
+from . import worker
+from .errors import BrokenPool
+from .leases import Leases, worker_state
+from .tasks import Tasks, delivery
 
 #: Messages of executor tasks in flight per worker (one running, one waiting in its socket).
 WINDOW = 2
@@ -50,8 +50,10 @@ State = Literal["running", "shutdown", "closed"]
 
 
 class Core:
-    """The pool's state, shared by the ``Pool`` façade, its contexts, the hub thread and the
-    replacement threads (none of which keeps the façade alive)."""
+    """The pool's state, shared by its faces (``facade.Pool``, ``executor.ProcessPoolExecutor``),
+    the hub thread and the replacement threads (none of which keeps a face alive). Its tasks
+    (``tasks.Tasks``) and its leases (``leases.Leases``, which a pool context asks for
+    workers directly) know it through their protocols, ``TaskHost`` and ``LeaseHost``."""
 
     def __init__(
         self,
@@ -62,7 +64,10 @@ class Core:
         initargs: Sequence[Any],
         max_tasks_per_child: Optional[int] = None,
         start: Optional[int] = None,
+        name: str = _words.POOL,
     ) -> None:
+        #: The pool's name in what it says (``tether.Pool``, ``tether.ProcessPoolExecutor``).
+        self.name = name
         self.size = processes
         #: How many slots have a worker: all of them, or ``start`` and those ``grow`` added.
         self.started = processes if start is None else start
@@ -81,8 +86,11 @@ class Core:
         self.workers = _native.WorkerSet(WINDOW, MAX_BATCH, SPIN)
         self.lock = threading.Lock()
         ids = itertools.count(1)
-        self.tasks = Tasks(self.workers, ids, processes, max_tasks_per_child, self)
-        self.leases = Leases(self.workers, ids, processes, self)
+        self.leases = Leases(self.workers, ids, processes, start_method, self)
+        self.tasks = Tasks(
+            self.workers, ids, processes, max_tasks_per_child, self, self.leases.free_held_workers
+        )
+        self.tasks.owner = name
         self.replacing: "set[threading.Thread]" = set()
         self.state: State = "running"
         self.broken: Optional[str] = None
@@ -131,7 +139,7 @@ class Core:
         inherited = self.workers.parent_fds() + [link.parent_fd() for link in links]
         logger.info("pool %d: starting worker(s) %s", self.number, slots)
         group = _launch.start(
-            _worker.serve,
+            worker.serve,
             (fds, self.config),
             slots,
             self.start_method,
@@ -168,10 +176,7 @@ class Core:
         except Exception as exc:  # noqa: BLE001 - said in the tasks' BrokenPool
             self._break(f"could not start a worker: {exc!r}")
 
-    def pids(self) -> List[int]:
-        return self.workers.pids()
-
-    def status(self) -> _status.Pool:
+    def describe(self) -> _status.Pool:
         """This pool and its workers, for ``tether.status()``."""
         leased = dict(self.leases.running)
         workers = [
@@ -186,7 +191,7 @@ class Core:
         ]
         return _status.Pool(self.number, self.start_method, workers)
 
-    # -- what the tasks and the leases ask -------------------------------------------------
+    # -- what the tasks and the leases ask (``tasks.TaskHost``, ``leases.LeaseHost``) --------
 
     def check_open(self) -> None:
         if self.broken is not None:
@@ -194,24 +199,9 @@ class Core:
         if self.state != "running":
             raise RuntimeError("cannot schedule new futures after shutdown")
 
-    def free_held_workers(self) -> None:
-        self.leases.free_held_workers(self.hub)
-
     def taken(self) -> None:
         if self.state != "running":
             self.workers.wake()  # the hub closes the pool once no work is left
-
-    def lease(
-        self,
-        target: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: Dict[str, Any],
-        keep_datasets: bool = True,
-    ) -> Leased:
-        return self.leases.lease(target, args, kwargs, keep_datasets)
-
-    def signal(self, lease: _native.Lease, signum: int) -> None:
-        self.leases.signal(lease, signum)
 
     # -- the hub ---------------------------------------------------------------------------
 
@@ -258,7 +248,7 @@ class Core:
         if not death.ready and self.state != "closed" and self.broken is None:
             report = _report.decode(death.report)
             text = None if report is None else report[0]
-            self._break(_words.worker_not_started(death, text))
+            self._break(_words.worker_not_started(death, text, self.name))
         elif self.state != "closed" and self.broken is None:
             thread = threading.Thread(
                 target=self._replace, args=(slot,), name="tether-pool-replace", daemon=True
@@ -290,21 +280,24 @@ class Core:
 
     # -- shutdown --------------------------------------------------------------------------
 
-    def shutdown(self, wait: bool, cancel_futures: bool) -> None:
+    def stop(self, wait: bool, cancel_futures: bool) -> None:
+        """``shutdown`` of the pool's faces: no new tasks; with ``cancel_futures`` the
+        tasks not started are cancelled; every DataLoader iterator's workers are taken
+        back; with ``wait``, returns once the pool is closed."""
         with self.lock:
             if self.state == "running":
                 self.state = "shutdown"
         if os.getpid() == self.pid:
             # Every DataLoader iterator's workers come back (within GRACE): a loader alive
-            # now ends without torch's "killed by signal" (see _pool_runs).
+            # now ends without torch's "killed by signal" (see ``runs``).
             self.leases.take_back_all("the tether.Pool was shut down")
         if cancel_futures:
-            self.tasks.cancel(self.workers.cancel_all())
+            self.tasks.mark_cancelled(self.workers.cancel_all())
         self.workers.wake()
         if wait:
-            self.join()
+            self.wait_closed()
 
-    def join(self) -> None:
+    def wait_closed(self) -> None:
         """Waits for the hub (which closes the pool once its work is done) and for the
         replacements being started."""
         hub = self.hub
@@ -329,7 +322,7 @@ class Core:
             self.state = "closed"
             self.changed.notify_all()
         left = self.workers.close(kill, 0.0 if kill else EXIT_GRACE)
-        error = RuntimeError("the tether.Pool was shut down before this task ran")
+        error = RuntimeError(f"the {self.name} was shut down before this task ran")
         self.tasks.fail(left, error)
         self.tasks.fail_all(error)
         self.leases.running.clear()
@@ -346,9 +339,9 @@ def track(core: Core) -> None:
     _live.add(core)
 
 
-def status() -> List[_status.Pool]:
+def describe_pools() -> List[_status.Pool]:
     """The pools of this process and their workers (see ``tether.status()``)."""
-    return [core.status() for core in sorted(_live, key=lambda c: c.number)]
+    return [core.describe() for core in sorted(_live, key=lambda c: c.number)]
 
 
 def _python_exit() -> None:
@@ -356,11 +349,11 @@ def _python_exit() -> None:
     given (as ``ProcessPoolExecutor`` does), then stops."""
     for core in list(_live):
         if core.pid == os.getpid():
-            core.free_held_workers()
-            core.shutdown(wait=True, cancel_futures=False)
+            core.leases.free_held_workers()
+            core.stop(wait=True, cancel_futures=False)
 
 
-_status.add_pools(status)
+_status.add_pools(describe_pools)
 
 try:
     # What concurrent.futures registers its own exit hook with (private to threading, not in

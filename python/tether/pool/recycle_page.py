@@ -1,4 +1,4 @@
-"""The release page of batch recycling (``_recycle``): a memfd page of 64-bit words, one per
+"""The release page of batch recycling (``recycle``): a memfd page of 64-bit words, one per
 slot, that a worker makes and maps, and that each process receiving its storages maps too, to
 write in a slot that the storage sent with it is gone."""
 

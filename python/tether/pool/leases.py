@@ -2,8 +2,8 @@
 ``pool.context()``): which worker a process gets (a DataLoader's first worker reserves as
 many as the loader has, or fails with an error that names who holds them), what travels to
 it (the call; for torch's DataLoader worker loop, the dataset, ``collate_fn`` and
-``worker_init_fn`` as the pool's dataset cache, ``_datasets.Kept``, decides), the
-DataLoader iterators' runs (``_pool_runs``: the workers of one whose last ``next()`` raised
+``worker_init_fn`` as the pool's dataset cache, ``datasets.Kept``, decides), the
+DataLoader iterators' runs (``runs``: the workers of one whose last ``next()`` raised
 are taken back when a task or another loader waits for a worker; every run's, when the
 pool shuts down), and what the pool says of the leases it made."""
 
@@ -18,11 +18,12 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
-from . import _channel, _datasets, _native, _pickling, _pool_runs, _shipment
-from ._pool_errors import BrokenPool
-from ._pool_runs import Run
-from .context import Leased
-from .errors import NoFreeWorkerError
+from .. import _native, _pickling
+from ..errors import NoFreeWorkerError
+from . import channel, datasets, runs, shipment
+from .errors import BrokenPool
+from .loader import Leased
+from .runs import Run
 
 _signatures: Dict[Any, Optional[inspect.Signature]] = {}
 
@@ -78,8 +79,8 @@ def worker_state(ready: bool, leased_to: Optional[str], reserved: bool) -> str:
     return "reserved for a DataLoader" if reserved else "ready"
 
 
-class Lifecycle(Protocol):
-    """What leasing needs of the pool's lifecycle."""
+class LeaseHost(Protocol):
+    """What the leases need of the pool that hosts them (its ``core.Core``)."""
 
     @property
     def broken(self) -> Optional[str]:
@@ -88,6 +89,10 @@ class Lifecycle(Protocol):
     @property
     def state(self) -> str:
         """The state of the pool: running, shutdown or closed."""
+
+    @property
+    def hub(self) -> Optional[threading.Thread]:
+        """The thread that takes the worker set's events (None before it starts)."""
 
     def join_replacements(self) -> None:
         """Waits until the workers being started to replace dead ones are in the set."""
@@ -98,30 +103,33 @@ class Lifecycle(Protocol):
 
 class Leases:
     """The pool's leases: what each one runs (by lease id), the workers a DataLoader being
-    started reserved, and the objects the workers keep of the loaders they served."""
+    started reserved, and the objects the workers keep of the loaders they served. It is
+    what a pool context lends its processes' workers from (``loader.Lender``)."""
 
     def __init__(
         self,
         workers: _native.WorkerSet,
         ids: "itertools.count[int]",
         size: int,
-        lifecycle: Lifecycle,
+        start_method: str,
+        host: LeaseHost,
     ) -> None:
         self.workers = workers
         self.ids = ids
         self.size = size
-        self.lifecycle = lifecycle
+        self.start_method = start_method
+        self.host = host
         #: lease id -> what it runs (for errors and ``tether.status()``).
         self.running: Dict[int, str] = {}
         self.reserved: "weakref.WeakKeyDictionary[Any, List[int]]" = weakref.WeakKeyDictionary()
         #: The DataLoader iterators served, by their done event.
         self.runs: "weakref.WeakKeyDictionary[Any, Run]" = weakref.WeakKeyDictionary()
         #: What the workers keep of the DataLoaders they served.
-        self.kept = _datasets.Kept()
+        self.kept = datasets.Kept()
         #: When ``free_held_workers`` last collected garbage.
         self.collected = -1.0
 
-    def lease(
+    def lend(
         self,
         target: Callable[..., Any],
         args: Sequence[Any],
@@ -131,11 +139,11 @@ class Leases:
         """Takes a worker for a process (for a DataLoader's first worker, as many as the
         loader has workers, or a clear error), pickles the process's call (passing the fds
         it names) and sends it there. For torch's DataLoader worker loop, the dataset,
-        ``collate_fn`` and ``worker_init_fn`` travel as ``_datasets.Kept`` decides: a
+        ``collate_fn`` and ``worker_init_fn`` travel as ``datasets.Kept`` decides: a
         reference to the worker's copy, or one pickle shared by the loader's workers."""
-        if self.lifecycle.broken is not None:
-            raise BrokenPool(self.lifecycle.broken)
-        if self.lifecycle.state != "running":
+        if self.host.broken is not None:
+            raise BrokenPool(self.host.broken)
+        if self.host.state != "running":
             raise RuntimeError("the tether.Pool is shut down")
         loader = dataloader_call(target, args, kwargs)
         lease_id = next(self.ids)
@@ -144,7 +152,7 @@ class Leases:
             slot = self._free_a_slot(target, loader)
         run = None if loader is None else self._run_of(target, loader)
         try:
-            forget = _shipment.Forgetting(())
+            forget = shipment.Forgetting(())
             commit: Optional[Callable[[], None]] = None
             if loader is not None:
                 kwargs, forget, commit = self.kept.prepare(
@@ -152,7 +160,7 @@ class Leases:
                 )
                 args = ()
             collector = _pickling.FdCollector()
-            # torch's worker loop seeds the random generators itself (see _worker._run_lease).
+            # torch's worker loop seeds the random generators itself (see worker._run_lease).
             blob = _pickling.dumps((forget, target, args, kwargs, loader is not None), collector)
             lease = self.workers.lease(slot, lease_id, blob, collector.fds)
         except BaseException:
@@ -168,7 +176,7 @@ class Leases:
     def _free_a_slot(self, target: Any, loader: Optional[Dict[str, Any]]) -> int:
         """A slot when none was free: an iterator that is garbage but not yet collected (in
         a reference cycle with the traceback of an error it raised) gives its workers back
-        when collected; a failed one's workers are taken back (see ``_pool_runs``); a worker
+        when collected; a failed one's workers are taken back (see ``runs``); a worker
         that died may be being replaced. Then one more try, or ``NoFreeWorkerError``."""
         gc.collect()
         asking = (
@@ -177,8 +185,8 @@ class Leases:
             else "a process asked for a worker"
         )
         if self.take_back_failed(asking, wait=True):
-            self.lifecycle.wait_workers(_pool_runs.GRACE + 5.0)
-        self.lifecycle.join_replacements()
+            self.host.wait_workers(runs.GRACE + 5.0)
+        self.host.join_replacements()
         slot = self._take_slot(loader)
         if slot is None:
             num_workers = None if loader is None else int(loader["num_workers"])
@@ -193,16 +201,16 @@ class Leases:
             return None
         run = self.runs.get(done_event)
         if run is None:
-            _pool_runs.install_pid_tracking()
+            runs.install_pid_tracking()
             run = Run(_describe_call(target, loader, one=True), done_event)
             run.on_failure = self._run_failed
             self.runs[done_event] = run
             data_queue = loader.get("data_queue")
-            if isinstance(data_queue, _channel.Queue) and hasattr(data_queue, "run"):
+            if isinstance(data_queue, channel.Queue) and hasattr(data_queue, "run"):
                 data_queue.run = run
         return run
 
-    # -- taking workers back (see _pool_runs) ----------------------------------------------
+    # -- taking workers back (see ``runs``) ----------------------------------------------
 
     def _run_failed(self, run: Run) -> None:
         """An iterator's next() raised: its workers go back at once when a task waits."""
@@ -229,12 +237,12 @@ class Leases:
 
     def _end(self, running: List[_native.Lease], wait: bool) -> None:
         if wait:
-            _pool_runs.kill_after(running, self._kill)
+            runs.kill_after(running, self._kill)
         else:
-            _pool_runs.kill_later(running, self._kill)
+            runs.kill_later(running, self._kill)
 
     def _kill(self, lease: _native.Lease) -> None:
-        _pool_runs.untrack([lease.pid])
+        runs.untrack([lease.pid])
         self.workers.signal_lease(lease, signal.SIGKILL)
 
     def _any_free(self) -> bool:
@@ -304,7 +312,9 @@ class Leases:
         )
         return "\n".join(lines)
 
-    def signal(self, lease: _native.Lease, signum: int) -> None:
+    def send_signal(self, lease: _native.Lease, signum: int) -> None:
+        """Sends ``signum`` to the worker of ``lease`` while the lease runs (once it
+        ended, the worker may serve someone else: nothing is sent)."""
         self.workers.signal_lease(lease, signum)
 
     def ended(self, slot: int, lease: _native.Lease) -> None:
@@ -314,12 +324,12 @@ class Leases:
         if end is not None and end.code != 0:
             self.kept.lost(slot)
 
-    def free_held_workers(self, hub: Optional[threading.Thread]) -> None:
+    def free_held_workers(self) -> None:
         """When a task waits and no worker is free: the workers of failed DataLoader
         iterators are taken back, and an iterator that is garbage but not collected yet (in
         a reference cycle) may hold some: the garbage is collected, at most once a second,
-        never from the ``hub`` (an iterator's finalizer waits for the hub)."""
-        if threading.current_thread() is hub or self._any_free():
+        never from the pool's hub (an iterator's finalizer waits for the hub)."""
+        if threading.current_thread() is self.host.hub or self._any_free():
             return
         if self.workers.queued():
             self.take_back_failed("a task was waiting for a worker", wait=False)

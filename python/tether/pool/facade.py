@@ -2,10 +2,12 @@
 same time (``DataLoader(..., multiprocessing_context=pool.context())``), and a
 ``concurrent.futures.Executor`` over the same workers.
 
-This module is the pool's face; its concerns live in modules of their own: ``_pool_core``
-(the workers' start and healing, the hub thread, the states running -> shutdown -> closed),
-``_pool_tasks`` (futures, ``map``'s chunks and their delivery) and ``_pool_leases`` (the
-workers lent to DataLoaders, and the dataset cache).
+This module is the pool's face; its concerns live in modules of their own: ``core`` (the
+workers' start and healing, the hub thread, the states running -> shutdown -> closed),
+``tasks`` (``submit`` and ``map``, and what a worker's death does to them), ``futures``
+(the futures and ``map``'s results), ``leases`` (the workers lent to processes, and the
+dataset cache) and ``loader`` (``pool.context()``, whose processes take their workers from
+the leases).
 
 As ``concurrent.futures.ProcessPoolExecutor``: work submitted before shutdown finishes
 before the interpreter exits (unless ``shutdown(cancel_futures=True)``), whether or not the
@@ -19,10 +21,11 @@ import os
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
-from . import _launch, _pool_core, _stacks
-from ._pool_errors import BrokenPool, WorkerCrashedError
-from .context import PoolContext
-from .errors import NoFreeWorkerError, RemoteError
+from .. import _launch, _stacks
+from ..errors import NoFreeWorkerError, RemoteError
+from .core import Core, track
+from .errors import BrokenPool, WorkerCrashedError
+from .loader import PoolContext
 
 __all__ = ["BrokenPool", "NoFreeWorkerError", "Pool", "RemoteError", "WorkerCrashedError"]
 
@@ -40,6 +43,9 @@ class Pool(concurrent.futures.Executor):
     ``submit`` / ``map`` run tasks on the free workers. ``shutdown()`` (or leaving a
     ``with`` block) stops everything once the work given is done; so does the garbage
     collection of the pool, and the interpreter's exit."""
+
+    #: Its public name (``tether.pool`` gives it on first use).
+    __module__ = "tether.pool"
 
     def __init__(
         self,
@@ -72,11 +78,11 @@ class Pool(concurrent.futures.Executor):
                 "replacement would fork this process, which has threads; use "
                 + _launch.named(_launch.FRESH_START_METHODS, quote="'")
             )
-        self._core = _pool_core.Core(
+        self._core = Core(
             processes, method, list(preload or ()), initializer, initargs, max_tasks_per_child
         )
-        _pool_core.track(self._core)
-        self._finalizer = weakref.finalize(self, self._core.shutdown, False, False)
+        track(self._core)
+        self._finalizer = weakref.finalize(self, self._core.stop, False, False)
         # The context keeps the pool alive (a DataLoader may hold only the context); the
         # pool refers to it weakly, so that dropping the pool alone still closes it at once.
         self._contexts: Dict[bool, "weakref.ReferenceType[PoolContext]"] = {}
@@ -112,7 +118,7 @@ class Pool(concurrent.futures.Executor):
         ref = self._contexts.get(keep_datasets)
         context = None if ref is None else ref()
         if context is None:
-            context = PoolContext(self._core, pool=self, keep_datasets=bool(keep_datasets))
+            context = PoolContext(self._core.leases, pool=self, keep_datasets=bool(keep_datasets))
             self._contexts[keep_datasets] = weakref.ref(context)
         return context
 
@@ -121,11 +127,11 @@ class Pool(concurrent.futures.Executor):
         (itself, or a ``Subset``, a ``ConcatDataset``... of it, at any depth; every kept
         object, when None): its workers unpickle it afresh (its ``__setstate__`` runs
         again, and re-reads what it reads)."""
-        self._core.leases.kept.refresh(dataset)
+        self._core.leases.kept.send_again(dataset)
 
     def pids(self) -> List[int]:
         """The pids of the current workers (a replaced worker has a new pid)."""
-        return self._core.pids()
+        return self._core.workers.pids()
 
     def stacks(self, timeout: float = 5.0, native: bool = False) -> Dict[int, str]:
         """Where every worker is: ``{pid: text}``, the Python stack of each of its threads
@@ -138,7 +144,7 @@ class Pool(concurrent.futures.Executor):
     ) -> concurrent.futures.Future:
         """Runs ``fn(*args, **kwargs)`` in a free worker; returns its future. A worker that
         dies while running it fails the future with ``WorkerCrashedError``."""
-        return self._core.tasks.submit(fn, args, kwargs)
+        return self._core.tasks.queue_call(fn, args, kwargs)
 
     def map(
         self,
@@ -152,7 +158,7 @@ class Pool(concurrent.futures.Executor):
         chunks (of ``chunksize`` when above 1, else sized to the work), each item keeping
         its own result or exception. Leaving the iterator early cancels what has not
         started."""
-        return self._core.tasks.map(fn, iterables, timeout, chunksize)
+        return self._core.tasks.queue_map(fn, iterables, timeout, chunksize)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stops the pool: no new tasks; with ``cancel_futures`` every task not started is
@@ -161,7 +167,7 @@ class Pool(concurrent.futures.Executor):
         background). Every DataLoader iterator's workers are taken back, within a grace
         period of a few seconds (a worker loop that does not end by then is killed): an
         iterator's next ``next()`` then raises an error that says so."""
-        self._core.shutdown(wait, cancel_futures)
+        self._core.stop(wait, cancel_futures)
 
     def __repr__(self) -> str:
         core = self._core

@@ -13,8 +13,9 @@ true while the target runs in a live worker, ``exitcode`` is the target's (0, a
 (minus the signal number), ``join`` waits for the lease to end, and ``terminate()`` /
 ``kill()`` kill the worker (the pool starts a new one).
 
-This module knows the pool only through the ``Leaser`` protocol; the pool imports it, not
-the other way round."""
+A process takes its worker from the pool's leases (``leases.Leases``) directly, which this
+module knows only as the ``Lender`` protocol: the leases import this module, not the other
+way round."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ import signal
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
-from . import _channel, _native, _words
-from ._pool_runs import Run
+from .. import _native, _words
+from . import channel
+from .runs import Run
 
-__all__ = ["Leased", "Leaser", "PoolContext", "PoolProcess"]
+__all__ = ["Leased", "Lender", "PoolContext", "PoolProcess"]
 
 #: How long a failure check waits for the pool to record the end of a lease whose worker
 #: was just seen dead (the pool records it as it sees the same pidfd).
@@ -39,7 +41,7 @@ class Leased(NamedTuple):
     """What the pool gives a process it started: its lease, whether the target is torch's
     DataLoader worker loop (for torch's wording of failures), the tether queues that
     travelled with the call (they watch the process), and the DataLoader iterator's run it
-    belongs to (see ``_pool_runs``)."""
+    belongs to (see ``runs``)."""
 
     lease: _native.Lease
     dataloader: bool
@@ -47,24 +49,28 @@ class Leased(NamedTuple):
     run: Optional[Run] = None
 
 
-class Leaser(Protocol):
-    """What a pool context needs of its pool."""
+class Lender(Protocol):
+    """What a pool context needs of its pool: the pool's leases (``leases.Leases``)."""
 
     @property
-    def size(self) -> int: ...
+    def size(self) -> int:
+        """How many workers the pool keeps."""
 
     @property
-    def start_method(self) -> str: ...
+    def start_method(self) -> str:
+        """The pool's start method."""
 
-    def lease(
+    def lend(
         self,
         target: Callable[..., Any],
         args: Sequence[Any],
         kwargs: Dict[str, Any],
         keep_datasets: bool = True,
-    ) -> Leased: ...
+    ) -> Leased:
+        """Runs ``target(*args, **kwargs)`` in a worker taken for it; never waits for one."""
 
-    def signal(self, lease: _native.Lease, signum: int) -> None: ...
+    def send_signal(self, lease: _native.Lease, signum: int) -> None:
+        """Sends ``signum`` to the worker of ``lease`` while the lease runs."""
 
 
 class PoolProcess:
@@ -74,7 +80,7 @@ class PoolProcess:
 
     def __init__(
         self,
-        leaser: Leaser,
+        lender: Lender,
         group: None = None,
         target: Optional[Callable[..., Any]] = None,
         name: Optional[str] = None,
@@ -87,7 +93,7 @@ class PoolProcess:
         if group is not None:
             raise ValueError("group argument must be None for now")
         PoolProcess._counter += 1
-        self._leaser = leaser
+        self._lender = lender
         self._keep_datasets = keep_datasets
         self._target = target
         self._args = tuple(args)
@@ -116,11 +122,11 @@ class PoolProcess:
             raise AssertionError("cannot start a process twice")
         target = self._target if self._target is not None else _run_method
         args = self._args if self._target is not None else (self,)
-        leased = self._leaser.lease(target, args, self._kwargs, self._keep_datasets)
+        leased = self._lender.lend(target, args, self._kwargs, self._keep_datasets)
         self._lease, self._dataloader, self._run = leased.lease, leased.dataloader, leased.run
-        for channel in leased.channels:
-            if isinstance(channel, _channel.Queue):
-                channel.watch(self)
+        for sent in leased.channels:
+            if isinstance(sent, channel.Queue):
+                sent.watch(self)
         # The worker has its own copy: keep no reference to the dataset and the rest.
         self._target, self._args, self._kwargs = None, (), {}
 
@@ -164,13 +170,13 @@ class PoolProcess:
         Does nothing once the target has returned: the worker may serve someone else."""
         lease = self._ours()
         if lease is not None:
-            self._leaser.signal(lease, signal.SIGTERM)
+            self._lender.send_signal(lease, signal.SIGTERM)
 
     def kill(self) -> None:
         """As ``terminate`` with SIGKILL."""
         lease = self._ours()
         if lease is not None:
-            self._leaser.signal(lease, signal.SIGKILL)
+            self._lender.send_signal(lease, signal.SIGKILL)
 
     def close(self) -> None:
         if self.is_alive():
@@ -187,7 +193,7 @@ class PoolProcess:
     def authkey(self) -> bytes:
         return bytes(multiprocessing.current_process().authkey)
 
-    # -- what a watching queue asks (see _channel.Queue.watch) ----------------------------
+    # -- what a watching queue asks (see channel.Queue.watch) ----------------------------
 
     def watch_fds(self) -> List[int]:
         """The fds that become readable when this process ends: its lease's event and its
@@ -238,8 +244,8 @@ class PoolContext(multiprocessing.context.BaseContext):
 
     _name = "tether-pool"
 
-    def __init__(self, leaser: Leaser, pool: object = None, keep_datasets: bool = True) -> None:
-        self._leaser = leaser
+    def __init__(self, lender: Lender, pool: object = None, keep_datasets: bool = True) -> None:
+        self._lender = lender
         self.keep_datasets = keep_datasets
         #: What must live as long as the context: the ``tether.Pool`` it came from.
         self._pool = pool
@@ -255,7 +261,7 @@ class PoolContext(multiprocessing.context.BaseContext):
         daemon: Optional[bool] = None,
     ) -> PoolProcess:
         return PoolProcess(
-            self._leaser,
+            self._lender,
             group,
             target,
             name,
@@ -267,18 +273,18 @@ class PoolContext(multiprocessing.context.BaseContext):
 
     # Queues and events are tether's channels, not multiprocessing's classes: the type stubs
     # of BaseContext name its own return types, hence the overrides.
-    def Queue(self, maxsize: int = 0) -> _channel.Queue:  # type: ignore[override]  # noqa: N802
+    def Queue(self, maxsize: int = 0) -> channel.Queue:  # type: ignore[override]  # noqa: N802
         return _LoaderQueue(maxsize)
 
-    def SimpleQueue(self) -> _channel.Queue:  # type: ignore[override]  # noqa: N802
+    def SimpleQueue(self) -> channel.Queue:  # type: ignore[override]  # noqa: N802
         return _LoaderQueue()
 
-    def Event(self) -> _channel.Event:  # type: ignore[override]  # noqa: N802
-        return _channel.Event()
+    def Event(self) -> channel.Event:  # type: ignore[override]  # noqa: N802
+        return channel.Event()
 
     def get_start_method(self, allow_none: bool = False) -> str:
         """The pool's start method (the ``start_method`` it was made with)."""
-        return self._leaser.start_method
+        return self._lender.start_method
 
     def get_context(self, method: Optional[str] = None) -> Any:
         if method is None:
@@ -287,12 +293,12 @@ class PoolContext(multiprocessing.context.BaseContext):
 
     def __repr__(self) -> str:
         keep = "" if self.keep_datasets else ", keep_datasets=False"
-        return f"<tether PoolContext of a pool of {self._leaser.size}{keep}>"
+        return f"<tether PoolContext of a pool of {self._lender.size}{keep}>"
 
 
-class _LoaderQueue(_channel.Queue):
+class _LoaderQueue(channel.Queue):
     """A queue of a pool context, as its maker sees it. When it is a DataLoader iterator's
-    data queue, it tells the iterator's run (``_pool_runs``) when the iterator's ``next()``
+    data queue, it tells the iterator's run (``runs``) when the iterator's ``next()``
     raised, and raises the run's error once the pool took its workers back. An error a
     worker sent (torch's ``ExceptionWrapper``) is re-raised without a reference cycle, so
     that an iterator that raised and was dropped gives its workers back at once (torch's

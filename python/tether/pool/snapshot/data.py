@@ -1,4 +1,4 @@
-"""Tensors and numpy arrays in a snapshot (see ``_snapshot_kinds``): what proves that one
+"""Tensors and numpy arrays in a snapshot (see ``kinds``): what proves that one
 still pickles as it did.
 
 - a torch tensor: its type, dtype, device, shape, strides, offset, ``requires_grad`` and
@@ -10,7 +10,7 @@ still pickles as it did.
   proven;
 - a numpy array (of numbers, not of objects): dtype, shape, order and content. Up to
   ``SMALL_ARRAY`` bytes, the content is compared with a copy; a larger array must be the
-  same array over the same memory, none of it written since (``_watch``: the kernel
+  same array over the same memory, none of it written since (``watch``: the kernel
   tells, in a time that does not grow with the array), else it is sent again."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import ctypes
 import sys
 from typing import Any, Callable, Tuple
 
-from . import _watch
-from ._snapshot_tokens import (
+from . import watch
+from .tokens import (
     ARRAY,
     TENSOR,
     WATCHED,
@@ -106,7 +106,7 @@ def array(walk: Walk, array: Any, push: Callable[[Any], None]) -> None:
     facts = (array.dtype.str, array.dtype, array.shape, fortran)
     if array.nbytes <= SMALL_ARRAY:
         return walk.emit((ARRAY, facts, array.tobytes(order="A")))
-    low, high = _watch.bounds(array)
+    low, high = watch.bounds(array)
     if walk.checking:
         return walk.emit((WATCHED, facts, array, (low, high), None, b""))
     proof, edges = _watch_memory(low, high)
@@ -119,14 +119,14 @@ def array(walk: Walk, array: Any, push: Callable[[Any], None]) -> None:
 
 
 def _watch_memory(low: int, high: int) -> Tuple[Any, bytes]:
-    """A proof that ``[low, high)`` is not written from now on (see ``_watch``), and the
+    """A proof that ``[low, high)`` is not written from now on (see ``watch``), and the
     bytes of the partial pages at its ends (compared by content)."""
-    private = _watch.private_unwritten(low, high)
+    private = watch.private_unwritten(low, high)
     if private is not None:
         return (_Private(low, high) if private else None), b""
-    start = -(-low // _watch.PAGE) * _watch.PAGE
-    end = max(start, high // _watch.PAGE * _watch.PAGE)
-    protection = _watch.protect(start, end)
+    start = -(-low // watch.PAGE) * watch.PAGE
+    end = max(start, high // watch.PAGE * watch.PAGE)
+    protection = watch.protect(start, end)
     if protection is None:
         return None, b""
     return protection, _edges(low, high, start, end)
@@ -137,7 +137,7 @@ def _edges(low: int, high: int, start: int, end: int) -> bytes:
 
 
 class _Private:
-    """A range of a worker's private mapping of a shipment (see ``_watch``)."""
+    """A range of a worker's private mapping of a shipment (see ``watch``)."""
 
     __slots__ = ("low", "high")
 
@@ -145,7 +145,7 @@ class _Private:
         self.low, self.high = low, high
 
     def unwritten(self) -> bool:
-        return bool(_watch.private_unwritten(self.low, self.high))
+        return bool(watch.private_unwritten(self.low, self.high))
 
 
 def same_array(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:

@@ -1,4 +1,4 @@
-"""What each kind of value contributes to a snapshot (see ``_snapshot``): the tokens that
+"""What each kind of value contributes to a snapshot (see ``snapshot``): the tokens that
 stand for it and the values to walk after it, following the order in which pickle itself
 decides how to save an object:
 
@@ -6,7 +6,7 @@ decides how to save an object:
   its code, defaults, closure, attributes and the globals its code names are walked; a
   class's members likewise;
 - any other class, function or module travels by reference: compared by identity;
-- a torch tensor or a numpy array: see ``_snapshot_data``;
+- a torch tensor or a numpy array: see ``data``;
 - a ``tether.share`` list or dict: read-only, it travels as its memfd: by identity, in one
   token whatever its size;
 - an object of a type pickle reduces with a registered function (a bound method, a
@@ -29,8 +29,9 @@ import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import _pickling, _snapshot_data
-from ._snapshot_tokens import (
+from ... import _pickling
+from . import data
+from .tokens import (
     CLASS,
     EMPTY,
     ENTER,
@@ -80,10 +81,10 @@ def _special(kind: type) -> Optional[Callable[..., None]]:
 def _find_special(kind: type) -> Optional[Callable[..., None]]:
     torch = sys.modules.get("torch")
     if torch is not None and issubclass(kind, torch.Tensor):
-        return _snapshot_data.tensor
+        return data.tensor
     numpy = sys.modules.get("numpy")
     if numpy is not None and kind is numpy.ndarray:
-        return _snapshot_data.array
+        return data.array
     shared = sys.modules.get("tether._shared")
     if shared is not None and issubclass(kind, shared.SHARED):
         return _shared_copy

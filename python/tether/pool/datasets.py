@@ -8,7 +8,7 @@ bytes instead of the objects. ``Kept`` is the parent's record of it, one per poo
 
 - each object has a key that is never reused (a new object that takes a freed one's address
   is a new object), a version, and which worker holds which version;
-- a version ends unless a snapshot (``_snapshot``) proves that pickling the object now
+- a version ends unless a snapshot (``snapshot``) proves that pickling the object now
   would give what was sent: any change at any depth of what pickling it takes (an
   attribute rebound, a list, dict or set changed in place, a tensor on a new storage), and
   anything the snapshot cannot prove (past its budget, a type it does not look into), ends
@@ -19,7 +19,7 @@ bytes instead of the objects. ``Kept`` is the parent's record of it, one per poo
 
 When an object must cross (its first loader, a new version, or a context made with
 ``keep_datasets=False``, which keeps nothing), it travels in the loader's one
-``_shipment.Shipment``, pickled once per loader, not once per worker."""
+``shipment.Shipment``, pickled once per loader, not once per worker."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ import types
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from . import _pickling, _shipment
-from ._snapshot import Snapshot, reaches
+from .. import _pickling
+from . import shipment
+from .snapshot import Snapshot, reaches
 
 __all__ = ["Kept"]
 
@@ -89,7 +90,7 @@ class _Element:
         """What the lease of a worker that holds the object carries in its place."""
         if self.inline or self.entry is None:
             return self.obj
-        return _shipment.Held(self.entry.key, self.method)
+        return shipment.Held(self.entry.key, self.method)
 
 
 def _by_reference(obj: Any) -> bool:
@@ -107,7 +108,7 @@ class _Iteration:
 
     def __init__(self) -> None:
         self.elements: Optional[List[_Element]] = None
-        self.shipment: Optional[_shipment.Shipment] = None
+        self.shipment: Optional[shipment.Shipment] = None
 
     def close(self) -> None:
         if self.shipment is not None:
@@ -131,7 +132,7 @@ class Kept:
 
     def prepare(
         self, call: Dict[str, Any], slot: int, pid: int, keep: bool
-    ) -> Tuple[Dict[str, Any], _shipment.Forgetting, Callable[[], None]]:
+    ) -> Tuple[Dict[str, Any], shipment.Forgetting, Callable[[], None]]:
         """torch's worker-loop ``call`` (its arguments by name) as worker ``pid`` in ``slot``
         gets it: the kept objects replaced by references to the worker's copies when it
         holds them all, else by the parts of the loader's shipment; the keys it drops; and
@@ -155,13 +156,13 @@ class Kept:
             else:
                 if iteration.shipment is None:
                     keys = [(None if e.entry is None else e.entry.key, e.method) for e in elements]
-                    iteration.shipment = _shipment.Shipment(tuple(objs), keys)
+                    iteration.shipment = shipment.Shipment(tuple(objs), keys)
                 refs = [iteration.shipment.part(i) for i in range(len(objs))]
                 sent = [e for e in elements if e.entry is not None]
             out = dict(call)
             for name, ref in zip(names, refs):
                 out[name] = [ref] if name == "dataset_holder" else ref
-            forget = _shipment.Forgetting(self._forget.get(slot, ()))
+            forget = shipment.Forgetting(self._forget.get(slot, ()))
             last = call.get("worker_id") == call.get("num_workers", 0) - 1
 
         def commit() -> None:
@@ -228,7 +229,7 @@ class Kept:
             for slot in entry.holders:
                 self._forget.setdefault(slot, []).append(entry.key)
 
-    def refresh(self, obj: Any = None) -> None:
+    def send_again(self, obj: Any = None) -> None:
         """The next loader sends again every kept object that holds ``obj`` (is it, or
         reaches it at any depth of what pickling it takes: a ``Subset`` or a
         ``ConcatDataset`` of it, say); every kept object when None."""
