@@ -120,7 +120,7 @@ fn leave_alone(channel: &Channel, pid: i32) -> Option<Untouched> {
     if !holds_socket(pid, channel.inode()) {
         return Some(Untouched::ChannelGone);
     }
-    main_thread_takes(pid, signal())
+    main_thread_takes(channel, pid, signal())
 }
 
 /// Whether `pid` holds the socket `inode` on some fd (true when /proc does not tell).
@@ -131,43 +131,36 @@ fn holds_socket(pid: i32, inode: u64) -> bool {
 
 /// Whether the main thread of `pid` would take `signal` for itself, or wait where a
 /// request would change what it does. A program that waits for the signal blocks it
-/// while it is not in its wait, and the kernel unblocks it while it is, until the thread
-/// runs again after its wait ends (it may wait for a CPU a long while, and /proc says
-/// "running" then). So each look reads the thread's call before and after its `SigBlk`,
-/// and a wait seen in either is the answer; the signal unblocked proves nothing more
-/// while the thread sleeps in another call, or runs through looks some milliseconds
-/// apart (a busy thread), and a look that took long (this thread was not running) proves
-/// nothing. The signal kept blocked for some milliseconds is taken too (glibc blocks
-/// every signal for a moment while it creates a thread, a program that waits for a signal
-/// in another way blocks it for good).
-fn main_thread_takes(pid: i32, signal: i32) -> Option<Untouched> {
-    let mut running_unblocked = 0;
-    let mut unblocked_once = false;
+/// while it is not in its wait, and the kernel unblocks it while it is: so each look reads
+/// the thread's call before and after its `SigBlk`, a wait seen in either is the answer,
+/// and a process once seen waiting for the signal is never sent it again (its wait may
+/// have just ended, with the signal still unblocked while it waits for a CPU). The signal
+/// kept blocked for some milliseconds is taken too (glibc blocks every signal for a moment
+/// while it creates a thread, a program that waits for a signal in another way blocks it
+/// for good).
+fn main_thread_takes(channel: &Channel, pid: i32, signal: i32) -> Option<Untouched> {
+    if channel.sigwaiting(pid) {
+        return Some(Untouched::Blocked);
+    }
     for _ in 0..10 {
-        let started = Instant::now();
         let before = main_thread_call(pid);
         let blocked = blocks(pid, signal);
         let after = main_thread_call(pid);
-        let quick = started.elapsed() < Duration::from_millis(5);
         if let Some(why) = [before, after]
             .iter()
             .find_map(|call| takes(pid, signal, call))
         {
+            if why == Untouched::Blocked {
+                channel.saw_sigwait(pid);
+            }
             return Some(why);
         }
-        if !blocked && quick {
-            match (before, after) {
-                (Some(_), Some(_)) => return None,
-                _ => running_unblocked += 1,
-            }
-            if running_unblocked == 4 {
-                return None;
-            }
+        if !blocked {
+            return None;
         }
-        unblocked_once |= !blocked;
         std::thread::sleep(Duration::from_millis(2));
     }
-    (!unblocked_once).then_some(Untouched::Blocked)
+    Some(Untouched::Blocked)
 }
 
 /// Whether the main thread of `pid` blocks `signal` (`SigBlk` in /proc/PID/status).
