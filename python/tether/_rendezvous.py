@@ -38,7 +38,7 @@ import time
 from typing import Any, Dict, List, Optional, TextIO
 
 from . import _rendezvous_end, _rendezvous_torch
-from ._rendezvous_end import FINISHED, LEFT, declare_lost
+from ._rendezvous_end import ALIVE, FINISHED, LEFT, declare_lost
 from ._rendezvous_say import (
     Say,
     announce_run_id,
@@ -52,9 +52,8 @@ from ._rendezvous_say import (
     other_run_ids,
 )
 
-# Keys this helper keeps in each round's store, beside torch's own (and those of
-# `_rendezvous_end`).
-ALIVE = "tether.alive."
+# Keys this helper keeps in each round's store, beside torch's own and those of
+# `_rendezvous_end` (the heartbeats' among them).
 # torch's agents wait for each other there when their ranks succeeded.
 TERMINAL_STATE = "torchelastic/agent/terminal_state"
 

@@ -33,6 +33,8 @@ END_SEEN = "tether.end_seen."
 LOST = "tether.lost."
 LEFT = "tether.left."
 FINISHED = "tether.finished."
+# A node's heartbeat: [a count that changes, its host].
+ALIVE = "tether.alive."
 
 #: How long a node whose failure ends the job waits for the other nodes' first failures
 #: (a rank that died elsewhere a moment earlier may still be on its way to the store).
@@ -86,11 +88,18 @@ def failures(store: Any, nodes: int) -> List[Dict[str, Any]]:
 
 def decide(store: Any, me: int, nodes: int, own: Dict[str, Any]) -> Dict[str, Any]:
     """The job's root cause, once this node's failure ends the job: the earliest record in
-    the round, once every node still in it published its own (or `SETTLE` passed), written
-    once for all by compare-and-set; this node's own record is filled in if it is the one."""
+    the round, once every node still in it published its own (or `SETTLE` passed, the
+    node's heartbeat going on meanwhile), written once for all by compare-and-set; this
+    node's own record is filled in if it is the one."""
     deadline = time.monotonic() + SETTLE
     records = failures(store, nodes)
+    alive = f"{ALIVE}{me}"
+    beat = json.loads(store.get(alive)) if store.check([alive]) else [0, ""]
     while time.monotonic() < deadline and not store.check([END]):
+        # The node's watch has stopped: its heartbeat goes on here, so that no node takes
+        # it for lost (and starts a round without it) while it waits.
+        beat[0] += 1
+        store.set(alive, json.dumps(beat))
         heard = {r.get("node_rank") for r in records}
         gone = (FINISHED, LEFT, LOST)
         silent = [n for n in range(nodes) if n != me and n not in heard]

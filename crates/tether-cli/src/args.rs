@@ -2,6 +2,11 @@
 //! dash and underscore spelling, with torchrun's `PET_<NAME>` environment defaults (a flag's
 //! is a number, as torchrun reads it: `PET_STANDALONE=1`; `true`, `yes`, `off`, ... too). What
 //! the values mean is decided in [`crate::config`].
+//!
+//! Each option is written once, below, with what is its own (its help, value name, short
+//! form); the spellings torchrun gives every option (the underscore alias, the `PET_`
+//! variable) are added by one rule ([`torchrun_spellings`]) from the table of exceptions
+//! ([`NO_ENV`], [`MORE_NAMES`]).
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -135,65 +140,26 @@ pub struct RunArgs {
 pub struct NodeArgs {
     /// Ranks per node: a number, "gpu" (one per GPU), "cpu" (one per CPU) or "auto" (one per
     /// GPU, else one per CPU).
-    #[arg(
-        short = 'n',
-        long = "nproc-per-node",
-        visible_alias = "nproc_per_node",
-        allow_negative_numbers = true,
-        value_name = "N",
-        env = "PET_NPROC_PER_NODE",
-        hide_env = true
-    )]
+    #[arg(short = 'n', long, allow_negative_numbers = true, value_name = "N")]
     pub nproc_per_node: Option<String>,
     /// Number of nodes: N, or an elastic range MIN:MAX (with a dynamic --rdzv-backend: the
     /// job starts with MIN to MAX nodes and takes in or loses nodes in new rounds). SLURM's
     /// when unset; Kubernetes' PyTorchJob sets PET_NNODES=MIN:MAX.
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        value_name = "N",
-        env = "PET_NNODES",
-        hide_env = true
-    )]
+    #[arg(long, allow_negative_numbers = true, value_name = "N")]
     pub nnodes: Option<String>,
     /// This node's rank among the nodes, with --rdzv-backend static. SLURM's when unset, else
     /// 0. Ignored (with a note) under c10d, whose rendezvous ranks the nodes.
-    #[arg(
-        long = "node-rank",
-        visible_alias = "node_rank",
-        allow_negative_numbers = true,
-        value_name = "R",
-        env = "PET_NODE_RANK",
-        hide_env = true
-    )]
+    #[arg(long, allow_negative_numbers = true, value_name = "R")]
     pub node_rank: Option<usize>,
     /// Address of node rank 0 (MASTER_ADDR) [default: localhost on one node, else 127.0.0.1;
     /// under SLURM its first host].
-    #[arg(
-        long = "master-addr",
-        visible_alias = "master_addr",
-        value_name = "HOST",
-        env = "PET_MASTER_ADDR",
-        hide_env = true
-    )]
+    #[arg(long, value_name = "HOST")]
     pub master_addr: Option<String>,
     /// Port on node rank 0 (MASTER_PORT) [default: a free port on one node, else 29500].
-    #[arg(
-        long = "master-port",
-        visible_alias = "master_port",
-        allow_negative_numbers = true,
-        value_name = "PORT",
-        env = "PET_MASTER_PORT",
-        hide_env = true
-    )]
+    #[arg(long, allow_negative_numbers = true, value_name = "PORT")]
     pub master_port: Option<u16>,
     /// One node, master localhost on a free port.
-    #[arg(
-        long,
-        env = "PET_STANDALONE",
-        value_parser = BoolishValueParser::new(),
-        hide_env = true
-    )]
+    #[arg(long)]
     pub standalone: bool,
 }
 
@@ -204,39 +170,20 @@ pub struct RdzvArgs {
     /// "c10d" (torch's, over a TCPStore at --rdzv-endpoint), "etcd" or "etcd-v2" (where
     /// python-etcd is installed). On several nodes, the dynamic forms run torch's own
     /// rendezvous handler in a helper process, so tether and torchrun nodes can form one job.
-    #[arg(
-        long = "rdzv-backend",
-        visible_alias = "rdzv_backend",
-        value_name = "NAME",
-        env = "PET_RDZV_BACKEND",
-        hide_env = true
-    )]
+    #[arg(long = "rdzv-backend", value_name = "NAME")]
     pub backend: Option<String>,
     /// HOST[:PORT] where the nodes meet (port 29400 for c10d when omitted): the node at that
     /// address hosts the rendezvous's store. With --rdzv-backend static, node rank 0's
     /// address (the ranks' MASTER_ADDR and MASTER_PORT).
-    #[arg(
-        long = "rdzv-endpoint",
-        visible_alias = "rdzv_endpoint",
-        value_name = "HOST:PORT",
-        env = "PET_RDZV_ENDPOINT",
-        hide_env = true
-    )]
+    #[arg(long = "rdzv-endpoint", value_name = "HOST:PORT")]
     pub endpoint: Option<String>,
     /// The run id (TORCHELASTIC_RUN_ID, and the log directory's name) [default: generated,
     /// or SLURM's job id].
-    #[arg(long = "rdzv-id", visible_aliases = ["rdzv_id", "run-id", "run_id"],
-          value_name = "ID", env = "PET_RDZV_ID", hide_env = true)]
+    #[arg(long = "rdzv-id", value_name = "ID")]
     pub id: Option<String>,
     /// KEY=VALUE,...: torch's rendezvous settings, as torchrun passes them (join_timeout,
     /// last_call_timeout, read_timeout, is_host, keep_alive_interval, ...).
-    #[arg(
-        long = "rdzv-conf",
-        visible_alias = "rdzv_conf",
-        value_name = "CONF",
-        env = "PET_RDZV_CONF",
-        hide_env = true
-    )]
+    #[arg(long = "rdzv-conf", value_name = "CONF")]
     pub conf: Option<String>,
 }
 
@@ -244,62 +191,26 @@ pub struct RdzvArgs {
 #[command(next_help_heading = PROGRAM)]
 pub struct ProgramArgs {
     /// Run SCRIPT as a module, as `python -u -m MODULE`.
-    #[arg(
-        short = 'm',
-        long,
-        env = "PET_MODULE",
-        value_parser = BoolishValueParser::new(),
-        hide_env = true
-    )]
+    #[arg(short = 'm', long)]
     pub module: bool,
     /// Run the command as it is, without python in front.
-    #[arg(
-        long = "no-python",
-        visible_alias = "no_python",
-        env = "PET_NO_PYTHON",
-        value_parser = BoolishValueParser::new(),
-        hide_env = true
-    )]
+    #[arg(long)]
     pub no_python: bool,
     /// Start every rank as a new interpreter (`PYTHON -u SCRIPT`), as torchrun does. By
     /// default a script's or module's ranks are forked from this node's warm zygote, which
     /// has imported the installed packages the script imports (torch, ...) once for every
     /// rank and restart.
-    #[arg(
-        long = "no-warm",
-        visible_alias = "no_warm",
-        env = "PET_NO_WARM",
-        value_parser = BoolishValueParser::new(),
-        hide_env = true
-    )]
+    #[arg(long)]
     pub no_warm: bool,
     /// Accepted: each rank runs SCRIPT in a new interpreter, as without it (torchrun would
     /// run it inside its agent process).
-    #[arg(
-        long = "run-path",
-        visible_alias = "run_path",
-        env = "PET_RUN_PATH",
-        value_parser = BoolishValueParser::new(),
-        hide_env = true
-    )]
+    #[arg(long)]
     pub run_path: bool,
     /// The role name (ROLE_NAME).
-    #[arg(
-        long,
-        value_name = "NAME",
-        default_value = "default",
-        env = "PET_ROLE",
-        hide_env = true
-    )]
+    #[arg(long, value_name = "NAME", default_value = "default")]
     pub role: String,
     /// LOCAL_RANK=0 in every rank, and CUDA_VISIBLE_DEVICES set to the rank's own GPU.
-    #[arg(
-        long = "virtual-local-rank",
-        visible_alias = "virtual_local_rank",
-        env = "PET_VIRTUAL_LOCAL_RANK",
-        value_parser = BoolishValueParser::new(),
-        hide_env = true
-    )]
+    #[arg(long)]
     pub virtual_local_rank: bool,
 }
 
@@ -308,75 +219,36 @@ pub struct ProgramArgs {
 pub struct OutputArgs {
     /// Write each rank's stdout and stderr to DIR/<run-id>/attempt_<k>/rank_<N>/{stdout,stderr}.log
     /// (the run's directory is printed at start).
-    #[arg(
-        long = "log-dir",
-        visible_alias = "log_dir",
-        value_name = "DIR",
-        env = "PET_LOG_DIR",
-        hide_env = true
-    )]
+    #[arg(long, value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
     /// Streams kept off the console (log files only): 0 none, 1 stdout, 2 stderr, 3 both, or
     /// per local rank as "0:3,1:2".
-    #[arg(
-        short = 'r',
-        long,
-        value_name = "STREAMS",
-        env = "PET_REDIRECTS",
-        hide_env = true
-    )]
+    #[arg(short = 'r', long, value_name = "STREAMS")]
     pub redirects: Option<String>,
     /// Streams written to log files and to the console (--redirects' format; alone: 3).
-    #[arg(short = 't', long, value_name = "STREAMS", num_args = 0..=1,
-          default_missing_value = "3", env = "PET_TEE", hide_env = true)]
+    #[arg(short = 't', long, value_name = "STREAMS", num_args = 0..=1, default_missing_value = "3")]
     pub tee: Option<String>,
     /// The console prefix, with ${rank}, ${local_rank}, ${role_name} and ${hostname}
     /// [default: "[rank ${rank}]: "].
-    #[arg(
-        long = "log-line-prefix-template",
-        visible_alias = "log_line_prefix_template",
-        value_name = "TEMPLATE",
-        env = "PET_LOG_LINE_PREFIX_TEMPLATE",
-        hide_env = true
-    )]
+    #[arg(long = "log-line-prefix-template", value_name = "TEMPLATE")]
     pub prefix_template: Option<String>,
     /// Print rank output without a prefix.
-    #[arg(long = "no-prefix", visible_alias = "no_prefix")]
+    #[arg(long)]
     pub no_prefix: bool,
     /// Give every rank pipes. By default a rank's stream that reaches tether's terminal is a
     /// pseudo-terminal of its size (resizes follow), as a torchrun rank sees the terminal:
     /// isatty() is true, colours and progress bars behave.
-    #[arg(
-        long = "no-tty",
-        visible_alias = "no_tty",
-        env = "PET_NO_TTY",
-        value_parser = BoolishValueParser::new(),
-        hide_env = true
-    )]
+    #[arg(long)]
     pub no_tty: bool,
     /// Only these local ranks reach the console, e.g. "0,3" (log files get every rank).
-    #[arg(long = "local-ranks-filter",
-          visible_aliases = ["local_ranks_filter", "ranks-filter", "ranks_filter"],
-          value_name = "RANKS", env = "PET_LOCAL_RANKS_FILTER", hide_env = true)]
+    #[arg(long = "local-ranks-filter", value_name = "RANKS")]
     pub ranks_filter: Option<String>,
     /// Also copy the stdout lines that contain any of these comma-separated strings (",,"
     /// for a comma) to <attempt>/filtered_stdout.log.
-    #[arg(
-        long = "duplicate-stdout-filters",
-        visible_alias = "duplicate_stdout_filters",
-        value_name = "FILTERS",
-        env = "PET_DUPLICATE_STDOUT_FILTERS",
-        hide_env = true
-    )]
+    #[arg(long = "duplicate-stdout-filters", value_name = "FILTERS")]
     pub stdout_filters: Option<String>,
     /// The same for stderr, to <attempt>/filtered_stderr.log.
-    #[arg(
-        long = "duplicate-stderr-filters",
-        visible_alias = "duplicate_stderr_filters",
-        value_name = "FILTERS",
-        env = "PET_DUPLICATE_STDERR_FILTERS",
-        hide_env = true
-    )]
+    #[arg(long = "duplicate-stderr-filters", value_name = "FILTERS")]
     pub stderr_filters: Option<String>,
 }
 
@@ -387,43 +259,29 @@ pub struct StopArgs {
     /// nodes (c10d), every node restarts its ranks in a new round, and a restart for a node
     /// that joined or left does not count.
     #[arg(
-        long = "max-restarts",
-        visible_alias = "max_restarts",
+        long,
         allow_negative_numbers = true,
         value_name = "K",
-        default_value_t = 0,
-        env = "PET_MAX_RESTARTS",
-        hide_env = true
+        default_value_t = 0
     )]
     pub max_restarts: u32,
     /// Seconds between the stop signal and SIGKILL when stopping ranks (default 30).
-    #[arg(
-        long = "grace-period",
-        visible_alias = "grace_period",
-        value_name = "SECONDS",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
     pub grace_period: Option<f64>,
     /// torchrun's name of --grace-period.
     #[arg(
-        long = "shutdown-timeout",
-        visible_alias = "shutdown_timeout",
+        long,
         value_name = "SECONDS",
         allow_negative_numbers = true,
-        conflicts_with = "grace_period",
-        env = "PET_SHUTDOWN_TIMEOUT",
-        hide_env = true
+        conflicts_with = "grace_period"
     )]
     pub shutdown_timeout: Option<f64>,
     /// Signals that stop the run, forwarded to every rank; SIGINT, SIGTERM and SIGHUP always
     /// are.
     #[arg(
         long = "signals-to-handle",
-        visible_alias = "signals_to_handle",
         value_name = "SIGNALS",
-        default_value = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        env = "PET_SIGNALS_TO_HANDLE",
-        hide_env = true
+        default_value = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     )]
     pub signals: String,
     /// End the run after SECONDS: print every rank's stack (with py-spy's native frames
@@ -432,12 +290,7 @@ pub struct StopArgs {
     #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
     pub timeout: Option<f64>,
     /// End the run the same way when no rank has printed anything for SECONDS.
-    #[arg(
-        long = "stall-timeout",
-        visible_alias = "stall_timeout",
-        value_name = "SECONDS",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
     pub stall_timeout: Option<f64>,
 }
 
@@ -445,53 +298,75 @@ pub struct StopArgs {
 #[command(next_help_heading = ACCEPTED)]
 pub struct AcceptedArgs {
     /// Checked and accepted: tether sees every exit the moment it happens.
-    #[arg(
-        long = "monitor-interval",
-        visible_alias = "monitor_interval",
-        value_name = "SECONDS",
-        allow_negative_numbers = true,
-        env = "PET_MONITOR_INTERVAL",
-        hide_env = true
-    )]
+    #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
     pub monitor_interval: Option<f64>,
     /// Checked and accepted: every rank is a new process running the command.
-    #[arg(long = "start-method", visible_alias = "start_method", value_name = "METHOD",
-          value_parser = ["spawn", "fork", "forkserver"],
-          env = "PET_START_METHOD", hide_env = true)]
+    #[arg(long, value_name = "METHOD", value_parser = ["spawn", "fork", "forkserver"])]
     pub start_method: Option<String>,
     /// Accepted: tether records no torchelastic events.
-    #[arg(
-        long = "event-log-handler",
-        visible_alias = "event_log_handler",
-        value_name = "NAME",
-        env = "PET_EVENT_LOG_HANDLER",
-        hide_env = true
-    )]
+    #[arg(long, value_name = "NAME")]
     pub event_log_handler: Option<String>,
     /// This node's address in a dynamic rendezvous (MASTER_ADDR when it is node rank 0)
     /// [default: its fully qualified host name].
-    #[arg(
-        long = "local-addr",
-        visible_alias = "local_addr",
-        value_name = "HOST",
-        env = "PET_LOCAL_ADDR",
-        hide_env = true
-    )]
+    #[arg(long, value_name = "HOST")]
     pub local_addr: Option<String>,
     /// Accepted with a warning: tether loads no torchrun logging plugin (see --log-dir).
-    #[arg(long = "logs-specs", visible_alias = "logs_specs", value_name = "NAME")]
+    #[arg(long, value_name = "NAME")]
     pub logs_specs: Option<String>,
     /// Accepted with a warning: ranks keep the launcher's CPU affinity.
-    #[arg(long = "numa-binding", visible_alias = "numa_binding", value_name = "MODE",
-          value_parser = ["node", "socket", "exclusive", "core-complex"])]
+    #[arg(long, value_name = "MODE", value_parser = ["node", "socket", "exclusive", "core-complex"])]
     pub numa_binding: Option<String>,
     /// Refused: tether prints no completion script.
-    #[arg(
-        long = "print-completion",
-        visible_alias = "print_completion",
-        value_name = "SHELL"
-    )]
+    #[arg(long, value_name = "SHELL")]
     pub print_completion: Option<String>,
+}
+
+/// The options that no `PET_` variable sets: tether's own, and those torchrun reads from the
+/// command line only.
+const NO_ENV: [&str; 7] = [
+    "grace-period",
+    "timeout",
+    "stall-timeout",
+    "no-prefix",
+    "logs-specs",
+    "numa-binding",
+    "print-completion",
+];
+
+/// The options' other names, after their underscore spelling.
+const MORE_NAMES: [(&str, &[&str]); 2] = [
+    ("rdzv-id", &["run-id", "run_id"]),
+    ("local-ranks-filter", &["ranks-filter", "ranks_filter"]),
+];
+
+/// The spellings torchrun gives an option of `tether run`: `--a_b` beside `--a-b` (and the
+/// names of [`MORE_NAMES`]), and its default from `PET_A_B` unless [`NO_ENV`] lists it (a
+/// flag's read as torchrun reads it: `1`, `true`, `yes`, `off`, ...).
+fn torchrun_spellings(arg: clap::Arg) -> clap::Arg {
+    let Some(long) = arg.get_long().map(str::to_owned) else {
+        return arg;
+    };
+    let underscored = long.replace('-', "_");
+    let mut arg = arg;
+    if underscored != long {
+        arg = arg.visible_alias(underscored.clone());
+    }
+    if let Some((_, more)) = MORE_NAMES.iter().find(|(name, _)| *name == long) {
+        arg = arg.visible_aliases(more.iter().copied());
+    }
+    if NO_ENV.contains(&long.as_str()) {
+        return arg;
+    }
+    if matches!(arg.get_action(), clap::ArgAction::SetTrue) {
+        arg = arg.value_parser(BoolishValueParser::new());
+    }
+    arg.env(format!("PET_{}", underscored.to_uppercase()))
+        .hide_env(true)
+}
+
+/// The whole command line: the derived one, `run`'s options with their torchrun spellings.
+fn cli() -> clap::Command {
+    Cli::command().mut_subcommand("run", |run| run.mut_args(torchrun_spellings))
 }
 
 /// What the command line asks for.
@@ -507,7 +382,7 @@ pub enum Parsed {
 
 /// The clap command, with the host's own subcommands (`(name, summary)`) listed in the help.
 fn command(hosted: &[(String, String)]) -> clap::Command {
-    let mut cmd = Cli::command();
+    let mut cmd = cli();
     for (name, about) in hosted {
         cmd = cmd.subcommand(
             clap::Command::new(name.clone())
@@ -551,7 +426,7 @@ pub fn parse(argv: Vec<OsString>, hosted: &[(String, String)]) -> Result<Parsed,
 
 /// A usage error of `tether run`: message, usage line, exit status 2.
 pub fn usage_error(kind: ErrorKind, message: impl std::fmt::Display) -> clap::Error {
-    let mut cmd = Cli::command();
+    let mut cmd = cli();
     cmd.build();
     match cmd.find_subcommand_mut("run") {
         Some(run) => run.error(kind, message),
@@ -688,7 +563,7 @@ mod tests {
 
     #[test]
     fn every_torchrun_option_in_both_spellings() {
-        let cmd = Cli::command();
+        let cmd = cli();
         let run = cmd.find_subcommand("run").unwrap();
         let known = |name: &str| {
             run.get_arguments().any(|a| {

@@ -10,12 +10,15 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::args::{conflict, invalid, AcceptedArgs, RunArgs, StopArgs};
-use crate::rendezvous::{Backend, Place, Rendezvous};
 use crate::slurm::SlurmJob;
 
 mod nodes;
 mod output;
 mod program;
+mod rendezvous;
+
+pub use nodes::Place;
+pub use rendezvous::{nodes_spec, Backend, Rendezvous};
 
 pub use nodes::random_id;
 pub use output::{Output, Streams, DEFAULT_PREFIX};

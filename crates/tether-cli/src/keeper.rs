@@ -28,10 +28,7 @@ use crate::signals::{self, SignalFd};
 /// Runs `cfg` in a supervisor process and returns the exit status. Must be called while
 /// the process has a single thread.
 pub fn run(cfg: Config) -> i32 {
-    let mut handled = cfg.stop_signals.clone();
-    handled.push(libc::SIGCHLD);
-    // Forwarded to the supervisor, which prints the ranks' stacks.
-    handled.extend(crate::hangs::stack_signals(&cfg));
+    let mut handled = signals::handled(&cfg);
     // Forwarded to the supervisor, which gives the terminal's new size to the ranks' ptys.
     if cfg.output.tty {
         handled.push(libc::SIGWINCH);
@@ -49,23 +46,9 @@ pub fn run(cfg: Config) -> i32 {
 }
 
 fn keep(cfg: Config, handled: &[i32]) -> i32 {
-    let signals = match SignalFd::new(handled) {
-        Ok(fd) => fd,
-        Err(err) => {
-            message(&format!(
-                "tether: cannot create a signalfd: {}{}",
-                tether_core::strerror(&err),
-                tether_core::limit_hint(&err)
-            ));
-            return 1;
-        }
+    let Some(signals) = signals::set_up(handled, "tether") else {
+        return 1;
     };
-    if let Err(err) = reaper::become_subreaper() {
-        message(&format!(
-            "tether: warning: cannot become a child subreaper ({err}); processes that ranks \
-             leave behind may outlive tether"
-        ));
-    }
     let tmp = match TempDir::name("tether-run-") {
         Ok(tmp) => tmp,
         Err(err) => {

@@ -19,7 +19,6 @@ mod keeper;
 mod output;
 mod ps;
 mod reaper;
-mod rendezvous;
 mod report;
 mod run;
 mod signals;

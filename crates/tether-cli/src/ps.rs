@@ -10,8 +10,8 @@ use std::io::Write;
 
 use tether_core::proc::{self, Of};
 
-/// The name a `tether run` supervisor has in /proc/PID/comm (the first 15 bytes of
-/// [`crate::run::SUPERVISOR_COMM`]).
+/// The name a `tether run` supervisor has in /proc/PID/comm (the first 15 bytes of the name
+/// it gives itself, in [`crate::run`]).
 const SUPERVISOR_COMM: &str = "tether-supervis";
 
 const USAGE: &str = "usage: tether ps";

@@ -3,8 +3,8 @@
 
 use clap::error::ErrorKind;
 
+use super::rendezvous::{parse_endpoint, Backend, Rendezvous};
 use crate::args::{conflict, invalid, usage_error, NodeArgs, RunArgs};
-use crate::rendezvous::{parse_endpoint, Backend, Place, Rendezvous};
 use crate::slurm::SlurmJob;
 
 /// torchrun's default port for a c10d endpoint given without one.
@@ -15,6 +15,44 @@ const MASTER_PORT: u16 = 29500;
 const LOCAL_MASTER: &str = "localhost";
 /// torchrun's `--rdzv-id` when none is given.
 const DEFAULT_RUN_ID: &str = "none";
+
+/// This node's place in the job for one attempt: what its ranks' environment says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    pub node_rank: usize,
+    pub nnodes: usize,
+    /// The global rank of local rank 0.
+    pub rank_base: usize,
+    pub world_size: usize,
+    pub role_rank_base: usize,
+    pub role_world_size: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// Whether the ranks join the launcher's store (`TORCHELASTIC_USE_AGENT_STORE`).
+    pub agent_store: bool,
+}
+
+impl Place {
+    /// A fixed place: `nnodes` nodes of `nproc` ranks each.
+    pub fn fixed(node_rank: usize, nnodes: usize, nproc: usize, addr: String, port: u16) -> Place {
+        Place {
+            node_rank,
+            nnodes,
+            rank_base: node_rank * nproc,
+            world_size: nnodes * nproc,
+            role_rank_base: node_rank * nproc,
+            role_world_size: nnodes * nproc,
+            master_addr: addr,
+            master_port: port,
+            agent_store: false,
+        }
+    }
+
+    /// The place before the first round of a dynamic rendezvous.
+    pub fn unknown(nproc: usize) -> Place {
+        Place::fixed(0, 1, nproc, String::new(), 0)
+    }
+}
 
 /// This node's place in the job, the dynamic rendezvous that gives it when there is one,
 /// and the run id; `notes` gets what the rendezvous ignores.

@@ -74,7 +74,7 @@ fn abandon(keeper: i32, tmp: &Path) -> ! {
     ));
     crate::output::silence();
     let _no_more_ranks = stop_launching();
-    crate::rendezvous::let_the_helper_leave(Duration::from_secs(1));
+    super::membership::let_the_helper_leave(Duration::from_secs(1));
     reaper::kill_every_child(ABANDON_LIMIT);
     let _ = std::fs::remove_dir_all(tmp);
     // SAFETY: ends the supervisor at once; nothing is left for it to do.

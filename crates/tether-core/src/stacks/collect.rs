@@ -50,7 +50,18 @@ pub(crate) struct Channel {
     /// The processes that installed their own handler for tether's signals, by pid, with
     /// their start time (a pid used again by a new process is asked again).
     withdrawn: Mutex<HashMap<i32, Option<u64>>>,
+    /// The processes seen waiting for tether's request signal in a `sigwait` of their
+    /// own, likewise: they are never sent it again.
+    sigwaiting: Mutex<HashMap<i32, Option<u64>>>,
     arrived: Condvar,
+}
+
+/// Whether `pid` is in `noted` as the same process (its start time unchanged).
+fn same_process(noted: &Mutex<HashMap<i32, Option<u64>>>, pid: i32) -> bool {
+    let noted = noted.lock().unwrap_or_else(|e| e.into_inner());
+    noted
+        .get(&pid)
+        .is_some_and(|&since| since == crate::proc::process_start_time(pid))
 }
 
 static CURRENT: AtomicPtr<(u32, Channel)> = AtomicPtr::new(std::ptr::null_mut());
@@ -96,6 +107,7 @@ impl Channel {
             inode,
             wanted: Mutex::new(HashMap::new()),
             withdrawn: Mutex::new(HashMap::new()),
+            sigwaiting: Mutex::new(HashMap::new()),
             arrived: Condvar::new(),
         })
     }
@@ -117,10 +129,18 @@ impl Channel {
 
     /// Whether `pid` said it installed its own handler for tether's signals.
     pub(crate) fn withdrawn(&self, pid: i32) -> bool {
-        let withdrawn = self.withdrawn.lock().unwrap_or_else(|e| e.into_inner());
-        withdrawn
-            .get(&pid)
-            .is_some_and(|&since| since == crate::proc::process_start_time(pid))
+        same_process(&self.withdrawn, pid)
+    }
+
+    /// Whether `pid` was seen waiting for tether's request signal in a `sigwait`.
+    pub(crate) fn sigwaiting(&self, pid: i32) -> bool {
+        same_process(&self.sigwaiting, pid)
+    }
+
+    /// Notes that `pid` waits for tether's request signal in a `sigwait` of its own.
+    pub(crate) fn saw_sigwait(&self, pid: i32) {
+        let mut seen = self.sigwaiting.lock().unwrap_or_else(|e| e.into_inner());
+        seen.insert(pid, crate::proc::process_start_time(pid));
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<i32, Wanted>> {

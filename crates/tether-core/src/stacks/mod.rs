@@ -30,6 +30,7 @@
 //! - [`summary`] ends every block of stacks: the ranks grouped by where their main thread
 //!   waits, and the ranks that are not where most others are, named.
 
+mod answer;
 mod collect;
 pub mod handler;
 mod native;
@@ -41,13 +42,13 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+pub use answer::{Answer, Reply, Untouched};
 pub(crate) use collect::{this_process as channel, Channel};
 pub use summary::{ranks_words, summary};
 
 use crate::error::Error;
 use crate::group::{Exit, Group};
 use crate::proc::{self, process_state, Of};
-use crate::status::ExitStatus;
 
 /// The environment variable that names, in a child, the fd of its parent's stacks channel.
 pub const FD_ENV: &str = "TETHER_STACKS_FD";
@@ -104,142 +105,6 @@ impl Request {
     }
 }
 
-/// What one process answered.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Reply {
-    /// Its whole dump.
-    Stack(String),
-    /// The start of a dump that did not end within the timeout, and its state then.
-    Cut { text: String, state: Option<char> },
-    /// Nothing within the timeout, and its state then.
-    Silent { state: Option<char> },
-    /// It handles no stack request: not a Python process started by tether's Python (or
-    /// one still starting up).
-    NoHandler,
-    /// It had exited (with this status, when known).
-    Exited(Option<ExitStatus>),
-    /// The request could not be sent.
-    Unreachable(String),
-    /// It was not asked, since asking would change what it does (see [`Untouched`]).
-    LeftAlone(Untouched),
-}
-
-/// Why a process was not sent a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Untouched {
-    /// It no longer holds the stacks channel: it closed the fd, or reused its number.
-    ChannelGone,
-    /// It installed its own handler for one of tether's signals.
-    OwnHandler,
-    /// Its main thread blocks the request signal, or waits for it (`sigwait`).
-    Blocked,
-    /// Its main thread waits in `pause()` or `sigsuspend()`.
-    Paused,
-}
-
-/// One process's answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Answer {
-    pub pid: i32,
-    pub reply: Reply,
-    /// py-spy's view (or why there is none), when it was asked for.
-    pub native: Option<String>,
-}
-
-impl Answer {
-    /// Whether the whole Python stack arrived.
-    pub fn answered(&self) -> bool {
-        matches!(self.reply, Reply::Stack(_))
-    }
-
-    /// The stack as text, or a line saying why there is none (naming the pid, the timeout
-    /// and the process's state), then py-spy's view if any.
-    pub fn text(&self, timeout: Duration) -> String {
-        let pid = self.pid;
-        let within = seconds(timeout);
-        let mut text = match &self.reply {
-            Reply::Stack(text) => text.trim_end().to_string(),
-            Reply::Cut { text, state } => format!(
-                "{}\n(the dump was cut short: pid {pid} did not finish it within {within}; it \
-                 is {})",
-                text.trim_end(),
-                state_words(*state)
-            ),
-            Reply::Silent { state } => format!(
-                "(no Python stack: pid {pid} did not answer within {within}; it is {})",
-                state_words(*state)
-            ),
-            Reply::NoHandler => format!(
-                "(no Python stack: pid {pid} cannot answer: it is not a Python process started \
-                 by tether's Python, or it is still starting up)"
-            ),
-            Reply::Exited(Some(status)) => {
-                format!("(no Python stack: pid {pid} has exited with {status})")
-            }
-            Reply::Exited(None) => format!("(no Python stack: pid {pid} has exited)"),
-            Reply::Unreachable(why) => format!("(no Python stack: cannot ask pid {pid}: {why})"),
-            Reply::LeftAlone(why) => format!("(no Python stack: pid {pid} {})", why.words()),
-        };
-        if let Some(native) = &self.native {
-            text.push_str("\n\nNative stack (py-spy dump --native):\n");
-            text.push_str(native.trim_end());
-        }
-        text
-    }
-}
-
-impl Untouched {
-    fn words(self) -> &'static str {
-        match self {
-            Untouched::ChannelGone => {
-                "closed its stacks channel or reused its fd number; tether writes into no fd \
-                 it does not own, so this process cannot answer"
-            }
-            Untouched::OwnHandler => {
-                "installed its own handler for tether's stack signals (SIGRTMIN+4, \
-                 SIGRTMIN+5); tether no longer sends them"
-            }
-            Untouched::Blocked => {
-                "blocks or waits for tether's stack signal (SIGRTMIN+4) in its main \
-                 thread, where a sigwait or signalfd of its own would take it; it was not \
-                 asked"
-            }
-            Untouched::Paused => {
-                "waits in signal.pause() (or sigsuspend) in its main thread, which any \
-                 signal handler would end; it was not asked"
-            }
-        }
-    }
-}
-
-/// `5 s`, `0.5 s`.
-fn seconds(d: Duration) -> String {
-    let s = d.as_secs_f64();
-    if s.fract() == 0.0 {
-        format!("{s:.0} s")
-    } else {
-        format!("{} s", format!("{s:.3}").trim_end_matches('0'))
-    }
-}
-
-/// A process's state in words, with a hint where the state explains the silence.
-fn state_words(state: Option<char>) -> String {
-    match state {
-        Some('T') => "stopped (state T): a stopped process answers only once continued \
-                      (SIGCONT)"
-            .into(),
-        Some('t') => "stopped by a debugger (state t)".into(),
-        Some('D') => "in uninterruptible sleep in the kernel (state D), where no signal \
-                      handler runs"
-            .into(),
-        Some('Z') => "a zombie (state Z): it has exited".into(),
-        Some('R') => "running (state R): it may block the signal, or be too busy".into(),
-        Some('S') => "sleeping (state S): it may block the signal".into(),
-        Some(c) => format!("in state {c}"),
-        None => "gone".into(),
-    }
-}
-
 /// Whether `pid` catches `signal` (`SigCgt` in /proc/PID/status): only then may it be
 /// sent, since the signal's default action ends a process.
 fn catches(pid: i32, signal: i32) -> bool {
@@ -255,7 +120,7 @@ fn leave_alone(channel: &Channel, pid: i32) -> Option<Untouched> {
     if !holds_socket(pid, channel.inode()) {
         return Some(Untouched::ChannelGone);
     }
-    main_thread_takes(pid, signal())
+    main_thread_takes(channel, pid, signal())
 }
 
 /// Whether `pid` holds the socket `inode` on some fd (true when /proc does not tell).
@@ -266,43 +131,36 @@ fn holds_socket(pid: i32, inode: u64) -> bool {
 
 /// Whether the main thread of `pid` would take `signal` for itself, or wait where a
 /// request would change what it does. A program that waits for the signal blocks it
-/// while it is not in its wait, and the kernel unblocks it while it is, until the thread
-/// runs again after its wait ends (it may wait for a CPU a long while, and /proc says
-/// "running" then). So each look reads the thread's call before and after its `SigBlk`,
-/// and a wait seen in either is the answer; the signal unblocked proves nothing more
-/// while the thread sleeps in another call, or runs through looks some milliseconds
-/// apart (a busy thread), and a look that took long (this thread was not running) proves
-/// nothing. The signal kept blocked for some milliseconds is taken too (glibc blocks
-/// every signal for a moment while it creates a thread, a program that waits for a signal
-/// in another way blocks it for good).
-fn main_thread_takes(pid: i32, signal: i32) -> Option<Untouched> {
-    let mut running_unblocked = 0;
-    let mut unblocked_once = false;
+/// while it is not in its wait, and the kernel unblocks it while it is: so each look reads
+/// the thread's call before and after its `SigBlk`, a wait seen in either is the answer,
+/// and a process once seen waiting for the signal is never sent it again (its wait may
+/// have just ended, with the signal still unblocked while it waits for a CPU). The signal
+/// kept blocked for some milliseconds is taken too (glibc blocks every signal for a moment
+/// while it creates a thread, a program that waits for a signal in another way blocks it
+/// for good).
+fn main_thread_takes(channel: &Channel, pid: i32, signal: i32) -> Option<Untouched> {
+    if channel.sigwaiting(pid) {
+        return Some(Untouched::Blocked);
+    }
     for _ in 0..10 {
-        let started = Instant::now();
         let before = main_thread_call(pid);
         let blocked = blocks(pid, signal);
         let after = main_thread_call(pid);
-        let quick = started.elapsed() < Duration::from_millis(5);
         if let Some(why) = [before, after]
             .iter()
             .find_map(|call| takes(pid, signal, call))
         {
+            if why == Untouched::Blocked {
+                channel.saw_sigwait(pid);
+            }
             return Some(why);
         }
-        if !blocked && quick {
-            match (before, after) {
-                (Some(_), Some(_)) => return None,
-                _ => running_unblocked += 1,
-            }
-            if running_unblocked == 4 {
-                return None;
-            }
+        if !blocked {
+            return None;
         }
-        unblocked_once |= !blocked;
         std::thread::sleep(Duration::from_millis(2));
     }
-    (!unblocked_once).then_some(Untouched::Blocked)
+    Some(Untouched::Blocked)
 }
 
 /// Whether the main thread of `pid` blocks `signal` (`SigBlk` in /proc/PID/status).
@@ -531,13 +389,6 @@ fn add_native(answers: &mut [Answer], py_spy: &std::path::Path, timeout: Duratio
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn timeouts_read_as_seconds() {
-        assert_eq!(seconds(Duration::from_secs(5)), "5 s");
-        assert_eq!(seconds(Duration::from_millis(500)), "0.5 s");
-        assert_eq!(seconds(Duration::from_millis(1250)), "1.25 s");
-    }
 
     #[test]
     fn a_thread_in_pause_is_seen_and_a_running_one_is_not() {

@@ -24,7 +24,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::{Answer, Reply};
+use super::answer::{Answer, Reply};
 
 /// How many places the summary lists before it counts the rest.
 const MOST_PLACES: usize = 8;

@@ -1,6 +1,8 @@
-//! The supervision of an attempt's ranks: waiting for their exits, signals and limits,
-//! stopping them, and cleaning up what they leave.
+//! The supervision of an attempt's ranks: waiting for their exits, the launcher's signals,
+//! the run's limits and the membership moving on; stopping them; and cleaning up what they
+//! leave.
 
+use std::collections::HashSet;
 use std::os::fd::BorrowedFd;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -8,40 +10,61 @@ use std::time::{Duration, Instant};
 use rustix::event::{PollFd, PollFlags};
 use tether_core::{signal_name, Escalation, Group, WaitFor};
 
-use super::{io_err, Launcher, RunError, Stop, DRAIN_LIMIT};
 use crate::clock;
-use crate::hangs::{self, Ranks};
-use crate::output::{self};
+use crate::hangs::{self, Limit, Ranks};
+use crate::output;
 use crate::reaper;
-use crate::rendezvous::{Helper, Message};
+use crate::run::error::{io_err, RunError};
+use crate::run::membership::{Membership, Moved};
+use crate::run::node::Node;
+use crate::run::warm::Warm;
+
+/// How long the supervisor waits for output pipes to drain once every rank has exited, and
+/// after which it says which leftovers are slow to die (it waits for them all the same).
+const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
 /// How long the ranks have after a forwarded SIGINT before they get SIGTERM.
 const INT_TO_TERM: Duration = Duration::from_secs(3);
 
-/// What one poll saw: ranks that exited, signals, and the rendezvous helper's message.
-type Polled = (Vec<usize>, Vec<i32>, Option<Message>);
+/// Why the launcher stopped the ranks of an attempt itself.
+pub enum Stop {
+    Signal(i32),
+    Limit(Limit),
+    Moved(Moved),
+}
 
 /// The record of the attempt's first failure so far, for the other nodes.
-pub(super) type Record<'a> = &'a dyn Fn(&Launcher, &Group) -> Option<serde_json::Value>;
+pub type Record<'a> = &'a dyn Fn(&Group) -> Option<serde_json::Value>;
 
-impl Launcher {
+/// What one poll saw: ranks that exited, signals, and how the job moved on.
+type Polled = (Vec<usize>, Vec<i32>, Option<Moved>);
+
+/// The watch over one attempt's ranks (`group`).
+pub struct Watch<'a> {
+    pub node: &'a Node,
+    pub warm: &'a Warm,
+    pub membership: &'a mut Membership,
+    pub group: &'a Group,
+}
+
+impl Watch<'_> {
     /// Waits until every rank has exited. On the first failure, on a stop signal to the
     /// launcher, or past a limit (after every rank's stack is shown), stops the others (the
     /// signal, the grace period, SIGKILL). A stack signal prints every rank's stack and the
-    /// run goes on. A first failure is published (`record`) before the others are stopped.
-    /// Returns when the stopping began (monotonic clock) and why the launcher stopped the
-    /// ranks itself, if it did.
-    pub(super) fn supervise(
+    /// run goes on. A first failure is published (`record`, through the membership) before
+    /// the others are stopped. Returns when the stopping began (monotonic clock) and why the
+    /// launcher stopped the ranks itself, if it did.
+    pub fn supervise(
         &mut self,
-        group: &Group,
         record: Record<'_>,
     ) -> Result<(Option<Duration>, Option<Stop>), RunError> {
-        let ranks = self.ranks(group);
+        let (node, group) = (self.node, self.group);
+        let ranks = self.ranks();
         loop {
             if let Some(first) = group.first_failure() {
                 log::info!(target: "tether::run", "rank {first} failed: stopping the others");
-                self.publish_failure(group, record);
-                return Ok((Some(self.stop(group, libc::SIGTERM)), None));
+                self.membership.publish_failure(|| record(group));
+                return Ok((Some(self.stop(libc::SIGTERM)), None));
             }
             let live: Vec<usize> = (0..group.len())
                 .filter(|&i| group.exit(i).is_none())
@@ -49,30 +72,27 @@ impl Launcher {
             if live.is_empty() {
                 return Ok((None, None));
             }
-            if let Some(limit) = self.watchdog.passed() {
+            if let Some(limit) = node.watchdog.passed() {
                 log::info!(target: "tether::run", "past a limit: {limit:?}");
-                let python = self.cfg.command.first().filter(|_| self.cfg.python_ranks);
+                let python = node.cfg.command.first().filter(|_| node.cfg.python_ranks);
                 hangs::print_stacks_at_limit(&ranks, limit, python);
-                return Ok((
-                    Some(self.stop(group, libc::SIGTERM)),
-                    Some(Stop::Limit(limit)),
-                ));
+                return Ok((Some(self.stop(libc::SIGTERM)), Some(Stop::Limit(limit))));
             }
-            let (ready, signals, said) = self.poll(group, &live)?;
-            if let Some(stop) = said.and_then(|message| self.moved_on(message)) {
-                return Ok((Some(self.stop(group, libc::SIGTERM)), Some(stop)));
+            let (ready, signals, moved) = self.poll(&live)?;
+            if let Some(moved) = moved {
+                return Ok((Some(self.stop(libc::SIGTERM)), Some(Stop::Moved(moved))));
             }
             for sig in signals {
                 if sig == libc::SIGCHLD {
-                    reaper::reap_orphans(&self.live_pids(group));
+                    reaper::reap_orphans(&self.live_pids());
                     continue;
                 }
-                if self.stack_signals.contains(&sig) {
+                if node.stack_signals.contains(&sig) {
                     hangs::print_stacks_in_background(&ranks, sig);
                     continue;
                 }
                 output::message(&self.stopping_words(sig, live.len()));
-                return Ok((Some(self.stop(group, sig)), Some(Stop::Signal(sig))));
+                return Ok((Some(self.stop(sig)), Some(Stop::Signal(sig))));
             }
             if !ready.is_empty() {
                 // The pidfd is readable once the rank exited; the supervisor thread records
@@ -86,32 +106,42 @@ impl Launcher {
         }
     }
 
-    /// The ranks of `group` with the prefix of each (the default one under `--no-prefix`).
-    pub(super) fn ranks(&self, group: &Group) -> Ranks {
-        let prefixes = (0..self.cfg.nproc)
-            .map(|local| {
-                self.prefix(local)
-                    .unwrap_or_else(|| self.render_prefix(crate::config::DEFAULT_PREFIX, local))
-            })
+    /// The ranks with the prefix of each (the default one under `--no-prefix`).
+    fn ranks(&self) -> Ranks {
+        let prefixes = (0..self.node.cfg.nproc)
+            .map(|local| self.node.prefix_or_default(local))
             .collect();
         Ranks {
-            group: group.clone(),
+            group: self.group.clone(),
             prefixes: Arc::new(prefixes),
         }
     }
 
+    /// The pids of running ranks, which only tether-core may reap, and the launcher's own
+    /// processes beside the ranks (the rendezvous helper, the zygote and the children it
+    /// keeps forked ahead), which are neither leftovers nor for anyone else to reap.
+    fn live_pids(&self) -> HashSet<i32> {
+        let group = self.group;
+        (0..group.len())
+            .filter(|&i| group.exit(i).is_none())
+            .filter_map(|i| group.pid(i))
+            .chain(self.membership.pid())
+            .chain(self.warm.pids())
+            .collect()
+    }
+
     /// The escalation that follows `sig` when the launcher forwards it: a SIGINT (Ctrl-C) is
     /// followed by SIGTERM after [`INT_TO_TERM`] (or half the grace period, if shorter).
-    pub(super) fn escalation(&self, sig: i32) -> Option<Escalation> {
+    fn escalation(&self, sig: i32) -> Option<Escalation> {
         (sig == libc::SIGINT).then(|| Escalation {
             signal: libc::SIGTERM,
-            after: INT_TO_TERM.min(self.cfg.grace / 2),
+            after: INT_TO_TERM.min(self.node.cfg.grace / 2),
         })
     }
 
     /// What the launcher says when it got `sig` and forwards it to `live` ranks.
-    pub(super) fn stopping_words(&self, sig: i32, live: usize) -> String {
-        let grace = self.cfg.grace;
+    fn stopping_words(&self, sig: i32, live: usize) -> String {
+        let grace = self.node.cfg.grace;
         let steps = match self.escalation(sig) {
             Some(then) => format!(
                 "those still running {:?} later get {}, and SIGKILL {grace:?} after the {}",
@@ -131,13 +161,13 @@ impl Launcher {
     /// Stops every rank with tether-core's termination (`sig`, SIGTERM after a SIGINT, the
     /// grace period, SIGKILL), saying so at each step; meanwhile orphans are reaped, and a
     /// SIGINT kills at once. Returns when it began.
-    pub(super) fn stop(&self, group: &Group, sig: i32) -> Duration {
+    fn stop(&self, sig: i32) -> Duration {
         let began = clock::monotonic();
         let kill_now = std::cell::Cell::new(false);
         let mut interrupted = || {
-            while let Some(got) = self.signals.next() {
+            while let Some(got) = self.node.signals.next() {
                 if got == libc::SIGCHLD {
-                    reaper::reap_orphans(&self.live_pids(group));
+                    reaper::reap_orphans(&self.live_pids());
                 } else if got == libc::SIGINT {
                     output::message("tether: SIGINT while stopping: killing every rank now");
                     kill_now.set(true);
@@ -145,7 +175,7 @@ impl Launcher {
             }
             kill_now.get()
         };
-        let grace = self.cfg.grace;
+        let grace = self.node.cfg.grace;
         let then = self.escalation(sig);
         let mut sent = |signal: i32, count: usize| {
             if signal == libc::SIGKILL {
@@ -163,35 +193,35 @@ impl Launcher {
                 ));
             }
         };
-        group.terminate_escalating(sig, then, grace, &mut interrupted, &mut sent);
+        self.group
+            .terminate_escalating(sig, then, grace, &mut interrupted, &mut sent);
         began
     }
 
-    /// Polls the signalfd, the pidfds of the `live` ranks and the rendezvous helper until one
-    /// is ready or a limit may have been reached; returns the ranks that exited, the signals
-    /// that arrived and what the helper said.
-    pub(super) fn poll(&mut self, group: &Group, live: &[usize]) -> Result<Polled, RunError> {
-        if self.helper.as_ref().is_some_and(Helper::has_buffered) {
-            let said = self.helper.as_mut().map(Helper::read);
-            return Ok((Vec::new(), Vec::new(), said));
+    /// Polls the signalfd, the pidfds of the `live` ranks and the membership until one is
+    /// ready or a limit may have been reached; returns the ranks that exited, the signals
+    /// that arrived and how the job moved on.
+    fn poll(&mut self, live: &[usize]) -> Result<Polled, RunError> {
+        if self.membership.has_buffered() {
+            return Ok((Vec::new(), Vec::new(), self.membership.moved_on()));
         }
         let sentinels: Vec<(usize, i32)> = live
             .iter()
-            .filter_map(|&i| group.with_member(i, |m| (i, m.sentinel())))
+            .filter_map(|&i| self.group.with_member(i, |m| (i, m.sentinel())))
             .collect();
         let mut fds = Vec::with_capacity(sentinels.len() + 2);
-        fds.push(PollFd::new(&self.signals, PollFlags::IN));
-        if let Some(helper) = &self.helper {
-            fds.push(PollFd::from_borrowed_fd(helper.fd(), PollFlags::IN));
+        fds.push(PollFd::new(&self.node.signals, PollFlags::IN));
+        if let Some(fd) = self.membership.fd() {
+            fds.push(PollFd::from_borrowed_fd(fd, PollFlags::IN));
         }
         let first_rank = fds.len();
         for &(_, raw) in &sentinels {
-            // SAFETY: the pidfd belongs to a member of `group`, which outlives this poll.
+            // SAFETY: the pidfd belongs to a member of the group, which outlives this poll.
             let fd = unsafe { BorrowedFd::borrow_raw(raw) };
             fds.push(PollFd::from_borrowed_fd(fd, PollFlags::IN));
         }
         // A limit is checked at most 10 ms late, and never in a busy loop.
-        let timeout = self.watchdog.next_check().map(|left| {
+        let timeout = self.node.watchdog.next_check().map(|left| {
             let left = left.max(Duration::from_millis(10));
             rustix::event::Timespec {
                 tv_sec: left.as_secs() as _,
@@ -202,7 +232,7 @@ impl Launcher {
             Ok(_) | Err(rustix::io::Errno::INTR) => {}
             Err(e) => return Err(io_err("poll")(e.into())),
         }
-        let helper_ready = first_rank == 2 && !fds[1].revents().is_empty();
+        let membership_ready = first_rank == 2 && !fds[1].revents().is_empty();
         let ready = fds[first_rank..]
             .iter()
             .zip(&sentinels)
@@ -210,18 +240,18 @@ impl Launcher {
             .map(|(_, &(i, _))| i)
             .collect();
         drop(fds);
-        let signals = std::iter::from_fn(|| self.signals.next()).collect();
-        let said = match helper_ready {
-            true => self.helper.as_mut().map(Helper::read),
+        let signals = std::iter::from_fn(|| self.node.signals.next()).collect();
+        let moved = match membership_ready {
+            true => self.membership.moved_on(),
             false => None,
         };
-        Ok((ready, signals, said))
+        Ok((ready, signals, moved))
     }
 
     /// After every rank has exited: kill and reap what they left behind, every one of them
     /// (the next attempt starts only then), and let the output pumps finish.
-    pub(super) fn cleanup(&self, group: &Group, done: &mpsc::Receiver<()>, pumps: usize) {
-        let live = self.live_pids(group);
+    pub fn cleanup(&self, done: &mpsc::Receiver<()>, pumps: usize) {
+        let live = self.live_pids();
         let slow = |left: &[i32]| {
             output::message(&format!(
                 "tether: {} process(es) that the ranks left are not dead yet after SIGKILL \
@@ -230,14 +260,7 @@ impl Launcher {
             ))
         };
         // A stop signal ends the wait (and the run): no attempt starts after it.
-        let stopped = || {
-            while let Some(sig) = self.signals.next() {
-                if sig != libc::SIGCHLD && !self.stack_signals.contains(&sig) {
-                    self.stop_pending.set(Some(sig));
-                }
-            }
-            self.stop_pending.get().is_some()
-        };
+        let stopped = || self.node.stop_noted();
         reaper::kill_orphans(&live, DRAIN_LIMIT, slow, stopped);
         let deadline = Instant::now() + DRAIN_LIMIT;
         for _ in 0..pumps {
@@ -248,4 +271,10 @@ impl Launcher {
         }
         reaper::reap_orphans(&live);
     }
+}
+
+/// SIGKILL to every rank, and a bounded wait for their exits.
+pub fn kill_all(group: &Group) {
+    group.signal_all(libc::SIGKILL);
+    group.wait(None, WaitFor::AllExited, Some(DRAIN_LIMIT));
 }

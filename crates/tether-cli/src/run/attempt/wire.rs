@@ -1,22 +1,31 @@
 //! The wiring of a rank before its launch: its launch spec, the pipes (or pseudo-terminals)
-//! of its stdout and stderr, its log files and the pumps that read them.
+//! of its stdout and stderr, its log files, its error file and the pumps that read them.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex};
 
 use tether_core::LaunchSpec;
 
-use super::{io_err, Launcher, RunError, Sinks, Wired};
-use crate::config::Streams;
+use crate::config::{Config, Streams};
 use crate::env::rank_env;
-use crate::output::{pty, FilterSink, Prefix, Pump, RankNames, Stream, Tail};
+use crate::output::{pty, FilterSink, Prefix, Pump, SharedTail, Stream, Tail};
+use crate::run::error::{io_err, RunError};
+use crate::run::node::Node;
 
-impl Launcher {
-    /// The attempt's `filtered_stdout.log` and `filtered_stderr.log`, when asked for.
-    pub(super) fn sinks(&self, logs: Option<&Path>) -> Result<Sinks, RunError> {
-        let (Some(dir), out) = (logs, &self.cfg.output) else {
+/// The duplicate-filter files of an attempt.
+#[derive(Default)]
+pub struct Sinks {
+    stdout: Option<FilterSink>,
+    stderr: Option<FilterSink>,
+}
+
+impl Sinks {
+    /// The attempt's `filtered_stdout.log` and `filtered_stderr.log` in `logs`, when asked
+    /// for.
+    pub fn open(cfg: &Config, logs: Option<&Path>) -> Result<Sinks, RunError> {
+        let (Some(dir), out) = (logs, &cfg.output) else {
             return Ok(Sinks::default());
         };
         std::fs::create_dir_all(dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
@@ -37,27 +46,41 @@ impl Launcher {
             stderr: sink(&out.stderr_filters, "filtered_stderr.log")?,
         })
     }
+}
 
-    /// Makes local rank `local`'s launch spec, pipes, log files and pumps. Its stdout and
-    /// stderr share one pipe when both reach a console that is one file and neither goes to
-    /// a log file, so that its lines keep their order. A stream that reaches a terminal of
-    /// the launcher's is a pseudo-terminal instead of a pipe (one for both when they share).
-    pub(super) fn wire(
-        &self,
+/// The pipes and files of one rank, ready for its launch.
+pub struct Wired {
+    pub spec: LaunchSpec,
+    pub write_ends: Vec<OwnedFd>,
+    pub pumps: usize,
+    pub tail: SharedTail,
+    /// Whether the tail holds both streams (one pipe).
+    pub merged: bool,
+    pub error_file: PathBuf,
+}
+
+impl Wired {
+    /// Makes local rank `local`'s launch spec, pipes, log files and pumps for attempt
+    /// `attempt`. Its stdout and stderr share one pipe when both reach a console that is one
+    /// file and neither goes to a log file, so that its lines keep their order. A stream that
+    /// reaches a terminal of the launcher's is a pseudo-terminal instead of a pipe (one for
+    /// both when they share).
+    pub fn new(
+        node: &Node,
         local: usize,
         attempt: u32,
         logs: Option<&Path>,
         sinks: &Sinks,
         done: &mpsc::Sender<()>,
     ) -> Result<Wired, RunError> {
-        let cfg = &self.cfg;
+        let cfg = &node.cfg;
         let rank = cfg.global_rank(local);
-        let error_file = self.error_file(attempt, rank)?;
+        let error_file = error_file(node, attempt, rank)?;
         let mut spec = LaunchSpec::new(cfg.command.clone());
-        spec.env = rank_env(cfg, local, attempt, &error_file, self.omp_unset);
+        spec.env = rank_env(cfg, local, attempt, &error_file, node.omp_unset);
         spec.stacks = cfg.python_ranks;
         let console = cfg.output.console(local);
-        let merged = logs.is_none() && console == Streams::BOTH && self.one_console;
+        let merged = logs.is_none() && console == Streams::BOTH && node.one_console;
         let tty = cfg.output.tty(local);
         let ttys = Streams {
             stdout: tty.stdout && pty::is_terminal(Stream::Stdout),
@@ -71,7 +94,7 @@ impl Launcher {
             merged,
             error_file,
         };
-        let prefix = self.prefix(local);
+        let prefix = node.prefix(local);
         if merged {
             let pump = Pump {
                 console: Some(Stream::Stdout),
@@ -79,11 +102,11 @@ impl Launcher {
                 file: None,
                 tail: Some(wired.tail.clone()),
                 filter: None,
-                activity: Some(self.watchdog.activity.clone()),
+                activity: Some(node.watchdog.activity.clone()),
             };
             let shared = [Stream::Stdout, Stream::Stderr];
             let tty = (ttys == Streams::BOTH).then_some(local);
-            plumb(&mut wired, pump, &shared, tty, done)?;
+            wired.plumb(pump, &shared, tty, done)?;
             return Ok(wired);
         }
         let files = match logs {
@@ -91,16 +114,16 @@ impl Launcher {
             None => (None, None),
         };
         let ptys = [ttys.stdout, ttys.stderr].map(|tty| tty.then_some(local));
-        self.plumb_apart(&mut wired, (console, ptys), files, prefix, sinks, done)?;
+        wired.plumb_apart(node, (console, ptys), files, prefix, sinks, done)?;
         Ok(wired)
     }
 
-    /// Gives a rank's stdout and stderr a pipe and a pump each: its console streams, log
+    /// Gives the rank's stdout and stderr a pipe and a pump each: its console streams, log
     /// files (`files`) and filters; the tail keeps stderr. A stream whose `ptys` entry names
     /// the rank's local rank gets a pty instead of a pipe.
     fn plumb_apart(
-        &self,
-        wired: &mut Wired,
+        &mut self,
+        node: &Node,
         (console, ptys): (Streams, [Option<usize>; 2]),
         files: (Option<File>, Option<File>),
         prefix: Option<Prefix>,
@@ -121,7 +144,7 @@ impl Launcher {
                 Stream::Stderr,
                 console.stderr,
                 err_file,
-                Some(wired.tail.clone()),
+                Some(self.tail.clone()),
                 &sinks.stderr,
                 ptys[1],
             ),
@@ -133,68 +156,51 @@ impl Launcher {
                 file,
                 tail,
                 filter: filter.clone(),
-                activity: Some(self.watchdog.activity.clone()),
+                activity: Some(node.watchdog.activity.clone()),
             };
-            plumb(wired, pump, &[stream], tty, done)?;
+            self.plumb(pump, &[stream], tty, done)?;
         }
         Ok(())
     }
 
-    /// Rank `rank`'s TORCHELASTIC_ERROR_FILE in attempt `attempt`, its directory created.
-    pub(super) fn error_file(&self, attempt: u32, rank: usize) -> Result<PathBuf, RunError> {
-        let dir = self.tmp.join(format!("attempt_{attempt}/rank_{rank}"));
-        std::fs::create_dir_all(&dir)
-            .map_err(io_err(format!("cannot create {}", dir.display())))?;
-        Ok(dir.join("error.json"))
-    }
-
-    /// Local rank `local`'s console prefix (`None` for `--no-prefix`).
-    pub(super) fn prefix(&self, local: usize) -> Option<Prefix> {
-        let template = self.cfg.output.prefix.as_ref()?;
-        Some(self.render_prefix(template, local))
-    }
-
-    pub(super) fn render_prefix(&self, template: &str, local: usize) -> Prefix {
-        let names = RankNames {
-            rank: self.cfg.global_rank(local),
-            local_rank: local,
-            role: &self.cfg.role,
-            hostname: &self.hostname,
+    /// Makes the pipe that carries the rank's `streams` to `pump` (with `tty`, local rank
+    /// `tty`'s pseudo-terminal, of the size of the launcher's terminal on `streams[0]`), and
+    /// starts the pump.
+    fn plumb(
+        &mut self,
+        pump: Pump,
+        streams: &[Stream],
+        tty: Option<usize>,
+        done: &mpsc::Sender<()>,
+    ) -> Result<(), RunError> {
+        let pty = tty.and_then(|local| pty::open(local, streams[0]));
+        let (read, write) = match pty {
+            Some(pty) => (pty.master, pty.slave),
+            None => {
+                let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+                    .map_err(|e| io_err("cannot create a pipe")(e.into()))?;
+                (Arc::new(read), write)
+            }
         };
-        Prefix::render(template, &names)
+        for stream in streams {
+            match stream {
+                Stream::Stdout => self.spec.stdout = Some(write.as_raw_fd()),
+                Stream::Stderr => self.spec.stderr = Some(write.as_raw_fd()),
+            }
+        }
+        self.write_ends.push(write);
+        pump.spawn(read, done.clone())
+            .map_err(io_err("cannot start an output thread"))?;
+        self.pumps += 1;
+        Ok(())
     }
 }
 
-/// Makes the pipe that carries a rank's `streams` to `pump` (with `tty`, local rank `tty`'s
-/// pseudo-terminal, of the size of the launcher's terminal on `streams[0]`), and starts the
-/// pump.
-fn plumb(
-    wired: &mut Wired,
-    pump: Pump,
-    streams: &[Stream],
-    tty: Option<usize>,
-    done: &mpsc::Sender<()>,
-) -> Result<(), RunError> {
-    let pty = tty.and_then(|local| pty::open(local, streams[0]));
-    let (read, write) = match pty {
-        Some(pty) => (pty.master, pty.slave),
-        None => {
-            let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
-                .map_err(|e| io_err("cannot create a pipe")(e.into()))?;
-            (Arc::new(read), write)
-        }
-    };
-    for stream in streams {
-        match stream {
-            Stream::Stdout => wired.spec.stdout = Some(write.as_raw_fd()),
-            Stream::Stderr => wired.spec.stderr = Some(write.as_raw_fd()),
-        }
-    }
-    wired.write_ends.push(write);
-    pump.spawn(read, done.clone())
-        .map_err(io_err("cannot start an output thread"))?;
-    wired.pumps += 1;
-    Ok(())
+/// Rank `rank`'s TORCHELASTIC_ERROR_FILE in attempt `attempt`, its directory created.
+fn error_file(node: &Node, attempt: u32, rank: usize) -> Result<PathBuf, RunError> {
+    let dir = node.tmp.join(format!("attempt_{attempt}/rank_{rank}"));
+    std::fs::create_dir_all(&dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
+    Ok(dir.join("error.json"))
 }
 
 /// `dir/stdout.log` and `dir/stderr.log`, created.

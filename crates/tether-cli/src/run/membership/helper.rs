@@ -1,7 +1,8 @@
-//! torchrun's dynamic forms (`--rdzv-backend c10d`, `etcd`, `etcd-v2` on several nodes, or an
-//! elastic `--nnodes MIN:MAX`): torch's own rendezvous handler runs in a helper process,
-//! `python -m tether._rendezvous`, one per node, and tells the launcher this node's place in
-//! each round. The launcher keeps the ranks, their output and the reports.
+//! The rendezvous helper of torchrun's dynamic forms (`--rdzv-backend c10d`, `etcd`, `etcd-v2`
+//! on several nodes, or an elastic `--nnodes MIN:MAX`): torch's own rendezvous handler runs
+//! in a helper process, `python -m tether._rendezvous` (or a fork of the node's zygote), one
+//! per node, and tells the membership this node's place in each round. The launcher keeps
+//! the ranks, their output and the reports.
 //!
 //! The conversation is JSON lines: commands on the helper's stdin, answers and events on its
 //! stdout (its module documentation lists them).
@@ -15,179 +16,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
-use clap::error::ErrorKind;
 use serde_json::{json, Value};
 
 use tether_core::{Group, WaitFor};
 
-use crate::args::{usage_error, RunArgs};
-
-/// The rendezvous backend named by `--rdzv-backend`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    /// Node ranks from `--node-rank`: tether's own, pure Rust.
-    Static,
-    C10d,
-    Etcd,
-    EtcdV2,
-}
-
-impl Backend {
-    /// `--standalone` is c10d on one node (run locally, without torch's handler).
-    pub fn parse(backend: Option<&str>, standalone: bool) -> Result<Backend, clap::Error> {
-        if standalone {
-            return Ok(Backend::C10d);
-        }
-        match backend.map(str::trim) {
-            None | Some("static") => Ok(Backend::Static),
-            Some("c10d") => Ok(Backend::C10d),
-            Some("etcd") => Ok(Backend::Etcd),
-            Some("etcd-v2") => Ok(Backend::EtcdV2),
-            Some(other) => Err(usage_error(
-                ErrorKind::ValueValidation,
-                format!(
-                    "--rdzv-backend {other} is not supported: use static (with each node's \
-                     --node-rank), c10d (torch's rendezvous over a TCPStore at \
-                     --rdzv-endpoint), or etcd / etcd-v2 where python-etcd is installed"
-                ),
-            )),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Static => "static",
-            Backend::C10d => "c10d",
-            Backend::Etcd => "etcd",
-            Backend::EtcdV2 => "etcd-v2",
-        }
-    }
-}
-
-/// This node's place in the job for one attempt: what its ranks' environment says.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Place {
-    pub node_rank: usize,
-    pub nnodes: usize,
-    /// The global rank of local rank 0.
-    pub rank_base: usize,
-    pub world_size: usize,
-    pub role_rank_base: usize,
-    pub role_world_size: usize,
-    pub master_addr: String,
-    pub master_port: u16,
-    /// Whether the ranks join the launcher's store (`TORCHELASTIC_USE_AGENT_STORE`).
-    pub agent_store: bool,
-}
-
-impl Place {
-    /// A fixed place: `nnodes` nodes of `nproc` ranks each.
-    pub fn fixed(node_rank: usize, nnodes: usize, nproc: usize, addr: String, port: u16) -> Place {
-        Place {
-            node_rank,
-            nnodes,
-            rank_base: node_rank * nproc,
-            world_size: nnodes * nproc,
-            role_rank_base: node_rank * nproc,
-            role_world_size: nnodes * nproc,
-            master_addr: addr,
-            master_port: port,
-            agent_store: false,
-        }
-    }
-
-    /// The place before the first round of a dynamic rendezvous.
-    pub fn unknown(nproc: usize) -> Place {
-        Place::fixed(0, 1, nproc, String::new(), 0)
-    }
-
-    fn from_round(v: &Value) -> Option<Place> {
-        let n = |key: &str| v[key].as_u64().map(|x| x as usize);
-        Some(Place {
-            node_rank: n("group_rank")?,
-            nnodes: n("group_world_size")?,
-            rank_base: n("rank_base")?,
-            world_size: n("world_size")?,
-            role_rank_base: n("role_rank_base")?,
-            role_world_size: n("role_world_size")?,
-            master_addr: v["master_addr"].as_str()?.to_string(),
-            master_port: u16::try_from(v["master_port"].as_u64()?).ok()?,
-            agent_store: v["agent_store"].as_bool()?,
-        })
-    }
-}
-
-/// The options torch's handler is built from, as torchrun builds it.
-#[derive(Debug, Clone)]
-pub struct Rendezvous {
-    pub backend: Backend,
-    pub endpoint: String,
-    pub run_id: String,
-    pub min_nodes: usize,
-    pub max_nodes: usize,
-    pub conf: String,
-    pub local_addr: Option<String>,
-    pub role: String,
-    pub nproc: usize,
-}
-
-impl Rendezvous {
-    pub fn resolve(
-        args: &RunArgs,
-        backend: Backend,
-        (min_nodes, max_nodes): (usize, usize),
-        nproc: usize,
-        run_id: &str,
-    ) -> Result<Rendezvous, clap::Error> {
-        let Some(endpoint) = args.rdzv.endpoint.clone().filter(|e| !e.trim().is_empty()) else {
-            return Err(usage_error(
-                ErrorKind::MissingRequiredArgument,
-                format!(
-                    "--rdzv-backend {} with --nnodes {} needs --rdzv-endpoint HOST[:PORT]: the \
-                     address where the nodes meet (the node at that address hosts the store)",
-                    backend.name(),
-                    nodes_spec(min_nodes, max_nodes)
-                ),
-            ));
-        };
-        parse_endpoint(&endpoint)?;
-        Ok(Rendezvous {
-            backend,
-            endpoint: endpoint.trim().to_string(),
-            run_id: run_id.to_string(),
-            min_nodes,
-            max_nodes,
-            conf: args.rdzv.conf.clone().unwrap_or_default(),
-            local_addr: args.accepted.local_addr.clone(),
-            role: args.program.role.clone(),
-            nproc,
-        })
-    }
-
-    /// The helper's argument: the options as JSON.
-    pub fn options(&self) -> Value {
-        json!({
-            "backend": self.backend.name(),
-            "endpoint": self.endpoint,
-            "run_id": self.run_id,
-            "min_nodes": self.min_nodes,
-            "max_nodes": self.max_nodes,
-            "conf": self.conf,
-            "local_addr": self.local_addr,
-            "role": self.role,
-            "nproc": self.nproc,
-        })
-    }
-}
-
-/// `N` or `MIN:MAX`.
-pub fn nodes_spec(min: usize, max: usize) -> String {
-    if min == max {
-        min.to_string()
-    } else {
-        format!("{min}:{max}")
-    }
-}
+use crate::config::{Place, Rendezvous};
+use crate::zygote::NodeZygote;
 
 /// What the helper said.
 #[derive(Debug)]
@@ -221,7 +55,7 @@ impl Message {
         };
         let round = v["round"].as_u64().unwrap_or(0);
         match v["kind"].as_str() {
-            Some("round") => match Place::from_round(&v) {
+            Some("round") => match place_of_round(&v) {
                 Some(place) => Message::Round(place, round),
                 None => Message::Error(format!("the rendezvous helper said {line:?}")),
             },
@@ -248,6 +82,22 @@ impl Message {
             )),
         }
     }
+}
+
+/// A place as the helper gives it for a round.
+fn place_of_round(v: &Value) -> Option<Place> {
+    let n = |key: &str| v[key].as_u64().map(|x| x as usize);
+    Some(Place {
+        node_rank: n("group_rank")?,
+        nnodes: n("group_world_size")?,
+        rank_base: n("rank_base")?,
+        world_size: n("world_size")?,
+        role_rank_base: n("role_rank_base")?,
+        role_world_size: n("role_world_size")?,
+        master_addr: v["master_addr"].as_str()?.to_string(),
+        master_port: u16::try_from(v["master_port"].as_u64()?).ok()?,
+        agent_store: v["agent_store"].as_bool()?,
+    })
 }
 
 /// The helper's pid, for [`let_the_helper_leave`] (0 when there is none).
@@ -322,18 +172,25 @@ impl Helper {
         })
     }
 
-    /// The helper made by a fork of the node's zygote, the only member of `group`; `stdin`
-    /// and `stdout` are the launcher's ends of its pipes. (It arms SIGTERM as its
-    /// parent-death signal itself.)
-    pub fn forked(group: Group, stdin: OwnedFd, stdout: OwnedFd) -> Helper {
+    /// The helper, forked from `zygote`, with a pipe for its stdin and one for its stdout.
+    /// (It arms SIGTERM as its parent-death signal itself.)
+    pub fn fork(zygote: &mut NodeZygote, rdzv: &Rendezvous) -> Result<Helper, tether_core::Error> {
+        let pipe = || {
+            rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+                .map_err(|e| tether_core::Error::resource("cannot create a pipe", e))
+        };
+        let ((their_in, stdin), (stdout, their_out)) = (pipe()?, pipe()?);
+        let group = Group::new();
+        let options = rdzv.options().to_string();
+        zygote.fork_helper(&group, their_in.as_fd(), their_out.as_fd(), &options)?;
         let pid = group.pid(0).unwrap_or(0);
         HELPER.store(pid, Ordering::SeqCst);
-        Helper {
+        Ok(Helper {
             process: Process::Warm(group),
             pid,
             stdin: Some(File::from(stdin)),
             stdout: BufReader::new(File::from(stdout)),
-        }
+        })
     }
 
     /// The fd to poll for the helper's next message.
@@ -432,42 +289,4 @@ impl Drop for Helper {
             }
         }
     }
-}
-
-/// `HOST[:PORT]`, `[IPV6]:PORT` or `[IPV6]`, as torch reads a rendezvous endpoint.
-pub fn parse_endpoint(endpoint: &str) -> Result<(String, Option<u16>), clap::Error> {
-    let bad = |why: &str| {
-        usage_error(
-            ErrorKind::ValueValidation,
-            format!("invalid --rdzv-endpoint {endpoint:?}: {why}"),
-        )
-    };
-    let ep = endpoint.trim();
-    let (host, port) = if ep.starts_with('[') && ep.ends_with(']') {
-        (ep, None)
-    } else {
-        match ep.rsplit_once(':') {
-            Some((h, p)) => (h, Some(p)),
-            None => (ep, None),
-        }
-    };
-    let host = host
-        .strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host);
-    let port = match port {
-        None => None,
-        Some(p) if (1..=5).contains(&p.len()) && p.bytes().all(|b| b.is_ascii_digit()) => Some(
-            p.parse::<u16>()
-                .map_err(|_| bad("the port must be below 65536"))?,
-        ),
-        Some(_) => return Err(bad("expected HOST:PORT with a numeric port")),
-    };
-    let host_ok = |c: char| c.is_alphanumeric() || matches!(c, '_' | '.' | ':' | '-');
-    if host.is_empty() || !host.chars().all(host_ok) {
-        return Err(bad(
-            "expected a host name, an IPv4 address or an [IPv6] address",
-        ));
-    }
-    Ok((host.to_string(), port))
 }
