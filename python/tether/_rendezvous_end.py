@@ -94,7 +94,7 @@ def decide(store: Any, me: int, nodes: int, own: Dict[str, Any]) -> Dict[str, An
     deadline = time.monotonic() + SETTLE
     records = failures(store, nodes)
     alive = f"{ALIVE}{me}"
-    beat = json.loads(store.get(alive)) if store.check([alive]) else [0, ""]
+    beat: List[Any] = json.loads(store.get(alive)) if store.check([alive]) else [0, ""]
     while time.monotonic() < deadline and not store.check([END]):
         # The node's watch has stopped: its heartbeat goes on here, so that no node takes
         # it for lost (and starts a round without it) while it waits.
