@@ -394,6 +394,63 @@ def test_a_restart_forks_from_the_same_zygote_and_imports_nothing_again(tmp_path
             assert re.search(rf"adopted pid {pid} \((a fork|a blank)", proc.stderr), proc.stderr
 
 
+#: A rank of the head-start tests: rank 0 hosts a listening socket at MASTER_PORT (as torch's
+#: store does) after a moment of other work; every rank writes when it started, and rank 0 when
+#: it listened; rank 1 fails in attempt 0, so that the restart is seen too.
+HOSTS_STORE = """
+import os, socket, sys, time
+from pathlib import Path
+began = time.time()
+out, listens = Path(sys.argv[1]), sys.argv[2] == "listens"
+rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+if rank == "0":
+    time.sleep(0.01)
+    server = socket.create_server(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+    if not listens:
+        server.close()
+    (out / f"listened-{attempt}").write_text(repr(time.time()))
+    others = [out / f"began-{attempt}-{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))]
+    while not all(p.exists() for p in others):
+        time.sleep(0.005)
+(out / f"began-{attempt}-{rank}").write_text(repr(began))
+if attempt == "0" and rank == "1":
+    sys.exit(3)
+"""
+
+
+def run_hosting_a_store(tmp_path: Path, listens: str) -> dict:
+    script = write(tmp_path / "rank.py", HOSTS_STORE)
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [TETHER, "run", "--standalone", "-n", "3", "--max-restarts", "1"]
+    proc = run([*argv, str(script), str(out), listens], tmp_path, tmp_path, TETHER_LOG="info")
+    assert proc.returncode == 0, proc.stderr
+    assert "adopted pid" in proc.stderr, proc.stderr  # the ranks were forks of the zygote
+    return {p.name: float(p.read_text()) for p in out.iterdir()}
+
+
+def test_a_warm_start_forks_the_other_ranks_once_rank_0_listens_on_master_port(
+    tmp_path: Path,
+) -> None:
+    # Forked at once, a rank would connect to rank 0's store before it listens, be refused,
+    # and torch's client would wait about half a second before it tried again.
+    times = run_hosting_a_store(tmp_path, "listens")
+    for attempt in (0, 1):
+        listened = times[f"listened-{attempt}"]
+        for rank in (1, 2):
+            assert times[f"began-{attempt}-{rank}"] >= listened, (attempt, rank, times)
+
+
+def test_rank_0_that_does_not_listen_holds_the_other_ranks_back_a_moment_only(
+    tmp_path: Path,
+) -> None:
+    times = run_hosting_a_store(tmp_path, "closes")
+    for attempt in (0, 1):
+        began = times[f"began-{attempt}-0"]
+        for rank in (1, 2):
+            assert times[f"began-{attempt}-{rank}"] - began < 5, (attempt, rank, times)
+
+
 def test_no_python_commands_start_as_before(tmp_path: Path) -> None:
     proc = run(
         [TETHER, "run", "-n", "2", "--no-python", PYTHON, "-c", "import os; print(os.getppid())"],

@@ -300,6 +300,27 @@ fn private_anonymous(line: &str) -> Option<(usize, usize)> {
     ))
 }
 
+/// Whether a TCP socket of this network namespace listens on `port`, on any address
+/// (`/proc/self/net/tcp` and `tcp6`: state `0A` is LISTEN, the local port is in hex).
+pub fn tcp_listening(port: u16) -> bool {
+    ["net/tcp", "net/tcp6"].iter().any(|file| {
+        let table = read(Of::This, file).unwrap_or_default();
+        table.lines().skip(1).any(|line| listens_on(line, port))
+    })
+}
+
+/// Whether a line of `/proc/net/tcp` is a socket listening on `port`.
+fn listens_on(line: &str, port: u16) -> bool {
+    let mut fields = line.split_whitespace().skip(1);
+    let (Some(local), Some(state)) = (fields.next(), fields.nth(1)) else {
+        return false;
+    };
+    let local_port = local
+        .rsplit_once(':')
+        .map(|(_, p)| u16::from_str_radix(p, 16));
+    state == "0A" && local_port == Some(Ok(port))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -326,6 +347,20 @@ mod tests {
         assert_eq!(stat.field(2), None);
         assert_eq!(stat.command(), Some("a (b) c"));
         assert!(process_start_time(std::process::id() as i32).is_some());
+    }
+
+    #[test]
+    fn a_listening_socket_is_seen_until_it_closes() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert!(tcp_listening(port));
+        drop(listener);
+        assert!(!tcp_listening(port));
+        let line =
+            "   3: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000";
+        assert!(listens_on(line, 8080));
+        assert!(!listens_on(line, 8081));
+        assert!(!listens_on(&line.replace(" 0A ", " 01 "), 8080));
     }
 
     #[test]

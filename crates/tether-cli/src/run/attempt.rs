@@ -65,7 +65,7 @@ impl Attempt<'_> {
         node.watchdog.restart();
         let group = Group::new();
         output::pty::attach(&group);
-        let launched = self.warm.start_ranks(&group, specs);
+        let launched = self.warm.start_ranks(&group, specs, &node.cfg.place);
         // The ranks hold their own copies now; the pumps see EOF once the ranks (and what
         // they started) are gone.
         wired.iter_mut().for_each(|w| w.write_ends.clear());

@@ -3,15 +3,27 @@
 //! rendezvous helper, which is forked from it too) waits for it with stop signals in view;
 //! every rank of every attempt is a fork of it. A zygote that cannot start, or that dies, is
 //! one warning, and the ranks start cold from then on: the job never fails for it.
+//!
+//! Forks start together, so rank 0 gets a head start where it hosts the ranks' store: a rank
+//! that connects to `MASTER_PORT` before rank 0 listens there is refused, and torch's store
+//! client then waits about half a second before it tries again (a cold rank's start-up is
+//! long and uneven enough to hide this; under torchrun the agent hosts the store first).
 
 use std::collections::HashSet;
+use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags};
 use tether_core::{signal_name, Group, LaunchSpec};
 
 use super::node::Node;
+use crate::config::Place;
 use crate::output;
 use crate::zygote::NodeZygote;
+
+/// How long the other ranks of a warm start wait for rank 0 to listen on `MASTER_PORT`: rank
+/// 0 of a script that starts with `init_process_group` listens within a few milliseconds; one
+/// that does other work first costs the others this much of a head start, no more.
+const STORE_HEAD_START: Duration = Duration::from_millis(50);
 
 /// The node's zygote, while the ranks are warm and it serves.
 pub struct Warm {
@@ -79,21 +91,27 @@ impl Warm {
         }
     }
 
-    /// Starts every rank of `specs` (local rank n is member n of `group`): forks of the
-    /// zygote while it serves, new processes otherwise.
+    /// Starts every rank of `specs` (local rank n is member n of `group`) in `place`: forks
+    /// of the zygote while it serves (rank 0 first, when it hosts the store), new processes
+    /// otherwise.
     pub fn start_ranks(
         &mut self,
         group: &Group,
         specs: Vec<LaunchSpec>,
+        place: &Place,
     ) -> Result<(), tether_core::Error> {
         let mut forked = 0;
         if let Some(zygote) = self.zygote.as_mut().filter(|z| z.is_ready()) {
+            let store = hosts_store(place, specs.len()).then_some(place.master_port);
             for (local, spec) in specs.iter().enumerate() {
                 if let Err(err) = zygote.fork_rank(group, spec, local as u32) {
                     self.off(&err.to_string());
                     break;
                 }
                 forked += 1;
+                if let (0, Some(port)) = (local, store) {
+                    wait_until_listening(port);
+                }
             }
         }
         let rest: Vec<LaunchSpec> = specs.into_iter().skip(forked).collect();
@@ -137,4 +155,27 @@ impl Warm {
             zygote.close();
         }
     }
+}
+
+/// Whether local rank 0 is to host the ranks' store at `MASTER_PORT` (it is global rank 0,
+/// and no agent's store serves there) for other local ranks that would connect to it, and
+/// nothing listens there yet.
+fn hosts_store(place: &Place, ranks: usize) -> bool {
+    place.rank_base == 0
+        && !place.agent_store
+        && ranks > 1
+        && !tether_core::proc::tcp_listening(place.master_port)
+}
+
+/// Waits until a socket listens on `port`, [`STORE_HEAD_START`] at most.
+fn wait_until_listening(port: u16) {
+    let began = Instant::now();
+    while !tether_core::proc::tcp_listening(port) {
+        if began.elapsed() >= STORE_HEAD_START {
+            log::info!(target: "tether::run", "rank 0 did not listen on port {port} within {STORE_HEAD_START:?}; the other ranks start");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    log::info!(target: "tether::run", "rank 0 listens on port {port} after {:?}; the other ranks start", began.elapsed());
 }
