@@ -394,11 +394,13 @@ def test_a_restart_forks_from_the_same_zygote_and_imports_nothing_again(tmp_path
             assert re.search(rf"adopted pid {pid} \((a fork|a blank)", proc.stderr), proc.stderr
 
 
-#: A rank of the head-start tests: rank 0 hosts a listening socket at MASTER_PORT (as torch's
-#: store does) after a moment of other work; every rank writes when it started, and rank 0 when
-#: it listened; rank 1 fails in attempt 0, so that the restart is seen too.
+#: A rank of the head-start tests: a script of torch's, whose rank 0 hosts a listening socket
+#: at MASTER_PORT (as torch's store does) after a moment of other work; every rank writes when
+#: it started, and rank 0 when it listened; rank 1 fails in attempt 0, so that the restart is
+#: seen too.
 HOSTS_STORE = """
 import os, socket, sys, time
+import torch
 from pathlib import Path
 began = time.time()
 out, listens = Path(sys.argv[1]), sys.argv[2] == "listens"
@@ -426,6 +428,7 @@ def run_hosting_a_store(tmp_path: Path, listens: str) -> dict:
     proc = run([*argv, str(script), str(out), listens], tmp_path, tmp_path, TETHER_LOG="info")
     assert proc.returncode == 0, proc.stderr
     assert "adopted pid" in proc.stderr, proc.stderr  # the ranks were forks of the zygote
+    assert proc.stderr.count("the other ranks start") == 2, proc.stderr
     return {p.name: float(p.read_text()) for p in out.iterdir()}
 
 
@@ -449,6 +452,13 @@ def test_rank_0_that_does_not_listen_holds_the_other_ranks_back_a_moment_only(
         began = times[f"began-{attempt}-0"]
         for rank in (1, 2):
             assert times[f"began-{attempt}-{rank}"] - began < 5, (attempt, rank, times)
+
+
+def test_the_ranks_of_a_script_without_torch_start_together(tmp_path: Path) -> None:
+    script = write(tmp_path / "rank.py", "import os\nprint('rank', os.environ['RANK'])\n")
+    proc = run([TETHER, "run", "-n", "3", str(script)], tmp_path, tmp_path, TETHER_LOG="info")
+    assert proc.returncode == 0, proc.stderr
+    assert "adopted pid" in proc.stderr and "the other ranks start" not in proc.stderr
 
 
 def test_no_python_commands_start_as_before(tmp_path: Path) -> None:

@@ -54,6 +54,8 @@ pub struct NodeZygote {
     ready: bool,
     /// Whether it has imported what the rendezvous helper needs (said once ready).
     hosts_helper: bool,
+    /// Whether it has preloaded torch (said once ready).
+    torch: bool,
 }
 
 impl NodeZygote {
@@ -86,6 +88,7 @@ impl NodeZygote {
             python,
             ready: false,
             hosts_helper: false,
+            torch: false,
         })
     }
 
@@ -106,6 +109,11 @@ impl NodeZygote {
     /// needs: the script imports torch).
     pub fn hosts_helper(&self) -> bool {
         self.ready && self.hosts_helper
+    }
+
+    /// Whether it has preloaded torch: its ranks are likely to meet through torch's store.
+    pub fn preloaded_torch(&self) -> bool {
+        self.ready && self.torch
     }
 
     /// The fd to poll while it gets ready (readable once it is ready, or gone).
@@ -145,7 +153,10 @@ impl NodeZygote {
                  imports it itself"
             )
         }));
-        let preloaded = said["preloaded"].as_array().map_or(0, Vec::len);
+        let preloaded = said["preloaded"].as_array().cloned().unwrap_or_default();
+        let top = |m: &Value| m.as_str().map(|m| m.split('.').next() == Some("torch"));
+        self.torch = preloaded.iter().any(|m| top(m) == Some(true));
+        let preloaded = preloaded.len();
         log::info!(target: "tether::run", "the zygote (pid {}) is ready: {preloaded} module(s) preloaded", self.pid());
         Ok(notes)
     }

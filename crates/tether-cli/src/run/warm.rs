@@ -92,8 +92,8 @@ impl Warm {
     }
 
     /// Starts every rank of `specs` (local rank n is member n of `group`) in `place`: forks
-    /// of the zygote while it serves (rank 0 first, when it hosts the store), new processes
-    /// otherwise.
+    /// of the zygote while it serves (rank 0 first, when it hosts the store of a script that
+    /// imports torch), new processes otherwise.
     pub fn start_ranks(
         &mut self,
         group: &Group,
@@ -102,7 +102,8 @@ impl Warm {
     ) -> Result<(), tether_core::Error> {
         let mut forked = 0;
         if let Some(zygote) = self.zygote.as_mut().filter(|z| z.is_ready()) {
-            let store = hosts_store(place, specs.len()).then_some(place.master_port);
+            let store = (zygote.preloaded_torch() && hosts_store(place, specs.len()))
+                .then_some(place.master_port);
             for (local, spec) in specs.iter().enumerate() {
                 if let Err(err) = zygote.fork_rank(group, spec, local as u32) {
                     self.off(&err.to_string());
