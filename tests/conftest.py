@@ -25,7 +25,7 @@ import signal
 import tempfile
 import time
 import uuid
-from typing import Dict, Iterable, Iterator, List, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Set, Tuple
 
 import pytest
 
@@ -234,6 +234,18 @@ def _snapshot() -> Dict[str, Set[str]]:
         "tmp": set(os.listdir(tempfile.gettempdir())),
         "shm": shm_entries(pids),
     }
+
+
+@pytest.fixture
+def nodes() -> Iterator[List[Any]]:
+    """The launchers (``test_multinode.Node``) a multi-node test started; any still running
+    at its end are killed."""
+    started: List[Any] = []
+    yield started
+    for node in started:
+        if node.proc.poll() is None:
+            node.proc.kill()
+        node.proc.wait()
 
 
 @pytest.fixture(params=START_METHODS)

@@ -10,7 +10,7 @@ import re
 import signal
 import time
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import List, Tuple
 
 import pytest
 from test_multinode import (
@@ -36,17 +36,6 @@ ROOT = re.compile(
     re.S,
 )
 LATER = "later failures on the job's nodes (consequences), in time order"
-
-
-@pytest.fixture
-def nodes() -> Iterator[List[Node]]:
-    """The launchers a test started; any still running at its end are killed."""
-    started: List[Node] = []
-    yield started
-    for node in started:
-        if node.proc.poll() is None:
-            node.proc.kill()
-        node.proc.wait()
 
 
 def root_cause(node: Node) -> Tuple[str, str, str]:

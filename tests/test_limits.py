@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Dict
 
 import pytest
 
@@ -20,14 +21,12 @@ SCRIPTS = Path(__file__).parent / "scripts"
 LIMIT = 30
 
 
-@pytest.mark.parametrize("method", ["forkserver", "spawn"])
-def test_a_start_past_rlimit_nproc_names_it_and_leaves_nothing_holding_it(
-    method: str, tmp_path: Path
-) -> None:
-    uid = 61000 + os.getpid() % 4000
+def run_as(uid: int, tmp_path: Path, script: str, *args: str) -> Dict[str, Any]:
+    """Runs ``scripts/SCRIPT UID ARGS`` (it drops to ``uid``, which owns ``tmp_path``, its
+    working and temporary directory); returns what it printed last, as JSON."""
     os.chown(tmp_path, uid, uid)
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "under_nproc.py"), str(uid), str(LIMIT), method],
+        [sys.executable, str(SCRIPTS / script), str(uid), *args],
         check=False,
         capture_output=True,
         text=True,
@@ -36,7 +35,16 @@ def test_a_start_past_rlimit_nproc_names_it_and_leaves_nothing_holding_it(
         env=dict(os.environ, TMPDIR=str(tmp_path)),
     )
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.splitlines()[-1])
+    result: Dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_start_past_rlimit_nproc_names_it_and_leaves_nothing_holding_it(
+    method: str, tmp_path: Path
+) -> None:
+    uid = 61000 + os.getpid() % 4000
+    out = run_as(uid, tmp_path, "under_nproc.py", str(LIMIT), method)
     error = out["error"]
     assert error is not None and error.startswith("BlockingIOError"), out
     assert "RLIMIT_NPROC = 30" in error and "`ulimit -u`" in error, error
@@ -82,19 +90,8 @@ def test_idle_blanks_give_way_to_a_process_limit_lowered_after_a_40_rank_start(
 ) -> None:
     # A uid of this test alone: every task of it is the script's, counted at the moment.
     uid = 61000 + (os.getpid() + 1) % 4000
-    os.chown(tmp_path, uid, uid)
     margin = 8
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "lowered_nproc.py"), str(uid), str(margin)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        cwd=tmp_path,
-        env=dict(os.environ, TMPDIR=str(tmp_path)),
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.splitlines()[-1])
+    out = run_as(uid, tmp_path, "lowered_nproc.py", str(margin))
     # The 40-rank start left more blanks than the margin: kept, they would take it all.
     assert out["blanks_before"] >= 2 * margin, out
     # Lowering the limit gave them back before it took effect, down to half of the room.

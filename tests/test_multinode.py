@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
 
@@ -95,16 +95,6 @@ def c10d(port: int, run_id: str = "job", nnodes: str = "2", conf: str = QUICK) -
         f"--rdzv-id={run_id}",
         f"--rdzv-conf={conf}",
     ]
-
-
-@pytest.fixture
-def nodes(tmp_path: Path) -> Iterator[List[Node]]:
-    started: List[Node] = []
-    yield started
-    for node in started:
-        if node.proc.poll() is None:
-            node.proc.kill()
-        node.proc.wait()
 
 
 def start(nodes: List[Node], tmp: Path, argv: List[str], **env: str) -> Node:
