@@ -88,9 +88,14 @@ class Core:
         ids = itertools.count(1)
         self.leases = Leases(self.workers, ids, processes, start_method, self)
         self.tasks = Tasks(
-            self.workers, ids, processes, max_tasks_per_child, self, self.leases.free_held_workers
+            self.workers,
+            ids,
+            processes,
+            max_tasks_per_child,
+            self,
+            self.leases.free_held_workers,
+            name,
         )
-        self.tasks.owner = name
         self.replacing: "set[threading.Thread]" = set()
         self.state: State = "running"
         self.broken: Optional[str] = None

@@ -88,6 +88,7 @@ class Tasks:
         max_tasks_per_child: Optional[int],
         host: TaskHost,
         free_held_workers: Callable[[], None],
+        owner: str,
     ) -> None:
         self.workers = workers
         self.ids = ids
@@ -98,7 +99,7 @@ class Tasks:
         #: pool's ``leases.Leases.free_held_workers``): called when a task waits for one.
         self.free_held_workers = free_held_workers
         #: The pool's name in a crashed task's error (``_words.POOL`` or ``EXECUTOR``).
-        self.owner = _words.POOL
+        self.owner = owner
         self.sinks: Dict[int, Sink] = {}
         #: The error a task fails with when it could not be unpickled ``where`` ("in the
         #: worker": it never ran) or its result could not be ("here"), from the error met.

@@ -118,11 +118,11 @@ fn more(groups: &[(Spot, Vec<(usize, i32)>)]) -> Option<String> {
         .collect();
     all.sort_unstable();
     let verb = if all.len() == 1 { "is" } else { "are" };
-    Some(format!(
-        "{} {verb} in {} other places",
-        ranks_words(&all),
-        groups.len()
-    ))
+    let places = match groups.len() {
+        1 => "1 other place".to_string(),
+        n => format!("{n} other places"),
+    };
+    Some(format!("{} {verb} in {places}", ranks_words(&all)))
 }
 
 /// How files are shown: by name, or by path where two places share a name.
@@ -503,6 +503,17 @@ mod tests {
             "ranks 0, 2-5 wait in all_reduce called from train.py:57; ranks 1, 7 did not \
              answer (pids 1, 10); rank 6 has exited"
         );
+    }
+
+    #[test]
+    fn one_group_past_the_listed_places_is_one_other_place() {
+        let mut answers: Vec<Answer> = (0..10).map(in_all_reduce).collect();
+        for line in 0..9 {
+            let pid = 10 + line as i32;
+            answers.push(stack(pid, &[("/home/u/data.py", 31 + line, "__getitem__")]));
+        }
+        let said = summary_of(&answers);
+        assert!(said.ends_with("; rank 18 is in 1 other place"), "{said}");
     }
 
     #[test]
