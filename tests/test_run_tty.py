@@ -38,15 +38,20 @@ def report(tag):
             size = "%dx%d" % tuple(os.get_terminal_size(f.fileno()))
         except OSError:
             size = "none"
-        print(f"{tag} {name} tty={f.isatty()} size={size}", file=f, flush=True)
+        say(f, f"{tag} {name} tty={f.isatty()} size={size}\n")
+def say(f, text):
+    # One write per line: torchrun's ranks share one terminal, and print() makes two
+    # writes (the text, then the newline) when Python runs unbuffered (PYTHONUNBUFFERED).
+    f.write(text)
+    f.flush()
 report("start")
-print("ready", flush=True)
+say(sys.stdout, "ready\n")
 deadline = time.monotonic() + float(os.environ.get("WAIT", "0"))
 while not got and time.monotonic() < deadline:
     time.sleep(0.02)
 if got:
     report("winch")
-print("bye", end="", flush=True)
+say(sys.stdout, "bye")
 """
 
 LINE = re.compile(r"^(?:\[rank (\d+)\]: )?(start|winch) (stdout|stderr) tty=(\w+) size=(\S+)")
