@@ -153,9 +153,12 @@ impl NodeZygote {
                  imports it itself"
             )
         }));
-        let preloaded = said["preloaded"].as_array().cloned().unwrap_or_default();
-        let top = |m: &Value| m.as_str().map(|m| m.split('.').next() == Some("torch"));
-        self.torch = preloaded.iter().any(|m| top(m) == Some(true));
+        let preloaded: Vec<&str> = said["preloaded"].as_array().map_or(Vec::new(), |all| {
+            all.iter().filter_map(Value::as_str).collect()
+        });
+        self.torch = preloaded
+            .iter()
+            .any(|m| m.split('.').next() == Some("torch"));
         let preloaded = preloaded.len();
         log::info!(target: "tether::run", "the zygote (pid {}) is ready: {preloaded} module(s) preloaded", self.pid());
         Ok(notes)
