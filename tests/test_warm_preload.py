@@ -1,8 +1,10 @@
 """What a node's zygote preloads for ``tether run``'s warm ranks, and what it leaves to the
 ranks: the installed packages a script imports (read from its source, and from the user's
 own modules it imports), never the user's modules; a package whose import reads what
-differs between ranks or attempts, leaves a thread running or initializes CUDA is left to
-the ranks with a warning; a failing preload, or a zygote that dies, never fails the job.
+differs between ranks, does what belongs to one process, changes what tether cannot undo,
+leaves a thread running or initializes CUDA is left to the ranks with a warning; a failing
+preload, or a zygote that dies, never fails the job. What is preloaded shows in a rank only
+from its own import on (``test_warm_visibility.py`` compares it with ``python -u``).
 The packages here are made for the test in a directory named ``site-packages`` on
 ``PYTHONPATH``, which makes them installed packages."""
 
@@ -33,9 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Packages whose import reads what a rank has of its own, each keeping what it read.
 READERS = {
     "reads_rank": ("import os\nSEEN = os.environ.get('RANK')\n", "os.environ['RANK']"),
-    "reads_argv": ("import sys\nSEEN = list(sys.argv)\n", "sys.argv"),
     "reads_pid": ("import os\nSEEN = os.getpid()\n", "os.getpid()"),
-    "reads_cwd": ("import pathlib\nSEEN = str(pathlib.Path.cwd())\n", "os.getcwd()"),
     "reads_main": (
         "import __main__\nSEEN = getattr(__main__, '__file__', None)\n",
         "__main__.__file__",
@@ -44,14 +44,19 @@ READERS = {
 }
 WHY = {
     "reads_rank": "read $RANK",
-    "reads_argv": "read sys.argv",
     "reads_pid": "read the process id",
-    "reads_cwd": "read the working directory",
     "reads_main": "read __main__.__file__",
     "copies_env": "read the whole environment",
 }
+#: Packages whose import reads what a rank has too (the same there): they are preloaded,
+#: and what they read is checked when the rank imports them.
+SAME_IN_A_RANK = {
+    "reads_argv": "import sys\nSEEN = list(sys.argv)\n",
+    "reads_cwd": "import pathlib\nSEEN = str(pathlib.Path.cwd())\n",
+}
 PACKAGES = {
     **{name: source for name, (source, _) in READERS.items()},
+    **SAME_IN_A_RANK,
     "starts_thread": (
         "import threading, time\n"
         "threading.Thread(target=time.sleep, args=(600,), name='agent', daemon=True).start()\n"
@@ -73,11 +78,10 @@ go, deadline = os.environ.get("WARM_TEST_GO", ""), time.monotonic() + 30
 while not os.path.exists(go) and time.monotonic() < deadline:
     time.sleep(0.01)
 """
-#: Packages whose import changes what a rank sees before its first line.
+#: Packages whose import changes what tether cannot undo for a rank that does not import them.
 CHANGERS = {
     "sets_env": "the environment",
     "adds_path": "sys.path",
-    "sets_handler": "a signal handler",
 }
 
 
@@ -146,11 +150,13 @@ def test_a_scripts_imports_are_read_without_running_it(
 
 def test_relative_imports_of_a_module_resolve_against_its_package() -> None:
     tree = ast.parse("from . import a\nfrom ..b import c\nfrom .d.e import f\nimport g.h")
-    assert _warm_scan.imports(tree, "pkg.sub") == (
-        [("pkg.sub", ["a"]), ("pkg.b", ["c"]), ("pkg.sub.d.e", ["f"]), ("g.h", [])],
-        False,
-    )
-    assert _warm_scan.imports(ast.parse("from . import a"), None) == ([], False)
+    assert _warm_scan.imports(tree, "pkg.sub") == [
+        ("pkg.sub", ["a"]),
+        ("pkg.b", ["c"]),
+        ("pkg.sub.d.e", ["f"]),
+        ("g.h", []),
+    ]
+    assert _warm_scan.imports(ast.parse("from . import a"), None) == []
 
 
 @pytest.mark.parametrize(
@@ -161,28 +167,75 @@ def test_relative_imports_of_a_module_resolve_against_its_package() -> None:
         "os.putenv('A', 'b')",
         "environ.update(A='1')",
         "del os.environ['A']",
+        "env = os.environ\nenv['A'] = '1'",
+        "load_dotenv()",
         "sys.path.insert(0, '/vendored')",
         "sys.path[:0] = ['/vendored']",
+        "path = sys.path\npath.append('/vendored')",
         "site.addsitedir('/vendored')",
         "os.chdir('/')",
+        "logging.basicConfig()",
+        "print(parse())",
     ],
 )
-def test_no_import_after_a_change_of_what_imports_see_is_preloaded(
+def test_no_import_after_code_that_may_change_what_imports_read_is_in_the_prefix(
     change: str, tmp_path: Path
 ) -> None:
-    write(tmp_path / "mine.py", f"import os, sys, site\nfrom os import environ\n{change}\n")
+    write(
+        tmp_path / "mine.py",
+        f"import os, sys, site, logging\nfrom os import environ\nload_dotenv = parse = print\n"
+        f"{change}\n",
+    )
     script = write(
         tmp_path / "train.py",
         "import json\nimport mine\nimport numpy\nimport torch\n",
     )
     scan = _warm_scan.Scan(_warm_scan.Places(), [str(tmp_path), *sys.path])
-    assert scan.file(str(script), None) is True
-    assert "json" in scan.found and "numpy" not in scan.found and "torch" not in scan.found
-    tree = ast.parse(f"import os, sys, site\nimport json\n{change}\nimport numpy\n")
-    assert _warm_scan.imports(tree, None) == (
-        [("os", []), ("sys", []), ("site", []), ("json", [])],
-        True,
+    scan.file(str(script), None)
+    assert {"json", "numpy", "torch"} <= set(scan.found)
+    assert "json" in scan.prefix and not {"numpy", "torch"} & scan.prefix, scan.prefix
+
+
+def test_the_prefix_is_what_runs_before_any_code_that_may_change_what_imports_read(
+    tmp_path: Path,
+) -> None:
+    script = write(
+        tmp_path / "train.py",
+        """
+        \"\"\"A training script.\"\"\"
+        from __future__ import annotations
+        import os, warnings
+        from typing import TYPE_CHECKING
+        warnings.filterwarnings("ignore")
+        print("starting")
+        try:
+            import numpy
+        except ImportError:
+            numpy = None
+        if TYPE_CHECKING:
+            import says_hello
+        SIZE = 3 * 4
+        class Model:
+            depth = SIZE
+            @property
+            def width(self):
+                import csv
+                return 2
+        def main():
+            import json
+        if os.environ.get("FLAG"):
+            import torch
+        import decimal
+        parser = make_parser()
+        import fractions
+        if __name__ == "__main__":
+            main()
+        """,
     )
+    scan = _warm_scan.Scan(_warm_scan.Places(), [str(tmp_path), *sys.path])
+    scan.file(str(script), None)
+    assert scan.prefix == {"os", "warnings", "typing", "numpy", "decimal"}, scan.prefix
+    assert {"csv", "json", "torch", "fractions"} <= set(scan.found) - scan.prefix
 
 
 # What the zygote leaves to the ranks -------------------------------------------------------
@@ -198,16 +251,19 @@ def left_out(site: Path, tmp_path_factory: Any) -> subprocess.CompletedProcess:
         f"""
         import json, os, signal, sys
         print("first line", "FROM_PACKAGE" in os.environ, "/from-package" in sys.path,
-              signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL)
+              signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL, "sets_handler" in sys.modules)
         import sets_env, adds_path, sets_handler
-        import clean, starts_thread, marks_cuda, says_hello, {", ".join(names)}
+        print("handler", signal.getsignal(signal.SIGUSR2) is sets_handler.signal.getsignal(
+              signal.SIGUSR2), signal.getsignal(signal.SIGUSR2) != signal.SIG_DFL)
+        import clean, starts_thread, marks_cuda, says_hello, reads_argv, reads_cwd
+        import {", ".join(names)}
         try:
             import broken
         except ImportError as exc:
             print("broken:", exc)
         own = {{"RANK": os.environ["RANK"], "argv": sys.argv, "pid": os.getpid(),
                "cwd": os.getcwd(), "file": __file__}}
-        seen = {{name: sys.modules[name].SEEN for name in {names!r}}}
+        seen = {{name: sys.modules[name].SEEN for name in {names + sorted(SAME_IN_A_RANK)!r}}}
         print("seen", json.dumps([own, seen]))
         """,
     )
@@ -231,10 +287,15 @@ def test_a_package_that_reads_what_a_rank_has_of_its_own_is_left_to_the_ranks(le
         ), (name, left_out.stderr)
 
 
-def test_a_package_that_changes_what_a_rank_sees_first_is_left_to_the_ranks(left_out) -> None:
+def test_a_package_that_changes_what_tether_cannot_undo_is_left_to_the_ranks(left_out) -> None:
     assert sorted(line for line in left_out.stdout.splitlines() if "first line" in line) == [
-        f"[rank {r}]: first line False False True" for r in range(2)
+        f"[rank {r}]: first line False False True False" for r in range(2)
     ]
+    # A signal handler is the import's to set, at the import: it is preloaded.
+    assert sorted(line for line in left_out.stdout.splitlines() if "handler" in line) == [
+        f"[rank {r}]: handler True True" for r in range(2)
+    ]
+    assert "sets_handler is left out" not in left_out.stderr
     for name, what in CHANGERS.items():
         assert (
             f"tether: warning: warm ranks: {name} is left out of the zygote's preload (its "
@@ -374,6 +435,7 @@ def test_a_restart_forks_from_the_same_zygote_and_imports_nothing_again(tmp_path
         import os, sys
         print("torch was there", "torch" in sys.modules)
         import torch
+        print("torch served", torch.ones(1).item(), id(torch))
         if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
             sys.exit(3)
         """,
@@ -385,7 +447,11 @@ def test_a_restart_forks_from_the_same_zygote_and_imports_nothing_again(tmp_path
         TETHER_LOG="info",
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("torch was there True") == 4, proc.stdout
+    # torch is the zygote's (the same object in every rank of both attempts: each imported
+    # it from the zygote), yet no rank sees it before its own import.
+    assert proc.stdout.count("torch was there False") == 4, proc.stdout
+    served = re.findall(r"torch served 1.0 (\d+)", proc.stdout)
+    assert len(served) == 4 and len(set(served)) == 1, proc.stdout
     assert proc.stderr.count("started the zygote of the warm ranks") == 1, proc.stderr
     started = re.findall(r"attempt (\d): started 2 rank\(s\), pids \[(\d+), (\d+)\]", proc.stderr)
     assert [a for a, *_ in started] == ["0", "1"], proc.stderr

@@ -3,21 +3,23 @@ interpreter runs the script.
 
 The start-up hook (``_tether_warm``) calls ``serve`` in an interpreter started with the
 ranks' own command line (``PYTHON -u SCRIPT ARGS`` or ``PYTHON -u -m MODULE ARGS``), right
-before it would run the script. ``serve`` preloads the installed packages the script imports
-(``_warm_scan``), under watch (``_warm_guard``: a module that reads what differs between
-ranks or attempts, leaves a thread running, initializes CUDA or imports a module of the
-user's is left to the ranks, and the zygote starts again without it), then serves
-tether-core's fork requests. In each fork, ``serve`` makes the process the rank: the rank's
-environment, working directory, umask, limits and standard streams (set by the fork
-request), the command line and environment shown in ``/proc``, a fresh random state and
-multiprocessing authkey, the stacks handler, what the preload printed; then it returns, and
-the interpreter runs the script exactly as ``python -u`` would: ``__main__`` (its
-``__file__``, ``-m``'s ``__spec__``), ``sys.argv``, ``sys.path[0]``, exit codes, tracebacks
-and ``atexit`` handlers are the interpreter's own.
+before it would run the script; what tether itself imported by then is out of
+``sys.modules`` already (a rank never sees it). ``serve`` checks the interpreter's start-up
+hooks (``_warm_guard.startup_hooks``), then preloads the installed packages the script
+imports (``_warm_scan``), each under record and undone afterwards (``_warm_guard``,
+``_warm_record``): a package whose import cannot be kept for the ranks is left to them, and
+the zygote starts again without it. Then it serves tether-core's fork requests.
+
+In each fork, ``serve`` makes the process the rank: the rank's environment, working
+directory, umask, limits and standard streams (set by the fork request), the command line
+and environment shown in ``/proc``, the stacks handler; a rank whose script or preloaded
+files changed since the zygote started becomes a new interpreter instead (``_cold``). Then
+it returns, and the interpreter runs the script exactly as ``python -u`` would, with a
+``__main__`` of its own; the preload is hidden, and each package comes when the script's own
+import reaches it (``_warm_serve``).
 
 What cannot be the same as in a new interpreter: the hash seed (fixed when an interpreter
-starts: the zygote's, shared by the ranks of a node), and the preloaded modules are in
-``sys.modules`` before the script imports them."""
+starts: the zygote's, shared by the ranks of a node)."""
 
 from __future__ import annotations
 
@@ -28,9 +30,12 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any, Dict, List, NamedTuple, NoReturn
+from typing import Any, Callable, Dict, List, NamedTuple, NoReturn, Optional, Tuple
 
-from . import _child, _native, _warm_guard, _warm_scan, _zygote_server
+from . import _child, _native, _warm_guard, _warm_probes, _warm_scan, _warm_serve, _zygote_server
+from ._log import logger
+from ._warm_nodes import Node
+from ._warm_record import signature
 
 #: How many times a zygote starts again without the modules it must leave to the ranks.
 MAX_STARTS = 4
@@ -41,68 +46,130 @@ _ROOM = "TETHER_WARM_ROOM"
 
 
 class Zygote(NamedTuple):
-    """What a zygote keeps for its ranks: its command line and name as it started, and what
-    the preload printed."""
+    """What a zygote keeps for its ranks: its command line and name as it started, the
+    script's imports as it read them, the preload, and the files a rank checks before it
+    runs the script."""
 
     arguments: bytes
     comm: str
-    printed: _warm_guard.Captured
     parent: int
+    event: str
+    target: str
+    plan: _warm_scan.Plan
+    preloaded: _warm_serve.Preloaded
+    #: The files read by the imports that loaded compiled code: they cannot be imported
+    #: again in a rank, so a change means a new interpreter.
+    files: Dict[str, Any]
+    #: tether's own modules, out of ``sys.modules`` (the rendezvous helper takes them back).
+    private: Dict[str, Any]
 
 
-def serve(config: Dict[str, Any], event: str, target: str) -> None:
+class Fds(NamedTuple):
+    """The zygote's pipes to the launcher: its report, the fork requests and its notices."""
+
+    report: int
+    request: int
+    notices: int
+
+
+def serve(
+    config: Dict[str, Any],
+    event: str,
+    target: str,
+    set_audit: Callable[[Any], None],
+    private: Dict[str, Any],
+) -> None:
     """Runs the zygote for ``config`` (the launcher's), for the script or module ``target``
     (``event``: the audit event that started it); returns only in a rank."""
     environment = dict(os.environb)
-    report_fd = int(os.environ.pop("TETHER_REPORT_FD"))
-    request_fd, notices_fd = map(int, os.environ.pop(_native.ZYGOTE_FDS_ENV).split(","))
-    os.environ.pop(_ROOM, None)
-    for fd in (report_fd, request_fd, notices_fd):
-        os.set_inheritable(fd, False)
+    fds = _take_fds()
     with open("/proc/self/comm") as f:
         comm = f.read().strip()
     arguments = _native.command_line()
-    left_out = [(str(name), str(why)) for name, why in config.get("left_out", [])]
-    skip = {name for name, _ in left_out + [tuple(p) for p in config.get("failed", [])]}
-    modules = _warm_scan.preload(event, target, config["extra"])
-    # What the node's rendezvous helper needs, for a script that imports torch anyway (the
-    # helper is then a fork of this zygote, and the node imports torch once).
-    helper = any(m.split(".")[0] == "torch" for m in modules) and bool(config.get("helper"))
-    if helper:
-        modules += config["helper"]
-    modules = [m for m in dict.fromkeys(modules) if m not in skip]
+    varying = set(config["varying"])
+    why = _warm_guard.startup_hooks(varying)
+    if why is not None:
+        raise RuntimeError(why)
+    plan = _warm_scan.plan(event, target)
+    modules, helper = _modules(config, plan)
     _name(modules)
-    with _warm_guard.captured() as printed:
-        found = _warm_guard.preload(modules, set(config["varying"]))
+    path = list(sys.path)
+    directories = {p: signature(p) for p in path if p}
+    found, owner = _warm_guard.preload(modules, set(plan.prefix), varying, set_audit)
     if found.left_out or found.failed:
-        _start_again(config, environment, found, [report_fd, request_fd, notices_fd])
+        _start_again(config, environment, found, list(fds))
     _single_threaded()
+    environ = {k: v for k, v in os.environ.items() if k not in varying}
+    preloaded = _warm_serve.Preloaded(
+        owner, sys.modules["__main__"], path, directories, environ, varying
+    )
+    parent = os.getppid()
+    zygote = Zygote(
+        arguments, comm, parent, event, target, plan, preloaded, _native_files(owner), private
+    )
     gc.freeze()  # the preload's objects, shared by every rank, are never walked there
     ready = {
         "helper": helper,
         "preloaded": found.preloaded,
-        "left_out": left_out,
+        "left_out": config.get("left_out", []),
         "failed": config.get("failed", []),
     }
-    zygote = Zygote(arguments, comm, printed, os.getppid())
     # It keeps a child forked ahead for each rank (a restart costs no fork), and does that
     # (and its other idle work) once the ranks it has just started have had the CPU.
     blanks = int(config.get("blanks", 0))
-    served = _native.zygote_serve(
-        request_fd, notices_fd, zygote.parent, json.dumps(ready).encode(), blanks, QUIET
-    )
+    said = json.dumps(ready).encode()
+    served = _native.zygote_serve(fds.request, fds.notices, parent, said, blanks, QUIET)
     if isinstance(served, int):
         os._exit(served)
     _become(served, zygote)
+
+
+def _take_fds() -> Fds:
+    """The zygote's pipes, out of the environment (its ranks never see them)."""
+    report = int(os.environ.pop("TETHER_REPORT_FD"))
+    request, notices = map(int, os.environ.pop(_native.ZYGOTE_FDS_ENV).split(","))
+    os.environ.pop(_ROOM, None)
+    for fd in (report, request, notices):
+        os.set_inheritable(fd, False)
+    return Fds(report, request, notices)
+
+
+def _modules(config: Dict[str, Any], plan: _warm_scan.Plan) -> Tuple[List[str], bool]:
+    """What to preload, in order, and whether the node's rendezvous helper is a fork of this
+    zygote (for a script that imports torch anyway, whose rendezvous modules it preloads:
+    the node imports torch once)."""
+    skip = {str(name) for name, _ in config.get("left_out", []) + config.get("failed", [])}
+    modules = _order(plan) + list(config["extra"])
+    helper = any(m.split(".")[0] == "torch" for m in plan.found) and bool(config.get("helper"))
+    if helper:
+        modules += [m for m in config["helper"] if m.split(".")[0] != "tether"]
+    return [m for m in dict.fromkeys(modules) if m not in skip], helper
+
+
+def _order(plan: _warm_scan.Plan) -> List[str]:
+    """The script's imports, those of its prefix first (each in the order met)."""
+    return [m for m in plan.found if m in plan.prefix] + [
+        m for m in plan.found if m not in plan.prefix
+    ]
+
+
+def _native_files(owner: Dict[str, Node]) -> Dict[str, Any]:
+    files: Dict[str, Any] = {}
+    nodes = {id(node): node for node in owner.values()}
+    for node in nodes.values():
+        if node.native:
+            for each in node.tree():
+                files.update(each.inputs.files)
+    return files
 
 
 def _single_threaded() -> None:
     """Makes sure the zygote forks from a single thread: a throwaway fork lets libraries
     stop the threads they stop at a fork (only when there is one: it costs tens of
     milliseconds with torch loaded); one that stays running fails the zygote."""
-    if _warm_guard.threads():
+    if _warm_probes.threads():
         _zygote_server._quiesce()
-    running = _warm_guard.threads()
+    running = _warm_probes.threads()
     if running:
         raise RuntimeError(f"the zygote has a thread running ({running[0]!r})")
 
@@ -123,7 +190,7 @@ def _start_again(
     fds: List[int],
 ) -> NoReturn:
     """Replaces this zygote (same pid, same fds, the same command line) by a new one that
-    leaves out the modules just found, whose imports cannot be undone here."""
+    leaves out the modules just found, whose imports cannot be kept for the ranks."""
     starts = int(config.get("starts", 1))
     if starts >= MAX_STARTS:
         raise RuntimeError(
@@ -158,45 +225,69 @@ def _become(job: _native.Job, zygote: Zygote) -> None:
             _native.share_enter_job(shared_job.decode())
         _zygote_server._take_environment(env)
         _child.reset_after_fork()
-        _fresh_state()
         if payload.get("kind") == "helper":
             _run_helper(payload, zygote)
-        _native.show_command_line(zygote.arguments, list(env.items()), zygote.comm)
         stacks = payload.get("stacks")
-        if stacks:
-            _child.install_stacks(_native.StacksChannel(int(stacks[0]), int(stacks[1])))
-        _warm_guard.replay(zygote.printed)
+        stale = _stale(zygote)
+        if stale is not None:
+            _cold(zygote, stacks, shared_job, stale)
+        _native.show_command_line(zygote.arguments, list(env.items()), zygote.comm)
+        importlib.invalidate_caches()  # a file the user added since is found
+        _warm_serve.enter(_warm_serve.Server(zygote.preloaded, _install_stacks(stacks)))
     except BaseException:  # noqa: BLE001 - this rank cannot run: its stderr says why
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
 
 
-def _fresh_state() -> None:
-    """What a new interpreter has of its own: random state (Python's ``random`` reseeds
-    itself after a fork), multiprocessing's authkey and original directory, and the import
-    system's caches of directory listings (a file the user added since is found)."""
-    _zygote_server._reseed()
-    process = sys.modules.get("multiprocessing.process")
-    if process is not None:
-        process.current_process().authkey = os.urandom(32)
-        try:
-            process.ORIGINAL_DIR = os.path.abspath(os.getcwd())  # type: ignore[attr-defined]
-        except OSError:
-            process.ORIGINAL_DIR = None  # type: ignore[attr-defined]
-    importlib.invalidate_caches()
+def _install_stacks(stacks: Optional[List[int]]) -> Dict[str, Any]:
+    """Installs the stacks handler on the fork request's channel; the modules that took
+    (``faulthandler``), kept out of ``sys.modules`` until the script imports them."""
+    if not stacks:
+        return {}
+    before = set(sys.modules)
+    _child.install_stacks(_native.StacksChannel(int(stacks[0]), int(stacks[1])))
+    return {name: sys.modules.pop(name) for name in set(sys.modules) - before}
+
+
+def _stale(zygote: Zygote) -> Optional[str]:
+    """Why this rank cannot have the preload (its script now imports otherwise, a file
+    that compiled code's import read changed), or None."""
+    if _warm_scan.plan(zygote.event, zygote.target) != zygote.plan:
+        return "the script's imports changed since the zygote started"
+    for path, known in zygote.files.items():
+        if signature(path) != known:
+            return f"{path} changed since the zygote started"
+    return None
+
+
+def _cold(zygote: Zygote, stacks: Optional[List[int]], job: Optional[bytes], why: str) -> NoReturn:
+    """Makes this process the rank as a new interpreter (``--no-warm``'s), before anything of
+    the script ran: the same command line, this environment, the stacks channel."""
+    logger.info("warm rank %s starts as a new interpreter: %s", os.environ.get("RANK"), why)
+    env = dict(os.environb)
+    if stacks:
+        os.set_inheritable(int(stacks[0]), True)
+        env[b"TETHER_STACKS_FD"] = f"{int(stacks[0])}:{int(stacks[1])}".encode()
+    if job:
+        env[_native.SHARE_JOB_ENV.encode()] = job
+    argv = [arg for arg in zygote.arguments.split(b"\0") if arg]
+    os.execve(sys.executable, argv, env)
 
 
 def _run_helper(payload: Dict[str, Any], zygote: Zygote) -> NoReturn:
     """The node's rendezvous helper (``tether._rendezvous``): it hears of the launcher's
-    death by SIGTERM, as when it runs as ``python -m tether._rendezvous``."""
+    death by SIGTERM, as when it runs as ``python -m tether._rendezvous``. It is tether's
+    own process: the preload and tether's modules are all in place."""
     _native.die_with_parent(signal.SIGTERM, zygote.parent)
     try:
-        _native.set_title(
-            f"tether rendezvous helper of pid {zygote.parent}", "tether-rdzv"
-        )
+        _native.set_title(f"tether rendezvous helper of pid {zygote.parent}", "tether-rdzv")
     except OSError:
         pass
+    for node in {id(n): n for n in zygote.preloaded.owner.values()}.values():
+        for name, module in node.modules.items():
+            sys.modules.setdefault(name, module)
+    sys.modules.update(zygote.private)
     from . import _rendezvous
 
     _rendezvous.main(["tether._rendezvous", payload["options"]])

@@ -4,12 +4,14 @@ from the sources of the user's own modules it imports, followed the same way (at
 ``MAX_FILES`` files). The user's own modules are never preloaded: they may change between
 attempts, and each rank imports them afresh, as a new interpreter does.
 
-What a package sees at import must be what it would see in the rank: from the first
-statement that changes the environment, ``sys.path``, the import hooks or the working
-directory (``os.environ[...] = ...``, ``os.putenv``, ``sys.path.insert``,
-``site.addsitedir``, ``os.chdir``, ...), in a file or in one of the user's modules it
-imports, the imports that follow are left to the ranks (``import os; os.environ["OMP_NUM_THREADS"]
-= "4"; import numpy``: numpy is not preloaded, its threads must see the 4).
+A rank gets a preloaded module only when its own import reaches it (``_warm_serve``), and
+only when what the module's import read is what the rank has then; else the rank imports it
+itself. A module of compiled code (torch, numpy) cannot be imported twice in a process, so
+for it that check must hold by construction: the scan tells the imports that the script
+makes unconditionally before any statement that could change what an import reads (its
+*prefix*: imports, definitions, assignments of names, ``if TYPE_CHECKING:``, ``try: import
+... except ImportError:``, warnings filters and prints), and only these may load compiled
+code in the zygote.
 
 A name is looked up as the rank's interpreter would look it up (``sys.path``, the script's
 directory first), with the import system's path finder, which imports nothing: a module of
@@ -23,7 +25,7 @@ import ast
 import importlib.machinery
 import os
 import sys
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from . import _zygote
 
@@ -84,6 +86,14 @@ def _location(spec: importlib.machinery.ModuleSpec) -> Optional[str]:
     return locations[0] if locations else None
 
 
+class Plan(NamedTuple):
+    """What a script imports: every installed or standard module, in the order met, and
+    those of them in the script's prefix (see the module's documentation)."""
+
+    found: Tuple[str, ...]
+    prefix: FrozenSet[str]
+
+
 class Scan:
     """The modules found so far, in the order met."""
 
@@ -91,52 +101,59 @@ class Scan:
         self.places = places
         self.search = list(search)
         self.found: List[str] = []
+        self.prefix: Set[str] = set()
         self.read: Set[str] = set()
-        #: Whether each file read changes what later imports see.
-        self.changes: Dict[str, bool] = {}
+        #: Whether every statement run so far is one that cannot change what an import reads.
+        self.pure = True
 
-    def add(self, name: str) -> None:
-        if name not in self.found and name.split(".")[0] not in NEVER:
+    def plan(self) -> Plan:
+        return Plan(tuple(self.found), frozenset(self.prefix))
+
+    def add(self, name: str, prefix: bool) -> None:
+        if name.split(".")[0] in NEVER:
+            return
+        if name not in self.found:
             self.found.append(name)
+        if prefix:
+            self.prefix.add(name)
 
-    def module(self, name: str, names: Sequence[str] = ()) -> bool:
-        """An import of ``name`` (``from name import names``); whether it changes what later
-        imports see (a module of the user's that does)."""
+    def module(self, name: str, names: Sequence[str], prefix: bool) -> None:
+        """An import of ``name`` (``from name import names``), unconditional in the prefix
+        when ``prefix``."""
         spec = find(name, self.search)
         where = None if spec is None else _location(spec)
         if spec is None or where is None:
-            return False
+            if spec is None and name.split(".")[0] not in sys.builtin_module_names:
+                self.pure = False  # not found here: what runs instead is unknown
+            return
         kind = self.places.kind(where)
-        changes = False
         if kind == "own":
-            changes = self.source(spec, name)
+            self.source(spec, name, prefix)
         elif kind in ("installed", "stdlib"):
-            self.add(name)
+            self.add(name, prefix and self.pure)
         for sub in names:
-            if changes:
-                break
             if sub != "*" and spec.submodule_search_locations is not None:
                 child = f"{name}.{sub}"
                 if find(child, self.search) is not None:
-                    changes = self.module(child)
-        return changes
+                    self.module(child, (), prefix)
 
-    def source(self, spec: importlib.machinery.ModuleSpec, name: str) -> bool:
-        """Follows a module of the user's: its own imports count too."""
+    def source(self, spec: importlib.machinery.ModuleSpec, name: str, prefix: bool) -> None:
+        """Follows a module of the user's: its statements run now, its imports count too."""
         if spec.origin and spec.origin.endswith(".py"):
             is_package = spec.submodule_search_locations is not None
-            return self.file(spec.origin, name if is_package else name.rpartition(".")[0])
-        return False
+            self.file(spec.origin, name if is_package else name.rpartition(".")[0], prefix)
+        else:
+            self.pure = False
 
-    def file(self, path: str, package: Optional[str]) -> bool:
-        """The imports of the source file ``path``, of ``package`` (for relative imports);
-        whether it changes what later imports see (a file that cannot be read is taken to:
-        when in doubt, nothing after it is preloaded)."""
+    def file(self, path: str, package: Optional[str], unconditional: bool = True) -> None:
+        """The source file ``path`` of ``package`` (for relative imports), run (a file that
+        cannot be read is taken to change anything: nothing after it is in the prefix)."""
         real = os.path.realpath(path)
         if real in self.read:
-            return self.changes.get(real, False)
+            return
         if len(self.read) >= MAX_FILES:
-            return True
+            self.pure = False
+            return
         self.read.add(real)
         try:
             if os.path.getsize(real) > MAX_BYTES:
@@ -144,22 +161,76 @@ class Scan:
             with open(real, "rb") as f:
                 tree = ast.parse(f.read(), filename=path)
         except (OSError, SyntaxError, ValueError):
-            self.changes[real] = True
-            return True
-        found, changes = imports(tree, package)
-        for name, names in found:
-            if self.module(name, names):
-                changes = True
-                break
-        self.changes[real] = changes
-        return changes
+            self.pure = False
+            return
+        self.body(tree.body, package, unconditional)
+
+    def body(
+        self, statements: Sequence[ast.stmt], package: Optional[str], unconditional: bool
+    ) -> None:
+        for statement in statements:
+            self.statement(statement, package, unconditional)
+
+    def statement(self, node: ast.stmt, package: Optional[str], unconditional: bool) -> None:
+        """One statement, run in order: its imports, and whether the prefix ends here."""
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for name, names in imports_of(node, package):
+                self.module(name, names, unconditional and self.pure)
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            self.body(node.orelse, package, unconditional)
+        elif isinstance(node, ast.Try):
+            self.body(node.body, package, unconditional)
+            for handler in node.handlers:
+                self.body(handler.body, package, False)
+            self.body(node.orelse, package, False)
+            self.body(node.finalbody, package, unconditional)
+        elif isinstance(node, ast.If):
+            if not _pure(node.test):
+                self.pure = False
+            self.body(node.body, package, False)
+            self.body(node.orelse, package, False)
+        elif isinstance(node, ast.ClassDef) and _pure_class(node):
+            self.body(node.body, package, unconditional)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _plain(node):
+            self.later(node, package)
+        elif _pure_statement(node):
+            return
+        else:
+            self.pure = False
+            self.later(node, package)
+
+    def later(self, node: ast.AST, package: Optional[str]) -> None:
+        """The imports inside ``node`` (a function's body, a loop, ...), which run later if
+        at all: never in the prefix."""
+        pure = self.pure
+        todo: List[ast.AST] = list(ast.iter_child_nodes(node))
+        while todo:
+            sub = todo.pop(0)
+            if isinstance(sub, ast.If) and _is_type_checking(sub.test):
+                todo[:0] = sub.orelse
+                continue
+            if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                for name, names in imports_of(sub, package):
+                    self.module(name, names, False)
+            todo[:0] = list(ast.iter_child_nodes(sub))
+        self.pure = pure
 
 
-def imports(tree: ast.AST, package: Optional[str]) -> Tuple[List[Tuple[str, List[str]]], bool]:
-    """Every ``(module, names)`` a tree imports (``import a.b``: ``("a.b", [])``; ``from a
-    import b, c``: ``("a", ["b", "c"])``), relative imports made absolute against
-    ``package``, in source order, up to its first change of what later imports see; and
-    whether it has one. Nothing under ``if TYPE_CHECKING:`` counts."""
+def imports_of(node: ast.AST, package: Optional[str]) -> List[Tuple[str, List[str]]]:
+    """What an import statement imports: ``import a.b`` is ``("a.b", [])``, ``from a import
+    b, c`` is ``("a", ["b", "c"])``; relative imports made absolute against ``package``."""
+    if isinstance(node, ast.Import):
+        return [(alias.name, []) for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+        base = _absolute(node.module, node.level, package)
+        if base is not None:
+            return [(base, [alias.name for alias in node.names])]
+    return []
+
+
+def imports(tree: ast.AST, package: Optional[str]) -> List[Tuple[str, List[str]]]:
+    """Every ``(module, names)`` a tree imports, in source order (nothing under ``if
+    TYPE_CHECKING:``)."""
     found: List[Tuple[str, List[str]]] = []
     todo: List[ast.AST] = [tree]
     while todo:
@@ -167,53 +238,90 @@ def imports(tree: ast.AST, package: Optional[str]) -> Tuple[List[Tuple[str, List
         if isinstance(node, ast.If) and _is_type_checking(node.test):
             todo.extend(reversed(node.orelse))
             continue
-        if _changes_imports(node):
-            return found, True
-        if isinstance(node, ast.Import):
-            found.extend((alias.name, []) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = _absolute(node.module, node.level, package)
-            if base is not None:
-                found.append((base, [alias.name for alias in node.names]))
+        found += imports_of(node, package)
         todo.extend(reversed(list(ast.iter_child_nodes(node))))
-    return found, False
+    return found
 
 
-#: Calls that change what an import sees, whatever they are called on.
-_CHANGING_CALLS = {"putenv", "unsetenv", "chdir", "fchdir", "addsitedir"}
-#: Methods that change a mapping or a list.
-_MUTATORS = {"update", "setdefault", "pop", "popitem", "clear", "insert", "append", "extend"}
-_MUTATORS |= {"remove", "__setitem__", "__delitem__"}
-#: What a change is made to: ``os.environ``, ``sys.path``, ``sys.meta_path``, ...
-_WATCHED = {"os": {"environ", "environb"}, "sys": {"path", "meta_path", "path_hooks"}}
+#: Calls that change nothing an import reads (warnings are replayed under the rank's
+#: filters; a print writes; the others read).
+_HARMLESS_CALLS = {"warnings.filterwarnings", "warnings.simplefilter"}
+_HARMLESS_CALLS |= {"warnings.resetwarnings"}
+_HARMLESS_CALLS |= {"print", "os.environ.get", "environ.get", "os.getenv", "getenv", "len"}
+_HARMLESS_CALLS |= {"isinstance", "hasattr", "os.path.exists", "os.path.join"}
+_PURE_EXPRESSIONS: Tuple[type, ...] = (ast.Constant, ast.Name, ast.Attribute, ast.Subscript)
+_PURE_EXPRESSIONS += (ast.Tuple, ast.List)
+_PURE_EXPRESSIONS += (ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare)
+_PURE_EXPRESSIONS += (ast.IfExp, ast.JoinedStr, ast.FormattedValue, ast.Lambda, ast.Starred)
+_PURE_EXPRESSIONS += (ast.Slice, ast.Load, ast.expr_context, ast.operator, ast.unaryop)
+_PURE_EXPRESSIONS += (ast.boolop, ast.cmpop, ast.arguments, ast.arg, ast.keyword)
 
 
-def _names(node: ast.AST) -> bool:
-    """Whether ``node`` names the environment (``os.environ``, or ``environ`` imported from
-    os), ``sys.path`` or the import hooks; ``x[k]`` counts as ``x``."""
-    while isinstance(node, ast.Subscript):
-        node = node.value
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-        return node.attr in _WATCHED.get(node.value.id, ())
-    return isinstance(node, ast.Name) and node.id in _WATCHED["os"]
-
-
-def _changes_imports(node: ast.AST) -> bool:
-    """Whether the statement or call ``node`` changes the environment, ``sys.path``, the
-    import hooks or the working directory."""
-    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
-        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
-        return any(_names(target) for target in targets)
-    if not isinstance(node, ast.Call):
+def _pure(node: Optional[ast.AST]) -> bool:
+    """Whether evaluating the expression ``node`` calls nothing (but a harmless call)."""
+    if node is None:
+        return True
+    if isinstance(node, ast.Call):
+        if _dotted(node.func) not in _HARMLESS_CALLS:
+            return False
+        return all(_pure(a) for a in node.args) and all(_pure(k.value) for k in node.keywords)
+    if isinstance(node, ast.Lambda):
+        return True
+    if not isinstance(node, _PURE_EXPRESSIONS):
         return False
-    func = node.func
-    if isinstance(func, ast.Name):
-        return func.id in _CHANGING_CALLS
-    if isinstance(func, ast.Attribute):
-        if func.attr in _CHANGING_CALLS:
-            return True
-        return func.attr in _MUTATORS and _names(func.value)
+    return all(_pure(child) for child in ast.iter_child_nodes(node))
+
+
+def _dotted(node: ast.AST) -> Optional[str]:
+    """``a.b.c`` for an attribute of names, or None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def _names_only(target: ast.AST) -> bool:
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return all(_names_only(t) for t in target.elts)
+    return isinstance(target, ast.Name)
+
+
+def _pure_statement(node: ast.stmt) -> bool:
+    """Whether the statement changes nothing an import reads: a docstring or harmless call,
+    an assignment to names, ``pass``, ``global``."""
+    if isinstance(node, (ast.Pass, ast.Global, ast.Nonlocal)):
+        return True
+    if isinstance(node, ast.Expr):
+        return _pure(node.value)
+    if isinstance(node, ast.Assign):
+        return all(_names_only(t) for t in node.targets) and _pure(node.value)
+    if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+        return isinstance(node.target, ast.Name) and _pure(node.value)
+    if isinstance(node, ast.Assert):
+        return _pure(node.test) and _pure(node.msg)
     return False
+
+
+#: Decorators that only wrap a method.
+_HARMLESS_DECORATORS = {"property", "staticmethod", "classmethod", "abstractmethod"}
+_HARMLESS_DECORATORS |= {"setter", "getter", "deleter"}
+
+
+def _plain(node: ast.AST) -> bool:
+    """A function statement whose decorators (if any) only wrap it."""
+    for decorator in getattr(node, "decorator_list", ()):
+        name = decorator.attr if isinstance(decorator, ast.Attribute) else None
+        name = decorator.id if isinstance(decorator, ast.Name) else name
+        if name not in _HARMLESS_DECORATORS:
+            return False
+    return True
+
+
+def _pure_class(node: ast.ClassDef) -> bool:
+    """A class statement without decorators, metaclass or keywords, of plain bases."""
+    return not node.decorator_list and not node.keywords and all(_pure(b) for b in node.bases)
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -250,10 +358,10 @@ def main_module(name: str, search: Sequence[str]) -> Optional[Tuple[str, Optiona
     return spec.origin, name.rpartition(".")[0] or None
 
 
-def preload(event: str, target: str, extra: Sequence[str] = ()) -> List[str]:
-    """The modules the zygote of ``python -u SCRIPT`` (``event`` ``cpython.run_file``,
-    ``target`` the script) or ``python -u -m MODULE`` (``cpython.run_module``) preloads, then
-    ``extra``; the script's directory (or ``-m``'s working directory) is ``sys.path[0]``."""
+def plan(event: str, target: str) -> Plan:
+    """What ``python -u SCRIPT`` (``event`` ``cpython.run_file``, ``target`` the script) or
+    ``python -u -m MODULE`` (``cpython.run_module``) imports; the script's directory (or
+    ``-m``'s working directory) is ``sys.path[0]``."""
     scan = Scan(Places(), sys.path)
     if event == "cpython.run_file":
         scan.file(target, None)
@@ -262,8 +370,6 @@ def preload(event: str, target: str, extra: Sequence[str] = ()) -> List[str]:
         if main is not None:
             package = main[1]
             if package:
-                scan.module(package)
+                scan.module(package, (), True)
             scan.file(main[0], package)
-    for name in extra:
-        scan.add(name)
-    return scan.found
+    return scan.plan()

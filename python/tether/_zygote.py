@@ -57,14 +57,30 @@ def preload_words(preload: Sequence[str]) -> str:
 
 
 def _site_dirs() -> List[str]:
+    """Where installed packages live: the site directories, and any folder on ``sys.path``
+    that holds installed distributions (``pip install --target DIR`` on ``PYTHONPATH``), but
+    the script's own (``sys.path[0]``)."""
     dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
     dirs += [p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages"))]
+    dirs += [p for p in sys.path[1:] if p and _holds_distributions(p)]
     return sorted({os.path.realpath(d) + os.sep for d in dirs if d})
 
 
+def _holds_distributions(folder: str) -> bool:
+    try:
+        with os.scandir(folder) as entries:
+            return any(e.name.endswith(".dist-info") for e in entries)
+    except OSError:
+        return False
+
+
 def _stdlib_dirs() -> List[str]:
-    paths = sysconfig.get_paths()
-    return sorted({os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib")})
+    return list(_STDLIB_DIRS)
+
+
+_PATHS = sysconfig.get_paths()
+#: Where the standard library lives (read once: sysconfig imports more the first time).
+_STDLIB_DIRS = sorted({os.path.realpath(_PATHS[k]) + os.sep for k in ("stdlib", "platstdlib")})
 
 
 def installed_modules() -> Tuple[str, ...]:

@@ -19,11 +19,17 @@ runs instead, which exits with status 75 and runs nothing of the user's. A zygot
 fails never falls through to the script: it writes a report for the launcher (the frame of
 ``tether_core::report``) on ``TETHER_REPORT_FD`` and exits."""
 
-import json
-import os
-import struct
 import sys
-import traceback
+
+#: The modules loaded before this hook: what it imports itself is tether's, which a rank
+#: never sees (see ``install``).
+_BEFORE = set(sys.modules)
+
+import atexit  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import struct  # noqa: E402
+import traceback  # noqa: E402
 
 _VARIABLE = "TETHER_WARM"
 #: The version of the launcher's configuration this hook reads.
@@ -31,6 +37,8 @@ _VERSION = 1
 
 _config = {}
 _done = False
+#: Where the zygote's recorder wants the interpreter's audit events while it preloads.
+_watcher = None
 #: The zygote's report pipe (its number stays in the environment until the zygote runs).
 _report_fd = -1
 
@@ -45,10 +53,23 @@ def install() -> None:
     except ValueError:
         return  # the bootstrap runs and says that no hook took over
     sys.addaudithook(_hook)
+    if _config.get("phase") == "zygote":
+        # What this hook imported is tether's: the start-up code that follows (other .pth
+        # files, sitecustomize), and the script's ranks, import their own.
+        for name in set(sys.modules) - _BEFORE | {__name__}:
+            sys.modules.pop(name, None)
+
+
+def _set_watcher(watcher) -> None:
+    """Sends the audit events to ``watcher`` (None: no more)."""
+    global _watcher
+    _watcher = watcher
 
 
 def _hook(event: str, args: tuple) -> None:
     global _done
+    if _watcher is not None:
+        _watcher(event, args)
     if _done or not event.startswith("cpython.run_"):
         return
     _done = True  # one start per interpreter: every later event costs this one check
@@ -93,12 +114,34 @@ def _enter(event: str, target: str) -> None:
     script's directory on ``sys.path`` (a module of the user's named like one of tether's
     must not stand in for it)."""
     first = sys.path.pop(0) if sys.path else None
+    import _warnings
+
+    before, filters, count = set(sys.modules), list(_warnings.filters), atexit._ncallbacks()
+    registered = []
+    register = atexit.register
+
+    def note(func, *args, **kwargs):
+        registered.append(func)
+        return register(func, *args, **kwargs)
+
+    atexit.register = note
+    sys.modules["atexit"] = atexit  # (tether's own imports register through this one)
     try:
         from tether import _warm
     finally:
+        atexit.register = register
         if first is not None:
             sys.path.insert(0, first)
-    _warm.serve(_config, event, target)
+    # What tether's own imports did, a rank never sees.
+    for func in registered:
+        atexit.unregister(func)
+    if count == 0:
+        atexit._clear()  # (unregister leaves the count as it was)
+    _warnings.filters[:] = filters
+    _warnings._filters_mutated()
+    before.discard("atexit")
+    private = {name: sys.modules.pop(name) for name in set(sys.modules) - before}
+    _warm.serve(_config, event, target, _set_watcher, private)
 
 
 def _report_and_exit(exc: BaseException) -> None:
