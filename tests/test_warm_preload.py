@@ -174,8 +174,9 @@ def test_relative_imports_of_a_module_resolve_against_its_package() -> None:
         "path = sys.path\npath.append('/vendored')",
         "site.addsitedir('/vendored')",
         "os.chdir('/')",
-        "logging.basicConfig()",
+        "importlib.import_module('json')",
         "print(parse())",
+        "Config().load()",
     ],
 )
 def test_no_import_after_code_that_may_change_what_imports_read_is_in_the_prefix(
@@ -183,7 +184,8 @@ def test_no_import_after_code_that_may_change_what_imports_read_is_in_the_prefix
 ) -> None:
     write(
         tmp_path / "mine.py",
-        f"import os, sys, site, logging\nfrom os import environ\nload_dotenv = parse = print\n"
+        "import os, sys, site, importlib\nfrom os import environ\n"
+        "def load_dotenv():\n    pass\ndef parse():\n    return 1\nclass Config:\n    pass\n"
         f"{change}\n",
     )
     script = write(
@@ -194,6 +196,29 @@ def test_no_import_after_code_that_may_change_what_imports_read_is_in_the_prefix
     scan.file(str(script), None)
     assert {"json", "numpy", "torch"} <= set(scan.found)
     assert "json" in scan.prefix and not {"numpy", "torch"} & scan.prefix, scan.prefix
+
+
+@pytest.mark.parametrize(
+    "harmless",
+    [
+        "marks, mode = Path(sys.argv[1]), sys.argv[2]",
+        "attempt = os.environ['TORCHELASTIC_RESTART_COUNT']",
+        "parser = argparse.ArgumentParser()\nparser.add_argument('--lr')\nargs = parser.parse_args()",
+        "logging.basicConfig(level=logging.INFO)\nlog = logging.getLogger(__name__)",
+        "with open(__file__) as f:\n    text = f.read()",
+        "config = {}\nconfig['lr'] = 0.1\nfor k in sorted(config):\n    config[k] = str(k)",
+        "Path('out').resolve().exists()",
+    ],
+)
+def test_harmless_code_before_an_import_keeps_it_in_the_prefix(harmless: str, tmp_path: Path) -> None:
+    script = write(
+        tmp_path / "train.py",
+        "import os, sys, argparse, logging\nfrom pathlib import Path\n"
+        f"{harmless}\nimport torch\n",
+    )
+    scan = _warm_scan.Scan(_warm_scan.Places(), [str(tmp_path), *sys.path])
+    scan.file(str(script), None)
+    assert "torch" in scan.prefix, scan.prefix
 
 
 def test_the_prefix_is_what_runs_before_any_code_that_may_change_what_imports_read(
@@ -226,7 +251,7 @@ def test_the_prefix_is_what_runs_before_any_code_that_may_change_what_imports_re
         if os.environ.get("FLAG"):
             import torch
         import decimal
-        parser = make_parser()
+        parser = Model()
         import fractions
         if __name__ == "__main__":
             main()

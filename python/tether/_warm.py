@@ -30,7 +30,7 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any, Callable, Dict, List, NamedTuple, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, NoReturn, Optional, Set, Tuple
 
 from . import _child, _native, _warm_guard, _warm_probes, _warm_scan, _warm_serve, _zygote_server
 from ._log import logger
@@ -95,7 +95,7 @@ def serve(
     _name(modules)
     path = list(sys.path)
     directories = {p: signature(p) for p in path if p}
-    found, owner = _warm_guard.preload(modules, set(plan.prefix), varying, set_audit)
+    found, owner = _warm_guard.preload(modules, _prefix(plan, config), varying, set_audit)
     if found.left_out or found.failed:
         _start_again(config, environment, found, list(fds))
     _single_threaded()
@@ -122,6 +122,19 @@ def serve(
     if isinstance(served, int):
         os._exit(served)
     _become(served, zygote)
+
+
+def _prefix(plan: _warm_scan.Plan, config: Dict[str, Any]) -> Set[str]:
+    """The script's prefix imports that may load compiled code: those before the first one
+    left to the ranks whose import changes what later imports read (a rank runs it)."""
+    changers = {str(n) for n, why in config.get("left_out", []) if "changed" in str(why)}
+    prefix: Set[str] = set()
+    for name in plan.found:
+        if name in changers:
+            break
+        if name in plan.prefix:
+            prefix.add(name)
+    return prefix
 
 
 def _take_fds() -> Fds:

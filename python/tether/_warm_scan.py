@@ -25,9 +25,9 @@ import ast
 import importlib.machinery
 import os
 import sys
-from typing import FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple
 
-from . import _zygote
+from . import _warm_prefix, _zygote
 
 #: The most source files read (the script and the user's own modules it imports).
 MAX_FILES = 200
@@ -105,6 +105,7 @@ class Scan:
         self.read: Set[str] = set()
         #: Whether every statement run so far is one that cannot change what an import reads.
         self.pure = True
+        self.kinds: Dict[str, str] = {}
 
     def plan(self) -> Plan:
         return Plan(tuple(self.found), frozenset(self.prefix))
@@ -163,41 +164,79 @@ class Scan:
         except (OSError, SyntaxError, ValueError):
             self.pure = False
             return
-        self.body(tree.body, package, unconditional)
+        scope = _warm_prefix.Scope(self.kind_of)
+        self.body(tree.body, package, unconditional, scope)
+
+    def kind_of(self, top: str) -> str:
+        """``stdlib``, ``installed``, ``own`` or ``missing``: where the top-level module
+        ``top`` is found."""
+        kind = self.kinds.get(top)
+        if kind is None:
+            spec = find(top, self.search)
+            where = None if spec is None else _location(spec)
+            if where is not None:
+                kind = self.places.kind(where)
+            else:
+                kind = "stdlib" if top in sys.builtin_module_names else "missing"
+            self.kinds[top] = kind
+        return kind
 
     def body(
-        self, statements: Sequence[ast.stmt], package: Optional[str], unconditional: bool
+        self,
+        statements: Sequence[ast.stmt],
+        package: Optional[str],
+        unconditional: bool,
+        scope: Any,
     ) -> None:
         for statement in statements:
-            self.statement(statement, package, unconditional)
+            self.statement(statement, package, unconditional, scope)
 
-    def statement(self, node: ast.stmt, package: Optional[str], unconditional: bool) -> None:
+    def statement(
+        self, node: ast.stmt, package: Optional[str], unconditional: bool, scope: Any
+    ) -> None:
         """One statement, run in order: its imports, and whether the prefix ends here."""
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            for name, names in imports_of(node, package):
+            found = imports_of(node, package)
+            for name, names in found:
                 self.module(name, names, unconditional and self.pure)
+            scope.bind_import(node, [name for name, _ in found])
         elif isinstance(node, ast.If) and _is_type_checking(node.test):
-            self.body(node.orelse, package, unconditional)
+            self.body(node.orelse, package, unconditional, scope)
         elif isinstance(node, ast.Try):
-            self.body(node.body, package, unconditional)
+            self.body(node.body, package, unconditional, scope)
             for handler in node.handlers:
-                self.body(handler.body, package, False)
-            self.body(node.orelse, package, False)
-            self.body(node.finalbody, package, unconditional)
-        elif isinstance(node, ast.If):
-            if not _pure(node.test):
-                self.pure = False
-            self.body(node.body, package, False)
-            self.body(node.orelse, package, False)
-        elif isinstance(node, ast.ClassDef) and _pure_class(node):
-            self.body(node.body, package, unconditional)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _plain(node):
+                self.body(handler.body, package, False, scope)
+            self.body(node.orelse, package, False, scope)
+            self.body(node.finalbody, package, unconditional, scope)
+        elif isinstance(node, (ast.If, ast.For, ast.With)) and self._block(node, scope):
+            inner = isinstance(node, ast.With) and unconditional
+            self.body(node.body, package, inner, scope)
+            self.body(getattr(node, "orelse", []), package, False, scope)
+        elif isinstance(node, ast.ClassDef) and scope.define(node):
+            self.body(node.body, package, unconditional, scope)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and scope.define(node):
             self.later(node, package)
-        elif _pure_statement(node):
-            return
-        else:
+        elif not scope.harmless(node):
             self.pure = False
             self.later(node, package)
+
+    @staticmethod
+    def _block(node: ast.stmt, scope: Any) -> bool:
+        """Whether the head of an ``if``, ``for`` or ``with`` is harmless (its names bound)."""
+        if isinstance(node, ast.If):
+            return bool(scope.expression(node.test))
+        if isinstance(node, ast.For):
+            if scope.expression(node.iter) and scope.target(node.target):
+                scope.bind(node.target, None)
+                return True
+            return False
+        items = getattr(node, "items", [])
+        if all(scope.expression(item.context_expr) for item in items):
+            for item in items:
+                if item.optional_vars is not None:
+                    scope.bind(item.optional_vars, None)
+            return True
+        return False
 
     def later(self, node: ast.AST, package: Optional[str]) -> None:
         """The imports inside ``node`` (a function's body, a loop, ...), which run later if
@@ -241,87 +280,6 @@ def imports(tree: ast.AST, package: Optional[str]) -> List[Tuple[str, List[str]]
         found += imports_of(node, package)
         todo.extend(reversed(list(ast.iter_child_nodes(node))))
     return found
-
-
-#: Calls that change nothing an import reads (warnings are replayed under the rank's
-#: filters; a print writes; the others read).
-_HARMLESS_CALLS = {"warnings.filterwarnings", "warnings.simplefilter"}
-_HARMLESS_CALLS |= {"warnings.resetwarnings"}
-_HARMLESS_CALLS |= {"print", "os.environ.get", "environ.get", "os.getenv", "getenv", "len"}
-_HARMLESS_CALLS |= {"isinstance", "hasattr", "os.path.exists", "os.path.join"}
-_PURE_EXPRESSIONS: Tuple[type, ...] = (ast.Constant, ast.Name, ast.Attribute, ast.Subscript)
-_PURE_EXPRESSIONS += (ast.Tuple, ast.List)
-_PURE_EXPRESSIONS += (ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare)
-_PURE_EXPRESSIONS += (ast.IfExp, ast.JoinedStr, ast.FormattedValue, ast.Lambda, ast.Starred)
-_PURE_EXPRESSIONS += (ast.Slice, ast.Load, ast.expr_context, ast.operator, ast.unaryop)
-_PURE_EXPRESSIONS += (ast.boolop, ast.cmpop, ast.arguments, ast.arg, ast.keyword)
-
-
-def _pure(node: Optional[ast.AST]) -> bool:
-    """Whether evaluating the expression ``node`` calls nothing (but a harmless call)."""
-    if node is None:
-        return True
-    if isinstance(node, ast.Call):
-        if _dotted(node.func) not in _HARMLESS_CALLS:
-            return False
-        return all(_pure(a) for a in node.args) and all(_pure(k.value) for k in node.keywords)
-    if isinstance(node, ast.Lambda):
-        return True
-    if not isinstance(node, _PURE_EXPRESSIONS):
-        return False
-    return all(_pure(child) for child in ast.iter_child_nodes(node))
-
-
-def _dotted(node: ast.AST) -> Optional[str]:
-    """``a.b.c`` for an attribute of names, or None."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return None if base is None else f"{base}.{node.attr}"
-    return None
-
-
-def _names_only(target: ast.AST) -> bool:
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return all(_names_only(t) for t in target.elts)
-    return isinstance(target, ast.Name)
-
-
-def _pure_statement(node: ast.stmt) -> bool:
-    """Whether the statement changes nothing an import reads: a docstring or harmless call,
-    an assignment to names, ``pass``, ``global``."""
-    if isinstance(node, (ast.Pass, ast.Global, ast.Nonlocal)):
-        return True
-    if isinstance(node, ast.Expr):
-        return _pure(node.value)
-    if isinstance(node, ast.Assign):
-        return all(_names_only(t) for t in node.targets) and _pure(node.value)
-    if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-        return isinstance(node.target, ast.Name) and _pure(node.value)
-    if isinstance(node, ast.Assert):
-        return _pure(node.test) and _pure(node.msg)
-    return False
-
-
-#: Decorators that only wrap a method.
-_HARMLESS_DECORATORS = {"property", "staticmethod", "classmethod", "abstractmethod"}
-_HARMLESS_DECORATORS |= {"setter", "getter", "deleter"}
-
-
-def _plain(node: ast.AST) -> bool:
-    """A function statement whose decorators (if any) only wrap it."""
-    for decorator in getattr(node, "decorator_list", ()):
-        name = decorator.attr if isinstance(decorator, ast.Attribute) else None
-        name = decorator.id if isinstance(decorator, ast.Name) else name
-        if name not in _HARMLESS_DECORATORS:
-            return False
-    return True
-
-
-def _pure_class(node: ast.ClassDef) -> bool:
-    """A class statement without decorators, metaclass or keywords, of plain bases."""
-    return not node.decorator_list and not node.keywords and all(_pure(b) for b in node.bases)
 
 
 def _is_type_checking(test: ast.expr) -> bool:
