@@ -203,18 +203,20 @@ def test_no_import_after_code_that_may_change_what_imports_read_is_in_the_prefix
     [
         "marks, mode = Path(sys.argv[1]), sys.argv[2]",
         "attempt = os.environ['TORCHELASTIC_RESTART_COUNT']",
-        "parser = argparse.ArgumentParser()\nparser.add_argument('--lr')\nargs = parser.parse_args()",
+        "parser = argparse.ArgumentParser()\nparser.add_argument('--lr')\n"
+        "args = parser.parse_args()",
         "logging.basicConfig(level=logging.INFO)\nlog = logging.getLogger(__name__)",
         "with open(__file__) as f:\n    text = f.read()",
         "config = {}\nconfig['lr'] = 0.1\nfor k in sorted(config):\n    config[k] = str(k)",
         "Path('out').resolve().exists()",
     ],
 )
-def test_harmless_code_before_an_import_keeps_it_in_the_prefix(harmless: str, tmp_path: Path) -> None:
+def test_harmless_code_before_an_import_keeps_it_in_the_prefix(
+    harmless: str, tmp_path: Path
+) -> None:
     script = write(
         tmp_path / "train.py",
-        "import os, sys, argparse, logging\nfrom pathlib import Path\n"
-        f"{harmless}\nimport torch\n",
+        f"import os, sys, argparse, logging\nfrom pathlib import Path\n{harmless}\nimport torch\n",
     )
     scan = _warm_scan.Scan(_warm_scan.Places(), [str(tmp_path), *sys.path])
     scan.file(str(script), None)

@@ -17,12 +17,25 @@ import builtins
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 #: What a change of ends the prefix (a name starting so, or an alias of one of them).
-PROTECTED: Tuple[str, ...] = ("os.environ", "os.environb", "sys.path", "sys.meta_path", "sys.path_hooks")
+PROTECTED: Tuple[str, ...] = (
+    "os.environ",
+    "os.environb",
+    "sys.path",
+    "sys.meta_path",
+    "sys.path_hooks",
+)
 PROTECTED += ("sys.modules", "sys.path_importer_cache")
 #: Methods of protected objects that only read.
 READERS = {"get", "copy", "keys", "values", "items", "index", "count", "__contains__"}
 #: Standard-library functions (and modules) that may change what an import reads.
-CHANGERS: Tuple[str, ...] = ("os.putenv", "os.unsetenv", "os.chdir", "os.fchdir", "os.chroot", "site")
+CHANGERS: Tuple[str, ...] = (
+    "os.putenv",
+    "os.unsetenv",
+    "os.chdir",
+    "os.fchdir",
+    "os.chroot",
+    "site",
+)
 CHANGERS += ("importlib", "runpy", "ctypes", "builtins", "pkgutil", "zipimport", "imp")
 #: Built-in functions that may run or change anything.
 BUILTIN_CHANGERS = {"exec", "eval", "compile", "setattr", "delattr", "__import__", "globals"}
