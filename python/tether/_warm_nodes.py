@@ -49,7 +49,9 @@ class CatchWarnings(NamedTuple):
 
 class Warn(NamedTuple):
     """A warning issued, whatever the filters said at the time: it is issued again under the
-    rank's filters (``warnings.warn_explicit``)."""
+    rank's filters (``warnings.warn_explicit``). One whose ``stacklevel`` points past the
+    package's own code, to the code that imported it, has ``importer`` N: the Nth frame of
+    the importing code (the rank's own, at its import)."""
 
     message: Any
     category: type
@@ -57,6 +59,7 @@ class Warn(NamedTuple):
     lineno: int
     module: Optional[str]
     globals: Optional[Dict[str, Any]]
+    importer: int = 0
 
 
 class Write(NamedTuple):

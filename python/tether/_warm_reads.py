@@ -105,6 +105,22 @@ def reader(
     return innermost, True
 
 
+def internal(path: str) -> bool:
+    """Whether a frame of ``path`` is the import system's, which the warnings module skips
+    when it counts a warning's ``stacklevel`` (and tether's import hooks, named so)."""
+    return "importlib" in path and "_bootstrap" in path
+
+
+def hidden_from_warnings(function: Any) -> Any:
+    """``function``, its frames named as the import system's (see ``internal``): a warning
+    issued under it with a ``stacklevel`` points to the code that imported, as without it."""
+    function.__code__ = function.__code__.replace(co_filename=IMPORT_SYSTEM_FILE)
+    return function
+
+
+IMPORT_SYSTEM_FILE = "<frozen importlib._bootstrap>"
+
+
 def frame_at(filename: str, lineno: int) -> Any:
     frame: Optional[types.FrameType] = sys._getframe(1)
     while frame is not None:

@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from . import _warm_nodes, _warm_probes, _warm_scan, _zygote_server
+from . import _warm_nodes, _warm_probes, _warm_reads, _warm_scan, _zygote_server
 from ._warm_nodes import AtExit, Child, Fixup, Hook, Loggers, Node, Warn, Write
 from ._warm_watch import Watch
 
@@ -103,6 +103,7 @@ class Recorder:
 
     # -- nodes --------------------------------------------------------------------------
 
+    @_warm_reads.hidden_from_warnings
     def find_and_load(self, name: str, import_: Callable[..., Any]) -> Any:
         """``_find_and_load`` under record."""
         if self.paused or name in sys.modules:

@@ -24,7 +24,7 @@ import time
 import types
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from . import _warm_nodes
+from . import _warm_nodes, _warm_reads
 from ._warm_nodes import CatchWarnings, Child, Fixup, Loggers, Node, Warn, Write
 from ._warm_record import FIND_AND_LOAD, signature
 
@@ -97,6 +97,7 @@ class Server:
         self.refused: Set[int] = set()
         self.catching: List[Any] = []
 
+    @_warm_reads.hidden_from_warnings
     def find_and_load(self, name: str, import_: Callable[..., Any]) -> Any:
         if name in sys.modules:
             return FIND_AND_LOAD(name, import_)
@@ -205,11 +206,7 @@ class Server:
         if kind is Child:
             self.serve(op.node)
         elif kind is Warn:
-            namespace = op.globals
-            registry = None if namespace is None else namespace.setdefault(_REGISTRY, {})
-            sys.modules["warnings"].warn_explicit(
-                op.message, op.category, op.filename, op.lineno, op.module, registry, namespace
-            )
+            self._warn(op)
         elif kind is Write:
             _write(op.fd, op.data)
         elif kind is Fixup:
@@ -224,8 +221,42 @@ class Server:
         else:
             _warm_nodes.apply_state(op)
 
+    def _warn(self, op: Warn) -> None:
+        """Issues again a warning of the import under the rank's filters: where the import
+        put it, or at the rank's own import statement (``Warn.importer``)."""
+        filename, lineno, module, namespace = op.filename, op.lineno, op.module, op.globals
+        if op.importer:
+            frame = _importer(op.importer)
+            if frame is None:
+                return
+            filename, lineno, namespace = frame.f_code.co_filename, frame.f_lineno, frame.f_globals
+            module = namespace.get("__name__")
+        # (Without the module's globals: given them, warn_explicit reads the source line even
+        # for a warning its filters ignore, and imports linecache for it, as warn does not.)
+        registry = None if namespace is None else namespace.setdefault(_REGISTRY, {})
+        sys.modules["warnings"].warn_explicit(
+            op.message, op.category, filename, lineno, module, registry
+        )
+
 
 _REGISTRY = "__warningregistry__"
+
+
+def _importer(depth: int) -> Any:
+    """The ``depth``-th frame of the code that imported what is being served (tether's own
+    frames and the import system's aside)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not _warm_reads.internal(path) and not path.startswith(_HERE):
+            depth -= 1
+            if depth == 0:
+                return frame
+        frame = frame.f_back
+    return None
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _write(fd: int, data: bytes) -> None:

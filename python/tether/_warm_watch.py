@@ -243,6 +243,7 @@ class Watch:
         found = _warm_reads.frame_at(message.filename, message.lineno)
         namespace = None if found is None else found.f_globals
         module = None if namespace is None else namespace.get("__name__")
+        importer = self._importer(found)
         node.ops.append(
             Warn(
                 message.message,
@@ -250,9 +251,27 @@ class Watch:
                 message.filename,
                 message.lineno,
                 module,
-                namespace,
+                None if importer else namespace,
+                importer,
             )
         )
+
+    def _importer(self, found: Any) -> int:
+        """How far into the code that imported the package ``found`` (a frame a warning is
+        attributed to) is, counted in frames of that code as the warnings module counts them
+        (the import system's skipped): 0 when it is the package's own."""
+        if found is None or self.recorder.places.kind(found.f_code.co_filename) != "tether":
+            return 0
+        depth, frame = 0, sys._getframe(2)  # (the code that called warn)
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if not _warm_reads.internal(path):
+                if depth or self.recorder.places.kind(path) == "tether":
+                    depth += 1
+                if frame is found:
+                    return depth
+            frame = frame.f_back
+        return 0
 
     def note(self, op: Any) -> None:
         node = self.node()

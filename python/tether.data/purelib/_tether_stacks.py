@@ -25,11 +25,12 @@ _JOB = "TETHER_JOB_ID"
 
 def install() -> None:
     """Registers the handler on the fd that ``TETHER_STACKS_FD`` names, and takes the job's
-    id out of the environment into tether's module (a rank's environment is then what
-    torchrun gives it); any failure leaves the process as it was (it only cannot show its
+    id out of the environment into tether's module (a rank's environment and modules are then
+    what torchrun gives it); any failure leaves the process as it was (it only cannot show its
     stacks, or meet its job's other ranks in ``tether.share``)."""
     value = os.environ.pop(_VARIABLE, None)
     job = os.environ.pop(_JOB, None)
+    before = set(sys.modules)
     try:
         native = _native()
         if job:
@@ -39,6 +40,10 @@ def install() -> None:
             native.install_stack_handler(int(fd), int(inode))  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - a debugging aid must never stop a program's start
         pass
+    # What this loaded is tether's: the program's sys.modules is python's own (importing
+    # tether later gets the same compiled module).
+    for name in set(sys.modules) - before | {__name__}:
+        sys.modules.pop(name, None)
 
 
 def _native() -> object:
