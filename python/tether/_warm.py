@@ -64,6 +64,11 @@ class Zygote(NamedTuple):
     private: Dict[str, Any]
 
 
+class Declined(Exception):
+    """Why this zygote cannot serve warm ranks (the launcher says it, in one line, and starts
+    every rank as a new interpreter)."""
+
+
 class Fds(NamedTuple):
     """The zygote's pipes to the launcher: its report, the fork requests and its notices."""
 
@@ -89,7 +94,7 @@ def serve(
     varying = set(config["varying"])
     why = _warm_guard.startup_hooks(varying)
     if why is not None:
-        raise RuntimeError(why)
+        raise Declined(why)
     plan = _warm_scan.plan(event, target)
     modules, helper = _modules(config, plan)
     _name(modules)

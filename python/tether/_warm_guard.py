@@ -69,11 +69,14 @@ def _one(name: str, prefix: bool, recorder: _warm_record.Recorder, found: Found)
     recorder.created = []
     try:
         recorder.root(name)
+        error = None
     except BaseException as exc:  # noqa: BLE001 - an import may even call sys.exit
-        found.failed.append((name, f"{type(exc).__name__}: {exc}"))
-        return
+        error = f"{type(exc).__name__}: {exc}"
     created: List[Node] = recorder.created
     problems = [why for node in created for why in node.problems]
+    if error is not None and not problems:
+        found.failed.append((name, error))
+        return
     natives = [node.name for node in created if node.native]
     if natives and not prefix:
         problems.append(

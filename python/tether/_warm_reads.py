@@ -121,6 +121,21 @@ def hidden_from_warnings(function: Any) -> Any:
 IMPORT_SYSTEM_FILE = "<frozen importlib._bootstrap>"
 
 
+#: Audit events of changes to files and directories (refused during a preload).
+WRITES = {"os.mkdir", "os.remove", "os.rmdir", "os.rename", "os.symlink", "os.link"}
+WRITES |= {"os.truncate", "os.chmod", "os.chown", "os.utime", "os.mkfifo", "os.mknod"}
+WRITES |= {"shutil.copyfile", "shutil.copymode", "shutil.copystat", "shutil.move"}
+WRITES |= {"shutil.rmtree", "shutil.chown", "os.kill", "os.killpg"}
+#: Audit events of network use (refused during a preload).
+CONNECTS = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"}
+
+
+def harmless_write(path: str) -> bool:
+    """Whether writing ``path`` during a preload is what every interpreter does alike: the
+    import system's bytecode cache, the kernel's files."""
+    return path.endswith(".pyc") and "__pycache__" in path or path.startswith(PSEUDO)
+
+
 def frame_at(filename: str, lineno: int) -> Any:
     frame: Optional[types.FrameType] = sys._getframe(1)
     while frame is not None:

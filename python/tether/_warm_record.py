@@ -203,6 +203,11 @@ class Recorder:
         try:
             self._bring_back(node)
             self.resync()
+            # What the settings of a library brought back are now is what later changes of
+            # them count from.
+            ready = {n for n, o in self.owner.items() if id(o) in self.used} | set(self.baseline)
+            for what, value in _warm_probes.read(ready).items():
+                self.settings.setdefault(what, value)
         finally:
             self.paused -= 1
 

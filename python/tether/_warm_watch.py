@@ -20,6 +20,7 @@ Reads through Python are seen; a compiled library's own reads are not."""
 from __future__ import annotations
 
 import _warnings
+import errno
 import os
 import sys
 import time
@@ -300,12 +301,25 @@ class Watch:
             return
         if event == "open":
             path, mode, flags = args
-            if _warm_reads.reads_only(mode, flags) and isinstance(path, (str, bytes)):
+            if not isinstance(path, (str, bytes)):
+                return
+            if _warm_reads.reads_only(mode, flags):
                 self._input_path(node, path)
+            elif not _warm_reads.harmless_write(os.fsdecode(path)):
+                self._refuse(node, "writes files", path)
         elif event in ("os.listdir", "os.scandir") and isinstance(args[0], (str, bytes)):
             self._input_path(node, args[0])
-        elif event in ("tempfile.mkstemp", "tempfile.mkdtemp"):
-            self.recorder.problem("its import made a temporary file or directory")
+        elif event in _warm_reads.WRITES:
+            self._refuse(node, "writes files", args[0] if args else None)
+        elif event in _warm_reads.CONNECTS:
+            self._refuse(node, "uses the network", None)
+
+    def _refuse(self, node: Node, what: str, path: Any) -> None:
+        """Keeps the import from doing what only a rank may do (the zygote's preload would
+        do it once more than ``python -u`` ranks do); the import is left to the ranks."""
+        where = f" ({os.fsdecode(path)})" if isinstance(path, (str, bytes)) else ""
+        self._problem(node, f"its import {what}{where}")
+        raise PermissionError(errno.EACCES, f"a preload in tether's zygote never {what}")
 
     def _input_path(self, node: Any, path: Any) -> None:
         self.busy = True

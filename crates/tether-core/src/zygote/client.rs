@@ -30,6 +30,9 @@ const STOPPED_PATIENCE: Duration = Duration::from_secs(1);
 const CHECK_EVERY: Duration = Duration::from_millis(250);
 /// The environment variable that names the zygote's two fds ("request,notices").
 pub const FDS_ENV: &str = "TETHER_ZYGOTE_FDS";
+/// The type name of the report of a zygote that declines to serve (its text is the reason,
+/// one sentence, shown as it is).
+pub const DECLINED: &str = "tether.ZygoteDeclined";
 
 /// What a start asks of the zygote.
 #[derive(Debug)]
@@ -330,8 +333,15 @@ impl Zygote {
             let report = self
                 .process
                 .with_member(0, |m| crate::report::decode(m.report()));
-            if let Some(Some(report)) = report {
-                message += &format!(":\n{}", String::from_utf8_lossy(&report.text));
+            match report {
+                // A zygote that declines to serve says why in a sentence of its own.
+                Some(Some(report)) if report.type_name == DECLINED => {
+                    message = String::from_utf8_lossy(&report.text).trim().to_string();
+                }
+                Some(Some(report)) => {
+                    message += &format!(":\n{}", String::from_utf8_lossy(&report.text));
+                }
+                _ => {}
             }
         }
         self.broken = Some(message.clone());
