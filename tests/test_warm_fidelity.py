@@ -129,7 +129,8 @@ def test_a_file_a_package_keeps_open_from_its_import_is_the_ranks_own(
     import keeps_log
     data = open(f"data.{os.environ['RANK']}", "w")
     keeps_log.log("from rank " + os.environ["RANK"])
-    print("FACT", json.dumps(os.path.samefile(keeps_log.LOG.name, f"/proc/self/fd/{keeps_log.LOG.fileno()}")))
+    held = f"/proc/self/fd/{keeps_log.LOG.fileno()}"
+    print("FACT", json.dumps(os.path.samefile(keeps_log.LOG.name, held)))
     """
     (tmp_path / "logs").mkdir()
     warm = run(tmp_path, script, site, LOG_DIR=str(tmp_path / "logs"))

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
-
 import warm_cases
 from warm_cases import Case
 

@@ -28,6 +28,7 @@ __all__ = [
     "STACKS_FD_ENV",
     "PY_SPY_ENV",
     "install_stack_handler",
+    "ModuleKeeper",
     "SignalGuard",
     "stacks_fd",
     "StacksChannel",
@@ -318,6 +319,12 @@ class SignalGuard:
     @property
     def __wrapped__(self) -> object: ...
     def __call__(self, *args: object, **kwargs: object) -> object: ...
+
+@final
+class ModuleKeeper:
+    """An audit hook that gives a later ``import`` of its module that very module."""
+
+    def __call__(self, event: str, args: Tuple[object, ...]) -> None: ...
 
 def install_stack_handler(fd: int, inode: Optional[int] = None) -> int: ...
 @final

@@ -64,7 +64,7 @@ class Zygote(NamedTuple):
     private: Dict[str, Any]
 
 
-class Declined(Exception):
+class DeclinedError(Exception):
     """Why this zygote cannot serve warm ranks (the launcher says it, in one line, and starts
     every rank as a new interpreter)."""
 
@@ -94,7 +94,7 @@ def serve(
     varying = set(config["varying"])
     why = _warm_guard.startup_hooks(varying)
     if why is not None:
-        raise Declined(why)
+        raise DeclinedError(why)
     plan = _warm_scan.plan(event, target)
     modules, helper = _modules(config, plan)
     _name(modules)

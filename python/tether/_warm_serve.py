@@ -245,7 +245,7 @@ _REGISTRY = "__warningregistry__"
 def _importer(depth: int) -> Any:
     """The ``depth``-th frame of the code that imported what is being served (tether's own
     frames and the import system's aside)."""
-    frame = sys._getframe(2)
+    frame: Optional[types.FrameType] = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
         if not _warm_reads.internal(path) and not path.startswith(_HERE):

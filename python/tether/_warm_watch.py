@@ -263,7 +263,8 @@ class Watch:
         (the import system's skipped): 0 when it is the package's own."""
         if found is None or self.recorder.places.kind(found.f_code.co_filename) != "tether":
             return 0
-        depth, frame = 0, sys._getframe(2)  # (the code that called warn)
+        depth = 0
+        frame: Optional[types.FrameType] = sys._getframe(2)  # (the code that called warn)
         while frame is not None:
             path = frame.f_code.co_filename
             if not _warm_reads.internal(path):

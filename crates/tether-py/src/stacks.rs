@@ -3,10 +3,11 @@
 
 use std::os::fd::RawFd;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple, PyType};
+use pyo3::types::{PyDict, PyString, PyTuple, PyType};
 use tether_core::stacks::{self as core_stacks, Request};
 
 use crate::convert::{Fd, Timeout};
@@ -45,6 +46,7 @@ fn install_stack_handler(py: Python<'_>, fd: RawFd, inode: Option<u64>) -> PyRes
     core_stacks::handler::wrap_request(core_stacks::signal()).map_err(os_error)?;
     note_wakeup_fd(py, &signal_module);
     guard(py, &faulthandler, "register", Watch::Handler)?;
+    keep_on_import(py, &faulthandler)?;
     guard(py, &signal_module, "signal", Watch::Handler)?;
     guard(py, &signal_module, "set_wakeup_fd", Watch::Wakeup)?;
     if let Ok(module) = py.import("sys")?.getattr("modules")?.get_item("signal") {
@@ -128,6 +130,55 @@ fn guard(py: Python<'_>, module: &Bound<'_, PyAny>, name: &str, watch: Watch) ->
         watch,
     };
     module.setattr(name, Py::new(py, guard)?)
+}
+
+/// Whether [`keep_on_import`] added its audit hook in this process (or the one it was
+/// forked from): the hook is never removed.
+static KEEPING: AtomicBool = AtomicBool::new(false);
+
+/// Makes a later `import` of `module` give this very module (whose functions are guarded),
+/// even when it was taken out of `sys.modules`: a program's modules are python's own until it
+/// imports them (see `_tether_stacks`), and a fresh `faulthandler` would bypass the guard.
+fn keep_on_import(py: Python<'_>, module: &Bound<'_, PyModule>) -> PyResult<()> {
+    if KEEPING.swap(true, Ordering::Relaxed) {
+        return Ok(());
+    }
+    let keeper = ModuleKeeper {
+        name: module.name()?.unbind(),
+        module: module.clone().into_any().unbind(),
+    };
+    py.import("sys")?
+        .call_method1("addaudithook", (Py::new(py, keeper)?,))?;
+    Ok(())
+}
+
+/// An audit hook: on the `import` event of its module's name, which the interpreter raises
+/// before the import system looks in `sys.modules`, it puts the module back there.
+#[pyclass(module = "tether._native", frozen)]
+struct ModuleKeeper {
+    name: Py<PyString>,
+    module: PyObject,
+}
+
+#[pymethods]
+impl ModuleKeeper {
+    fn __call__(
+        &self,
+        py: Python<'_>,
+        event: &Bound<'_, PyString>,
+        args: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        // SAFETY: `event` is a live str (its type was checked), read under the GIL.
+        let compared = unsafe {
+            pyo3::ffi::PyUnicode_CompareWithASCIIString(event.as_ptr(), c"import".as_ptr())
+        };
+        if compared != 0 || !args.get_item(0)?.eq(self.name.bind(py))? {
+            return Ok(());
+        }
+        let modules = py.import("sys")?.getattr("modules")?;
+        modules.call_method1("setdefault", (self.name.bind(py), self.module.bind(py)))?;
+        Ok(())
+    }
 }
 
 /// Notes the wakeup fd the interpreter has now (a fork child keeps its parent's); only the
@@ -324,6 +375,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STACKS_FD_ENV", core_stacks::FD_ENV)?;
     m.add("PY_SPY_ENV", core_stacks::PY_SPY_ENV)?;
     m.add_class::<SignalGuard>()?;
+    m.add_class::<ModuleKeeper>()?;
     m.add_class::<StackAnswer>()?;
     m.add_class::<StacksChannel>()?;
     m.add_function(wrap_pyfunction!(install_stack_handler, m)?)?;

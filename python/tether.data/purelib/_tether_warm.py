@@ -149,7 +149,7 @@ def _report_and_exit(exc: BaseException) -> None:
     exits; never writes on the user's streams."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).encode()
     name = f"{type(exc).__module__}.{type(exc).__qualname__}".encode()
-    if type(exc).__name__ == "Declined":  # (tether._warm's: a reason, not a failure)
+    if type(exc).__name__ == "DeclinedError":  # (tether._warm's: a reason, not a failure)
         text, name = str(exc).encode(), b"tether.ZygoteDeclined"
     body = struct.pack("<I", len(name)) + name + struct.pack("<Q", len(text)) + text
     try:
