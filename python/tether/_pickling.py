@@ -12,7 +12,13 @@ ancillary data and comes back in the receiver from ``detach()``; for a process s
 Functions and classes of a ``__main__`` that has no file (a notebook, the REPL, ``python -c``,
 stdin) cannot be found by name in another process: those travel by value, pickled by
 cloudpickle (tether's dependency, imported only when such an object travels), and so do the
-instances of such classes. Everything else still travels by reference."""
+instances of such classes. Everything else still travels by reference.
+
+What a pool's workers receive for a DataLoader travels *as a fork's workers would have it*
+(``as_fork``): the functions and classes of ``__main__`` (whatever its file), lambdas and
+functions or classes defined inside a function travel by value, with the values that the
+globals their code names have in this process now (a fork copies the parent's module; an
+import by name would give the worker's own, import-time value)."""
 
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ __all__ = [
     "loads",
     "main_without_file",
     "register",
+    "travels_by_value",
 ]
 
 
@@ -192,13 +199,30 @@ class _MainByValuePickler(_Pickler):
     ``__main__`` travels by value (see ``_by_value``)."""
 
     def reducer_override(self, obj: Any) -> Any:
-        # Called for every object but atoms and strings: as little work as possible.
+        # Called for every object but atoms, strings and builtin containers: as little work
+        # as possible.
         if isinstance(obj, _BY_VALUE_KINDS) and getattr(obj, "__module__", None) == "__main__":
             return _by_value(obj)
         return NotImplemented
 
 
 _BY_VALUE_KINDS = (FunctionType, type)
+
+
+def travels_by_value(obj: Union[FunctionType, type], as_fork: bool) -> bool:
+    """Whether a function or class travels by value: one of ``__main__`` when ``__main__``
+    has no file, or (``as_fork``) whenever an import by name would not give this very
+    object: ``__main__``'s, a lambda, one defined inside a function, one whose name was
+    rebound (cloudpickle's rule)."""
+    module = getattr(obj, "__module__", None)
+    if module == "__main__":
+        return as_fork or main_without_file()
+    if not as_fork:
+        return False
+    found: Any = sys.modules.get(module) if isinstance(module, str) else None
+    for part in getattr(obj, "__qualname__", "<").split("."):
+        found = getattr(found, part, None)
+    return found is not obj
 
 
 def main_without_file() -> bool:
@@ -238,13 +262,19 @@ def _cloudpickle(obj: Any) -> ModuleType:
     try:
         return importlib.import_module("cloudpickle")
     except ImportError:
-        kind = "class" if isinstance(obj, type) else "function"
+        if obj is None:
+            what = "what a pool's workers receive for a DataLoader cannot be pickled"
+        else:
+            kind = "class" if isinstance(obj, type) else "function"
+            what = (
+                f"the {kind} {obj.__qualname__} cannot travel to another process: it is "
+                "defined in a __main__ without a file (a notebook, the REPL, python -c or "
+                "stdin)"
+            )
         raise pickle.PicklingError(
-            f"the {kind} {obj.__qualname__} cannot travel to another process: it is defined "
-            "in a __main__ without a file (a notebook, the REPL, python -c or stdin), whose "
-            "functions and classes tether sends by value with cloudpickle, a dependency of "
-            "tether missing from this environment (was tether installed with --no-deps?): "
-            "pip install cloudpickle"
+            f"{what}: tether sends such functions and classes by value with cloudpickle, a "
+            "dependency of tether missing from this environment (was tether installed with "
+            "--no-deps?): pip install cloudpickle"
         ) from None
 
 
@@ -256,8 +286,58 @@ def _by_value(obj: Union[FunctionType, type]) -> Tuple[Callable[[bytes], Any], T
     follows it: the same class pickled in several messages, or sent back, is one class."""
     pickler = _by_value_pickler(_cloudpickle(obj))
     buf = io.BytesIO()
-    pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    try:
+        pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    except Exception as exc:
+        named = _unpicklable_global(obj, pickler)
+        if named is None:
+            raise
+        raise named from exc
     return _from_main, (buf.getvalue(),)
+
+
+def _unpicklable_global(obj: Union[FunctionType, type], pickler: type) -> Optional[Exception]:
+    """A ``PicklingError`` that names the global of ``obj``'s code (or of its methods') that
+    cannot travel, when one of them is why ``obj`` could not (None otherwise)."""
+    functions: List[Any] = [obj] if isinstance(obj, FunctionType) else []
+    if isinstance(obj, type):
+        for member in vars(obj).values():
+            member = getattr(member, "__func__", member)
+            if isinstance(member, property):
+                functions.extend((member.fget, member.fset, member.fdel))
+            functions.append(member)
+    for function in functions:
+        if not isinstance(function, FunctionType):
+            continue
+        for name in _code_names(function.__code__):
+            if name not in function.__globals__:
+                continue
+            value = function.__globals__[name]
+            if isinstance(value, (ModuleType, FunctionType, type)):
+                continue
+            try:
+                pickler(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(value)
+            except Exception as why:  # noqa: BLE001 - the one to name
+                return pickle.PicklingError(
+                    f"the global {name!r} of {function.__module__} (a "
+                    f"{type(value).__qualname__}), which {function.__qualname__} reads, cannot "
+                    f"travel to a pool worker: {why}. A pool's workers receive the values of "
+                    "the globals that the DataLoader's code reads, as a fork would give them; "
+                    "make this one picklable, or create it in the worker (worker_init_fn, or "
+                    "lazily in __getitem__)"
+                )
+    return None
+
+
+def _code_names(code: Any) -> List[str]:
+    """The global names a code object and the code objects it holds may read."""
+    names: List[str] = []
+    todo = [code]
+    while todo:
+        current = todo.pop()
+        names.extend(current.co_names)
+        todo.extend(c for c in current.co_consts if hasattr(c, "co_names"))
+    return list(dict.fromkeys(names))
 
 
 #: ``(ForkingPickler's table, the pickler class made with it)``.
@@ -293,16 +373,83 @@ def dump(
     collector: FdCollector,
     file: Any,
     buffer_callback: Optional[Callable[[pickle.PickleBuffer], Any]] = None,
+    *,
+    as_fork: bool = False,
+    overrides: Optional[Dict[Any, Any]] = None,
 ) -> None:
     """Pickles ``obj`` into ``file`` as ``ForkingPickler`` would (protocol 5, so that
     ``buffer_callback`` may take large buffers out of band); the fds it names go to
-    ``collector.fds``."""
+    ``collector.fds``. ``as_fork``: see the module's documentation; ``overrides``:
+    reductions that stand in for the usual ones of their types (the same dict each time)."""
     previous = getattr(_popen_tls, "spawning_popen", None)
     _popen_tls.spawning_popen = collector
     try:
-        _pickler_class()(file, pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback).dump(obj)
+        cls = _as_fork_class() if as_fork else _pickler_class()
+        if overrides:
+            cls = _with_overrides(cls, overrides)
+        pickler = cls(file, pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback)
+        try:
+            pickler.dump(obj)
+        except Exception as exc:
+            named = _named_global(getattr(pickler, "by_value", ()), cls)
+            if named is None:
+                raise
+            raise named from exc
     finally:
         _popen_tls.spawning_popen = previous
+
+
+#: ``(the usual table, the as-fork pickler class made with it)``.
+_as_fork: Optional[Tuple[Dict[Any, Any], type]] = None
+
+
+def _as_fork_class() -> type:
+    """cloudpickle's Pickler (what cannot be imported by name as this process has it travels
+    by value, in this one pickle: what several functions share stays shared) with
+    ``ForkingPickler``'s reductions."""
+    global _as_fork
+    usual = _pickler_class().dispatch_table
+    if _as_fork is None or _as_fork[0] is not usual:
+        base = _cloudpickle(None).Pickler
+        table = dict(base.dispatch_table)
+        table.update(usual)
+
+        def reducer_override(self: Any, obj: Any) -> Any:
+            if isinstance(obj, _BY_VALUE_KINDS) and travels_by_value(obj, as_fork=True):
+                self.by_value.append(obj)  # (named if a global of it cannot travel)
+            return base.reducer_override(self, obj)
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+            base.__init__(self, *args, **kwargs)
+            self.by_value = []
+
+        members = {"dispatch_table": table, "reducer_override": reducer_override}
+        _as_fork = (usual, type("_AsForkPickler", (base,), {**members, "__init__": __init__}))
+    return _as_fork[1]
+
+
+#: ``(pickler class, overrides) -> (the overrides, the class with them)``: a pickler reads
+#: its table when it is made.
+_overridden: Dict[Tuple[type, int], Tuple[Dict[Any, Any], type]] = {}
+
+
+def _with_overrides(cls: type, overrides: Dict[Any, Any]) -> type:
+    made = _overridden.get((cls, id(overrides)))
+    if made is None or made[0] is not overrides:
+        table = {**cls.dispatch_table, **overrides}  # type: ignore[attr-defined]
+        made = (overrides, type(cls.__name__, (cls,), {"dispatch_table": table}))
+        _overridden[(cls, id(overrides))] = made
+    return made[1]
+
+
+def _named_global(objects: Sequence[Any], pickler: type) -> Optional[Exception]:
+    """The error that names the global of one of ``objects`` (functions and classes that
+    travelled by value) that cannot travel, if that is why a pickling failed."""
+    for obj in objects:
+        named = _unpicklable_global(obj, pickler)
+        if named is not None:
+            return named
+    return None
 
 
 def dumps(obj: Any, collector: FdCollector) -> bytes:

@@ -96,7 +96,7 @@ class _Element:
 def _by_reference(obj: Any) -> bool:
     """Whether pickle saves ``obj`` as its name (then nothing of it is worth keeping)."""
     if type(obj) is types.FunctionType or isinstance(obj, type):
-        return obj.__module__ != "__main__" or not _pickling.main_without_file()
+        return not _pickling.travels_by_value(obj, as_fork=True)
     return False
 
 

@@ -8,7 +8,10 @@ per worker: a ``Shipment`` is one pickle stream (inline when small, else in a se
 whose large buffers (numpy arrays, anything offering protocol 5's out-of-band buffers) lie
 page-aligned in a second sealed memfd. Every worker of the loader maps both and unpickles
 at the same time as the others; the buffers are not copied into any worker (a worker
-maps them copy-on-write, as a fork would share them). An object a worker holds already
+maps them copy-on-write, as a fork would share them; so does a tensor's storage: see
+``storages``). Functions and classes that an import by name would not give as the parent
+has them (``__main__``'s, lambdas, local ones) travel by value, with the values of the
+globals their code reads (``_pickling``'s ``as_fork``). An object a worker holds already
 travels as a ``Held`` reference of a few bytes.
 
 A worker keeps the bytes it was sent with its copy (``_Copy``): each lease starts from the
@@ -30,7 +33,7 @@ from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .. import _pickling
-from . import shm
+from . import shm, storages
 from .snapshot import Snapshot, watch
 
 __all__ = ["Forgetting", "Held", "Shipment", "settle"]
@@ -195,7 +198,8 @@ def _unpickle(
         views = [whole[offset : offset + length] for offset, length in layout]
         del whole, mapping
     try:
-        bundle: Tuple[Any, ...] = _pickling.loads(data, owned, views)
+        with storages.mapping():
+            bundle: Tuple[Any, ...] = _pickling.loads(data, owned, views)
     finally:
         if mapped is not None:
             data.release()
@@ -286,7 +290,9 @@ class Shipment:
 
         what = f"a {type(bundle[0]).__name__}"
         stream = io.BytesIO()
-        _pickling.dump(bundle, collector, stream, out_of_band)
+        _pickling.dump(
+            bundle, collector, stream, out_of_band, as_fork=True, overrides=storages.overrides()
+        )
         self.fds = collector.fds
         self.size = stream.getbuffer().nbytes
         self.stream: Any = None

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from ... import _pickling
 from . import data, kinds, plain, tokens
 from .tokens import (
     ARRAY,
@@ -77,19 +76,12 @@ class _Walk:
         #: Every object walked, alive until the walk ends (so that no id is reused).
         self.alive: List[Any] = []
         self.target = target
-        self._by_value: Optional[bool] = None
 
     # -- what the kinds call ---------------------------------------------------------------
 
     @property
     def checking(self) -> bool:
         return self.old is not None
-
-    def by_value(self) -> bool:
-        """Whether functions and classes of ``__main__`` travel by value here."""
-        if self._by_value is None:
-            self._by_value = _pickling.main_without_file()
-        return self._by_value
 
     def emit(self, token: Tuple[Any, ...]) -> None:
         if self.old is None:

@@ -3,7 +3,9 @@ still pickles as it did.
 
 - a torch tensor: its type, dtype, device, shape, strides, offset, ``requires_grad`` and
   its storage (by identity; torch moves a storage to shared memory when it is first
-  pickled, so the workers read the parent's very memory from then on). A tensor on a
+  pickled, so the workers read the parent's very memory from then on). In a worker, a
+  tensor over its copy-on-write map of such a storage (``storages``) is unchanged while
+  no page of the map was written. A tensor on a
   storage not in shared memory, or on another storage, is compared by content when small
   (a copy is held; a write through ``.data`` or numpy bumps no version counter), and
   counts as changed when large. Other layouts (sparse, quantized, nested) cannot be
@@ -59,8 +61,14 @@ def tensor(walk: Walk, tensor: Any, push: Callable[[Any], None]) -> None:
         storage.nbytes(),
     )
     shared = storage.is_shared()
-    content = None
-    if storage.nbytes() <= SMALL_TENSOR and tensor.device.type == "cpu":
+    content: Any = None
+    if tensor.device.type == "cpu" and not shared and storage.nbytes():
+        # A worker's copy-on-write map of a shipment's storage (see ``storages``).
+        low = storage.data_ptr()
+        private = None if walk.checking else watch.private_unwritten(low, low + storage.nbytes())
+        if private:
+            content = _Private(low, low + storage.nbytes())
+    if content is None and storage.nbytes() <= SMALL_TENSOR and tensor.device.type == "cpu":
         # Checking, the tensor itself; else a copy of it, as it is now.
         content = tensor if walk.checking else tensor.detach().clone()
     walk.emit((TENSOR, facts, _StorageRef(storage, shared), content))
@@ -93,6 +101,8 @@ def same_tensor(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
         return False
     if storage.same(new_storage) and new_storage.shared:
         return True  # the workers map this very memory: what was written, they read
+    if isinstance(content, _Private):
+        return storage.same(new_storage) and content.unwritten()
     if content is None:
         return False
     torch = sys.modules["torch"]

@@ -2,9 +2,9 @@
 stand for it and the values to walk after it, following the order in which pickle itself
 decides how to save an object:
 
-- a function or class of a ``__main__`` without a file travels by value (cloudpickle):
-  its code, defaults, closure, attributes and the globals its code names are walked; a
-  class's members likewise;
+- a function or class of ``__main__``, a lambda, or one defined inside a function travels
+  by value (cloudpickle; see ``_pickling``'s ``as_fork``): its code, defaults, closure,
+  attributes and the globals its code names are walked; a class's members likewise;
 - any other class, function or module travels by reference: compared by identity;
 - a torch tensor or a numpy array: see ``data``;
 - a ``tether.share`` list or dict: read-only, it travels as its memfd: by identity, in one
@@ -46,7 +46,7 @@ def visit(walk: Walk, value: Any, push: Callable[[Any], None]) -> None:
     """An object that is no builtin container or atom (see the module's documentation)."""
     kind = type(value)
     if kind is types.FunctionType or isinstance(value, type):
-        if walk.by_value() and value.__module__ == "__main__":
+        if _pickling.travels_by_value(value, as_fork=True):
             if kind is types.FunctionType:
                 return _function(walk, value, push)
             return _class(walk, value, push)
@@ -127,7 +127,7 @@ def _unprovable(walk: Walk, value: Any, push: Any) -> None:
     raise UnprovableError(f"a {type(value).__qualname__} travels as a file descriptor")
 
 
-# -- by value (a __main__ without a file: cloudpickle) -----------------------------------------
+# -- by value (__main__'s, lambdas, local ones: cloudpickle) ----------------------------
 
 
 def _function(walk: Walk, fn: types.FunctionType, push: Callable[[Any], None]) -> None:
