@@ -1,6 +1,7 @@
 """DataLoaders on tether.Pool against torch's own workers, in the same run.
 
     python bench/loaders.py [--reps N] [--spawn-reps N] [--batches N] [--no-big] [--steady]
+                            [--big-only]
 
 1. Twenty DataLoaders (64 small items, batch 16, 2 workers) iterated one after the other:
    torch fork, torch fork with persistent_workers, torch spawn (``--spawn-reps``, slow),
@@ -288,6 +289,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--no-big", dest="big", action="store_false")
     parser.add_argument("--steady", action="store_true", help="only the steady state")
+    parser.add_argument("--big-only", action="store_true", help="only the datasets of real size")
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, medians of {args.reps} runs "
@@ -296,9 +298,12 @@ def main() -> None:
     pool = tether.Pool(2, preload=["torch"])
     ctx = pool.context()
     twenty(multiprocessing_context=ctx)  # warm: workers up, torch imported
-    if not args.steady:
-        loader_starts(ctx, args)
-    steady_state(ctx, args)
+    if args.big_only:
+        big_datasets(ctx, args.reps)
+    else:
+        if not args.steady:
+            loader_starts(ctx, args)
+        steady_state(ctx, args)
     pool.shutdown()
 
 

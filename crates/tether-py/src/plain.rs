@@ -120,6 +120,26 @@ impl Layout {
     }
 }
 
+/// The address of a list's item array and the bytes it spans, `(start, end)` (None for
+/// anything else, or where this interpreter does not lay lists out as CPython does): a big
+/// list's array is watched for writes, so that an unchanged list is proven so without
+/// reading it (see `python/tether/pool/snapshot/plain.py`).
+#[pyfunction]
+fn item_array(items: &Bound<'_, PyAny>) -> Option<(usize, usize)> {
+    let layout = LAYOUT.get_or_init(items.py(), || Layout::probe(items.py()));
+    let ptr = items.as_ptr();
+    // SAFETY: `ptr` is a live object borrowed for this call and the GIL is held; the list
+    // check comes before the layout's accessor reads its array pointer.
+    unsafe {
+        if ffi::PyList_CheckExact(ptr) == 0 {
+            return None;
+        }
+        let start = layout.items(ptr)? as usize;
+        let size = usize::try_from(ffi::PyList_Size(ptr)).ok()?;
+        Some((start, start + size * std::mem::size_of::<*mut ffi::PyObject>()))
+    }
+}
+
 /// Whether every item of the list or tuple `items` is plain: None, a bool, int, float,
 /// complex, str or bytes (exact types), or a tuple or frozenset of plain values. None for a
 /// container of another type (the caller looks at it itself).
@@ -209,5 +229,6 @@ unsafe fn all_plain_in_iterable(obj: *mut ffi::PyObject, depth: usize) -> bool {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(same_items, m)?)?;
     m.add_function(wrap_pyfunction!(plain_items, m)?)?;
+    m.add_function(wrap_pyfunction!(item_array, m)?)?;
     Ok(())
 }

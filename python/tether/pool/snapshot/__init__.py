@@ -154,14 +154,18 @@ class _Walk:
             if self.pos >= len(self.old):
                 return False
             old = self.old[self.pos]
-            if old[0] != PLAIN or old[1] is not kind or not _same_shadow(kind, value, old[2]):
+            if old[0] != PLAIN or old[1] is not kind:
+                return False
+            watched = old[3] is not None and old[3].unchanged(value)
+            if not watched and not _same_shadow(kind, value, old[2]):
                 return False
             self.pos += 1
             return True
         shadow = _shadow(kind, value)
         if shadow is None:
             return False
-        self.tokens.append((PLAIN, kind, shadow))
+        watch = plain.ItemsWatch.take(value) if kind is list else None
+        self.tokens.append((PLAIN, kind, shadow, watch))
         return True
 
 

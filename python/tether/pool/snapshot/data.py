@@ -65,9 +65,9 @@ def tensor(walk: Walk, tensor: Any, push: Callable[[Any], None]) -> None:
     if tensor.device.type == "cpu" and not shared and storage.nbytes():
         # A worker's copy-on-write map of a shipment's storage (see ``storages``).
         low = storage.data_ptr()
-        private = None if walk.checking else watch.private_unwritten(low, low + storage.nbytes())
-        if private:
-            content = _Private(low, low + storage.nbytes())
+        high = low + storage.nbytes()
+        if not walk.checking and watch.private_unwritten(low, high):
+            content = _private_proof(low, high)
     if content is None and storage.nbytes() <= SMALL_TENSOR and tensor.device.type == "cpu":
         # Checking, the tensor itself; else a copy of it, as it is now.
         content = tensor if walk.checking else tensor.detach().clone()
@@ -101,7 +101,7 @@ def same_tensor(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
         return False
     if storage.same(new_storage) and new_storage.shared:
         return True  # the workers map this very memory: what was written, they read
-    if isinstance(content, _Private):
+    if isinstance(content, (_Private, watch.Protection)):
         return storage.same(new_storage) and content.unwritten()
     if content is None:
         return False
@@ -119,7 +119,7 @@ def array(walk: Walk, array: Any, push: Callable[[Any], None]) -> None:
     low, high = watch.bounds(array)
     if walk.checking:
         return walk.emit((WATCHED, facts, array, (low, high), None, b""))
-    proof, edges = _watch_memory(low, high)
+    proof, edges = watch_memory(low, high)
     if proof is None:
         raise UnprovableError(
             f"a numpy array of {array.nbytes} bytes outside anonymous memory, or where "
@@ -128,18 +128,27 @@ def array(walk: Walk, array: Any, push: Callable[[Any], None]) -> None:
     walk.emit((WATCHED, facts, hold(array), (low, high), proof, edges))
 
 
-def _watch_memory(low: int, high: int) -> Tuple[Any, bytes]:
+def watch_memory(low: int, high: int) -> Tuple[Any, bytes]:
     """A proof that ``[low, high)`` is not written from now on (see ``watch``), and the
     bytes of the partial pages at its ends (compared by content)."""
     private = watch.private_unwritten(low, high)
     if private is not None:
-        return (_Private(low, high) if private else None), b""
+        return _private_proof(low, high) if private else None, b""
     start = -(-low // watch.PAGE) * watch.PAGE
     end = max(start, high // watch.PAGE * watch.PAGE)
     protection = watch.protect(start, end)
     if protection is None:
         return None, b""
     return protection, _edges(low, high, start, end)
+
+
+def _private_proof(low: int, high: int) -> Any:
+    """A proof for ``[low, high)`` of a worker's private mapping of a shipment, whose pages
+    are all still the memfd's: its whole pages write-protected (as the parent's arrays are;
+    a check then costs a fraction of reading the page map), else the page map itself."""
+    start, end = low // watch.PAGE * watch.PAGE, -(-high // watch.PAGE) * watch.PAGE
+    protection = watch.protect(start, end)
+    return _Private(low, high) if protection is None else protection
 
 
 def _edges(low: int, high: int, start: int, end: int) -> bytes:
@@ -168,8 +177,14 @@ def same_watched(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
     _, facts, ref, (low, high), proof, edges = old
     if not (facts == new[1] and held(ref) is new[2] and (low, high) == new[3]):
         return False
+    return unwritten((low, high), proof, edges)
+
+
+def unwritten(span: Tuple[int, int], proof: Any, edges: bytes) -> bool:
+    """Whether no byte of ``span`` was written since ``watch_memory`` gave ``proof`` and
+    ``edges``."""
     if not proof.unwritten():
         return False
-    if isinstance(proof, _Private):
+    if isinstance(proof, _Private) or not edges:
         return True
-    return _edges(low, high, proof.start, proof.end) == edges
+    return _edges(span[0], span[1], proof.start, proof.end) == edges

@@ -9,17 +9,26 @@ a new one at its address), is compared with it pointer by pointer, in one compar
 their item arrays (``_native.same_items``: about 0.4 ms for the ImageFolder's list here,
 with the GIL held, so that no thread changes the list meanwhile). The shadow costs 8 bytes
 per item, and the items it holds stay alive while it does. Telling whether a list's items
-are plain takes one look at each (``_native.plain_items``: about 30 ms for that list)."""
+are plain takes one look at each (``_native.plain_items``: about 30 ms for that list).
+
+A big list's item array is also watched for writes (``watch_items``, as a big numpy array's
+memory is): while the list keeps that array, of that length, and no page of it was written,
+it holds the shadow's very items without a comparison (a few microseconds, whatever its
+length); anything else falls back to the comparison."""
 
 from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 from ... import _native
+from . import data
 
-__all__ = ["ATOMS", "is_plain", "plain_items", "same_items"]
+__all__ = ["ATOMS", "WATCH_MIN", "ItemsWatch", "is_plain", "plain_items", "same_items"]
+
+#: Lists of at least this many items have their item array watched (it spans whole pages).
+WATCH_MIN = 4096
 
 #: The types of the plain values that are not containers (exact types).
 ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
@@ -58,3 +67,28 @@ def same_items(current: Any, shadow: Tuple[Any, ...]) -> bool:
     if type(current) in (list, tuple):
         return _native.same_items(current, shadow)
     return len(current) == len(shadow) and all(map(operator.is_, current, shadow))
+
+
+class ItemsWatch:
+    """A proof that a list's item array was not written since it was taken (see the
+    module's documentation)."""
+
+    __slots__ = ("span", "proof", "edges")
+
+    def __init__(self, span: Tuple[int, int], proof: Any, edges: bytes) -> None:
+        self.span, self.proof, self.edges = span, proof, edges
+
+    @classmethod
+    def take(cls, items: Any) -> Optional["ItemsWatch"]:
+        """A watch of the list ``items`` (None where its memory cannot be watched)."""
+        span = _native.item_array(items)
+        if span is None or len(items) < WATCH_MIN:
+            return None
+        proof, edges = data.watch_memory(*span)
+        return None if proof is None else cls(span, proof, edges)
+
+    def unchanged(self, items: Any) -> bool:
+        """Whether ``items`` still has the watched array, unwritten."""
+        return _native.item_array(items) == self.span and data.unwritten(
+            self.span, self.proof, self.edges
+        )
