@@ -15,7 +15,7 @@
    the first batch of a new loader over a dataset the pool has served; the first loader
    over a new dataset object, against one ``ForkingPickler.dumps`` plus one
    ``pickle.loads`` of it; 20 loaders in turn (8 batches of 64 each); the workers' PSS
-   after them.
+   after them; before them, the time to start a pool of 2 workers.
 4. Steady-state throughput of one loader of 32 x 3x224x224 float batches, with the machine
    otherwise idle, then with a busy-looping process on every core (``--steady``: only
    this part).
@@ -152,9 +152,34 @@ def loaders_in_turn(dataset: Dataset, context: Any, count: int = 20) -> Dict[str
 
 
 def big_datasets(ctx: Any, reps: int) -> None:
-    """Section 3, one dataset at a time (each is dropped before the next is made)."""
+    """Section 3, one dataset at a time (each is dropped before the next is made), after
+    what a new user pays first: starting the pool."""
+    print_versus("Start a pool of 2 workers (to every worker ready)", "ms", pool_start(reps), True)
     for name, make in BIG.items():
         one_big_dataset(name, make, ctx, reps)
+
+
+def pool_start(reps: int) -> Dict[str, float]:
+    """Milliseconds to start ``tether.Pool(2, preload=["torch"])`` (it returns once every
+    worker is ready) against torch's ``multiprocessing`` pool of 2 fork workers."""
+
+    def tether_pool() -> float:
+        start = time.perf_counter()
+        pool = tether.Pool(2, preload=["torch"])
+        elapsed = time.perf_counter() - start
+        pool.shutdown()
+        return elapsed * 1000
+
+    def fork_pool() -> float:
+        start = time.perf_counter()
+        pool = torch.multiprocessing.get_context("fork").Pool(2)
+        pool.map(abs, [0, 1])  # its workers are up once they answered
+        elapsed = time.perf_counter() - start
+        pool.terminate()
+        pool.join()
+        return elapsed * 1000
+
+    return interleaved({"torch fork Pool(2)": fork_pool, "tether.Pool": tether_pool}, reps)
 
 
 def one_big_dataset(name: str, make: Callable[[], Dataset], ctx: Any, reps: int) -> None:

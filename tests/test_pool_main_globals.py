@@ -61,5 +61,5 @@ def test_a_cache_workers_write_never_reaches_the_parent(results):
 
 def test_a_global_that_cannot_travel_is_named_never_read_at_its_import_time_value(results):
     said = results["unpicklable"]
-    assert said.startswith("PicklingError: the global 'LOCK' of __main__"), said
+    assert said.startswith("PicklingError: the global 'LOCK' of __main__ (a lock)"), said
     assert "ReadsLock.__getitem__" in said

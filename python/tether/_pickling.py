@@ -33,7 +33,7 @@ import threading
 from collections import ChainMap
 from multiprocessing.reduction import ForkingPickler
 from types import FunctionType, ModuleType
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "FdCollector",
@@ -297,36 +297,50 @@ def _by_value(obj: Union[FunctionType, type]) -> Tuple[Callable[[bytes], Any], T
 
 
 def _unpicklable_global(obj: Union[FunctionType, type], pickler: type) -> Optional[Exception]:
-    """A ``PicklingError`` that names the global of ``obj``'s code (or of its methods') that
-    cannot travel, when one of them is why ``obj`` could not (None otherwise)."""
+    """A ``PicklingError`` that names what ``obj`` (a function or class that travels by
+    value) reads and cannot travel: a global its code (or its methods') names, a variable
+    it closes over, a class attribute. None when none of them is why it could not."""
+    for what, reader, value in _what_travels_with(obj):
+        if isinstance(value, (ModuleType, FunctionType, type)):
+            continue  # (each is looked at in turn)
+        try:
+            pickler(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(value)
+        except Exception as why:  # noqa: BLE001 - the one to name
+            return pickle.PicklingError(
+                f"{what} (a {type(value).__qualname__}), which {reader} reads, cannot travel "
+                f"to another process: {why}. A function or class that travels by value takes "
+                "the values of what its code reads with it, as a fork would give them; make "
+                "this one picklable, or create it in the other process (in a pool's worker: "
+                "in worker_init_fn, or lazily in __getitem__)"
+            )
+    return None
+
+
+def _what_travels_with(obj: Union[FunctionType, type]) -> Iterator[Tuple[str, str, Any]]:
+    """``(what it is, who reads it, its value)`` for each value that travels with ``obj``."""
     functions: List[Any] = [obj] if isinstance(obj, FunctionType) else []
     if isinstance(obj, type):
-        for member in vars(obj).values():
+        for name, member in vars(obj).items():
             member = getattr(member, "__func__", member)
             if isinstance(member, property):
                 functions.extend((member.fget, member.fset, member.fdel))
+            elif not isinstance(member, FunctionType) and not name.startswith("__"):
+                yield f"the attribute {name!r} of class {obj.__qualname__}", "it", member
             functions.append(member)
     for function in functions:
         if not isinstance(function, FunctionType):
             continue
-        for name in _code_names(function.__code__):
-            if name not in function.__globals__:
-                continue
-            value = function.__globals__[name]
-            if isinstance(value, (ModuleType, FunctionType, type)):
-                continue
+        names = function.__code__.co_freevars
+        for name, cell in zip(names, function.__closure__ or ()):
             try:
-                pickler(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(value)
-            except Exception as why:  # noqa: BLE001 - the one to name
-                return pickle.PicklingError(
-                    f"the global {name!r} of {function.__module__} (a "
-                    f"{type(value).__qualname__}), which {function.__qualname__} reads, cannot "
-                    f"travel to a pool worker: {why}. A pool's workers receive the values of "
-                    "the globals that the DataLoader's code reads, as a fork would give them; "
-                    "make this one picklable, or create it in the worker (worker_init_fn, or "
-                    "lazily in __getitem__)"
-                )
-    return None
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            yield f"the variable {name!r} it closes over", function.__qualname__, value
+        for name in _code_names(function.__code__):
+            if name in function.__globals__:
+                what = f"the global {name!r} of {function.__module__}"
+                yield what, function.__qualname__, function.__globals__[name]
 
 
 def _code_names(code: Any) -> List[str]:
