@@ -9,7 +9,6 @@ import json
 import sys
 import threading
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -129,17 +128,17 @@ def loaders(case, context):
             OFFSETS[0], TABLE["k"] = epoch, 100 * epoch
             dataset = ReadsHelper()
         elif name == "lambda":
-            dataset = WithTransform(lambda x, e=epoch: x * SCALE + e)
+            dataset = WithTransform(lambda x, e=epoch: x * SCALE + e)  # noqa: B023 (read late)
         elif name == "closure":
             shift = 7 * epoch
-            dataset = WithTransform(lambda x: x + shift)
+            dataset = WithTransform(lambda x: x + shift)  # noqa: B023 (a closure, on purpose)
         elif name == "local":
             dataset = WithTransform(make_local(epoch))
         elif name == "partial":
             dataset = WithTransform(functools.partial(lambda x, k: x * k, k=epoch + SCALE))
         elif name == "collate":
             dataset = ReadsGlobal()
-            kwargs["collate_fn"] = lambda items, e=epoch: [x + e * SCALE for x in items]
+            kwargs["collate_fn"] = lambda items, e=epoch: [x + e * SCALE for x in items]  # noqa: B023
         elif name == "init_fn":
             dataset = WithTransform(helper)
             kwargs["worker_init_fn"] = lambda worker: OFFSETS.__setitem__(0, 1000)

@@ -47,9 +47,9 @@ def _reduce(storage: Any) -> Tuple[Callable[..., Any], Tuple[Any, ...]]:
     from torch.multiprocessing.reductions import reduce_storage
 
     if storage.device.type != "cpu" or storage.nbytes() == 0:
-        return reduce_storage(storage)  # type: ignore[no-any-return]
+        return reduce_storage(storage)
     if get_sharing_strategy() == "file_system":
-        return reduce_storage(storage)  # type: ignore[no-any-return]
+        return reduce_storage(storage)
     fd, size = storage._share_fd_cpu_()
     return _rebuild, (DupFd(fd), size)
 
