@@ -12,9 +12,11 @@ mapped once per unpickling (``mapping``)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import sys
+import weakref
 from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
@@ -75,7 +77,7 @@ def _rebuild(fd_ref: Any, size: int) -> Any:
         key = (stat.st_ino, stat.st_dev)
         if _mapped is not None and key in _mapped:
             return _mapped[key]
-        memory = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        memory = _map_private(fd, size)
     finally:
         os.close(fd)
     watch.register_private(memory)
@@ -83,3 +85,30 @@ def _rebuild(fd_ref: Any, size: int) -> Any:
     if _mapped is not None:
         _mapped[key] = storage
     return storage
+
+
+def _map_private(fd: int, size: int) -> Any:
+    """A private, writable mapping of ``size`` bytes of ``fd``, as a ctypes array that unmaps
+    it when it goes. (``mmap.mmap`` would keep a duplicate of the fd for as long: one per
+    storage, and a dataset of many tensors would run out of fds.)"""
+    address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if address in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map a tensor's storage of {size} bytes: {os.strerror(err)}")
+    memory = (ctypes.c_char * size).from_address(address)
+    weakref.finalize(memory, _libc.munmap, address, size)
+    return memory
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value

@@ -227,8 +227,9 @@ _private: Dict[int, int] = {}
 _PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61
 
 
-def register_private(mapping: mmap.mmap) -> None:
-    """Records a private mapping of a memfd (a shipment's buffers) while it lives."""
+def register_private(mapping: Any) -> None:
+    """Records a private mapping of a memfd (a shipment's buffers: an ``mmap``, or a ctypes
+    array over the mapping) while it lives."""
     view = (ctypes.c_char * len(mapping)).from_buffer(mapping)
     start = ctypes.addressof(view)
     del view
