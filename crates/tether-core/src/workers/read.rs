@@ -13,9 +13,13 @@ use super::table::{Sent, State, Worker};
 use super::types::{Crash, Death, Event, Outcome, Task};
 use super::wire::{self, Kind};
 use crate::channel::{Message, Poller, Recv};
-use crate::group::Group;
+use crate::group::{Group, WaitFor};
 use crate::status::ExitStatus;
 use crate::supervisor::waitid;
+
+/// How long the burial of a worker that died before it was ready waits for the supervisor to
+/// record its exit, and with it the whole report.
+const REPORT_WAIT: Duration = Duration::from_secs(2);
 
 /// The exit code a leased process gets when its worker died: the worker's, in
 /// `multiprocessing`'s convention; 255 when something else took the worker's status (it
@@ -150,6 +154,14 @@ impl Worker {
                 code: lease_code(status),
                 died: true,
             });
+        }
+        if !self.ready {
+            // Its report (why it could not start) is whole once the supervisor, which drains
+            // the report pipe before it records the exit, has recorded it: this pidfd may
+            // have woken us first.
+            let member = [self.member];
+            self.group
+                .wait(Some(&member), WaitFor::AllExited, Some(REPORT_WAIT));
         }
         let report = self
             .group
