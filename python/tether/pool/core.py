@@ -303,8 +303,9 @@ class Core:
 
     def stop(self, wait: bool, cancel_futures: bool) -> None:
         """``shutdown`` of the pool's faces: no new tasks; with ``cancel_futures`` the
-        tasks not started are cancelled; every DataLoader iterator's workers are taken
-        back; with ``wait``, returns once the pool is closed."""
+        tasks submitted after the last one started are cancelled (those that run are the
+        first ones submitted); every DataLoader iterator's workers are taken back; with
+        ``wait``, returns once the pool is closed."""
         with self.lock:
             if self.state == "running":
                 self.state = "shutdown"
@@ -313,7 +314,8 @@ class Core:
             # now ends without torch's "killed by signal" (see ``runs``).
             self.leases.take_back_all("the tether.Pool was shut down")
         if cancel_futures:
-            self.tasks.mark_cancelled(self.workers.cancel_all())
+            # The tasks that run are the first ones submitted, as ProcessPoolExecutor's.
+            self.tasks.mark_cancelled(self.workers.cancel_after_started())
         self.workers.wake()
         if wait:
             self.wait_closed()

@@ -278,8 +278,9 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
         return results
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """No new tasks; with ``cancel_futures``, those not started are cancelled; the
-        others finish. With ``wait``, returns once they did and every worker exited."""
+        """No new tasks; with ``cancel_futures``, those submitted after the last one
+        started are cancelled (those that run are the first ones submitted); the others
+        finish. With ``wait``, returns once they did and every worker exited."""
         self._core.stop(wait, cancel_futures)
 
     def _check_guard(self) -> None:

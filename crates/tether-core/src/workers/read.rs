@@ -107,6 +107,7 @@ impl Worker {
                 self.inflight.pop_front();
             }
             if record.tag != Kind::Skipped {
+                self.done = self.done.max(record.id);
                 outcomes.push(Outcome {
                     id: record.id,
                     kind: record.tag,
@@ -209,7 +210,11 @@ impl State {
             let _ = poller.remove(w.ctl.as_fd());
         }
         let _ = poller.remove(w.pidfd.as_fd());
+        let done = w.done;
         let (death, requeue) = w.bury(slot);
+        let started = death.crashed.as_ref().map(|c| c.id).into_iter();
+        let started = started.chain(death.lost.iter().copied()).chain([done]);
+        self.started_by_dead = started.fold(self.started_by_dead, u64::max);
         for task in requeue.into_iter().rev() {
             self.pending.push_front(task);
         }
