@@ -221,7 +221,7 @@ impl State {
             waiting.extend(w.unanswered().map(|(seq, t)| (t.id, Some((slot, seq)))));
         }
         waiting.extend(self.pending.iter().map(|t| (t.id, None)));
-        waiting.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        waiting.sort_unstable_by_key(|w| std::cmp::Reverse(w.0));
         let mut cancelled = Vec::new();
         for (id, at) in waiting {
             if id <= floor {
