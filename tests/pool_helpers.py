@@ -410,3 +410,14 @@ def first_one_ends(path: str, how: str) -> None:
     if how == "SIGKILL":
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(3)
+
+
+def note_start(path: str, index: int, seconds: float) -> int:
+    """Appends ``index`` to the file ``path`` (one write: lines never mix), then sleeps."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, f"{index}\n".encode())
+    finally:
+        os.close(fd)
+    time.sleep(seconds)
+    return index

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict
 
 import pool_helpers as helpers
 import pytest
+import share_helpers
 
 import tether
 from conftest import cmdline
@@ -360,3 +361,39 @@ def test_at_the_interpreters_exit_work_finishes_and_submit_says_interpreter_shut
         "apple",
         "late: cannot schedule new futures after interpreter shutdown",
     ]
+
+
+# -- the order tasks start in --------------------------------------------------------------------
+
+#: The executors compared: tether's (its zygote, and fork) and CPython's (fork, forkserver).
+_ORDERED = {
+    "tether forkserver": lambda: tether.ProcessPoolExecutor(3),
+    "tether fork": lambda: tether.ProcessPoolExecutor(3, mp_context="fork"),
+    "CPython fork": lambda: CPython(3, mp_context=multiprocessing.get_context("fork")),
+    "CPython forkserver": lambda: CPython(3, mp_context=multiprocessing.get_context("forkserver")),
+}
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.2])
+@pytest.mark.parametrize("name", list(_ORDERED))
+def test_the_tasks_that_run_before_shutdown_cancels_the_rest_are_the_first_submitted(
+    tmp_path, name, delay
+):
+    """Tasks start in submission order: after ``shutdown(cancel_futures=True)``, those that
+    ran (and the futures not cancelled) are the first ones submitted, as with CPython's
+    executor, whether the workers had started or not."""
+    notes = tmp_path / "started"
+    executor = _ORDERED[name]()
+    try:
+        futures = [executor.submit(helpers.note_start, str(notes), i, 0.05) for i in range(36)]
+        time.sleep(delay)
+        executor.shutdown(wait=True, cancel_futures=True)
+    finally:
+        if name == "CPython forkserver":
+            share_helpers.stop_forkserver()
+    ran = sorted(int(line) for line in notes.read_text().split()) if notes.exists() else []
+    notes.unlink(missing_ok=True)
+    assert ran == list(range(len(ran))), f"{name}: {ran}"
+    assert [i for i, f in enumerate(futures) if not f.cancelled()] == ran
+    assert [f.result() for f in futures[: len(ran)]] == ran
+    assert len(ran) < len(futures), f"{name}: shutdown cancelled nothing"

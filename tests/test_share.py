@@ -78,12 +78,13 @@ def test_in_index_and_count_answer_as_for_a_list():
             assert shared.index(*args) == want
 
 
-def test_equality_with_a_list_of_the_same_items():
+def test_equality_with_a_list_or_tuple_of_the_same_items():
     shared = tether.share(ITEMS)
     assert shared == ITEMS and ITEMS == shared and not shared != ITEMS
     assert shared == tether.share(list(ITEMS)) and shared == shared
     assert shared != ITEMS[:-1] and shared != [*ITEMS[:-1], ("f", 7)]
-    assert shared != tuple(ITEMS) and shared != "abc" and shared != None  # noqa: E711
+    assert shared == tuple(ITEMS) and tuple(ITEMS) == shared and shared != tuple(ITEMS[:-1])
+    assert shared != "abc" and shared != None  # noqa: E711
     with pytest.raises(TypeError, match="unhashable"):
         hash(shared)
 

@@ -68,7 +68,8 @@ def _same(a: Any, b: Any) -> bool:
 class SharedList(_native.SharedItems, Sequence):
     """A read-only list whose items live in shared memory (see ``tether.share``): length,
     int and slice indexing (negative indexes too; a slice is a list), iteration, ``in``,
-    ``index``, ``count``, and equality with a list of the same items. ``SharedList(items)``
+    ``index``, ``count``, and equality with a list or tuple of the same items (it is
+    unhashable, as a list). ``SharedList(items)``
     shares the items of any iterable. Indexing, length, iteration and ``in`` are the
     compiled base's (``_native.SharedItems``)."""
 
@@ -109,7 +110,7 @@ class SharedList(_native.SharedItems, Sequence):
         if isinstance(other, SharedList):
             if self._same(other):
                 return True
-        elif not isinstance(other, list):
+        elif not isinstance(other, (list, tuple)):
             return NotImplemented
         return len(self) == len(other) and all(map(_same, self, other))
 
@@ -165,7 +166,9 @@ _MISSING = object()
 class SharedDict(_native.SharedItems, Mapping):
     """A read-only dict whose keys and values live in shared memory (see
     ``tether.share``), in the dict's order; keys of any picklable hashable type, looked up
-    by their canonical bytes, whatever the process's hash seed. ``SharedDict(mapping)``
+    by their canonical bytes, whatever the process's hash seed, and found as a dict finds
+    them (``np.int64(3)`` and ``3.0`` find ``3``). ``reversed()`` and ``|`` as a dict's
+    (``|`` gives a new dict); ``|=``, as every mutation, raises. ``SharedDict(mapping)``
     shares what ``dict(mapping)`` holds. Lookups, length, iteration and ``in`` are the
     compiled base's (``_native.SharedItems``)."""
 
@@ -196,6 +199,26 @@ class SharedDict(_native.SharedItems, Mapping):
         return all(_same(other.get(k, _MISSING), v) for k, v in self._iterate(0))
 
     __hash__ = None  # type: ignore[assignment]
+
+    def __reversed__(self) -> Iterator[Any]:
+        """The keys, the last inserted first, as ``reversed(dict)``."""
+        for i in range(len(self) - 1, -1, -1):
+            yield next(self._iterate(1, i))
+
+    def __or__(self, other: Any) -> Any:
+        """A new dict: this one's pairs, then ``other``'s (as ``MappingProxyType``)."""
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        merged = dict(self._iterate(0))
+        merged.update(other)
+        return merged
+
+    def __ror__(self, other: Any) -> Any:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        merged = dict(other)
+        merged.update(self._iterate(0))
+        return merged
 
     def __repr__(self) -> str:
         pairs = self._iterate(0)

@@ -103,6 +103,26 @@ def worker_not_started(
     return message + (":\n" + report if report is not None else "")
 
 
+def main_not_guarded(owner: str, where: str, line: str) -> str:
+    """A worker of the pool ``owner``, importing the main script, reached the start of the
+    pool at ``where`` (``file:line``, whose text is ``line``)."""
+    code = f" (`{line}`)" if line else ""
+    shown = line or "..."
+    return (
+        f"the main script starts {owner}'s workers when it is imported, at {where}{code}: "
+        "every worker imports the main script to find its functions (as 'spawn' and "
+        "'forkserver' children do) and would start them again. Start them under the main "
+        f'guard:\n\n    if __name__ == "__main__":\n        {shown}\n        ...\n'
+    )
+
+
+def main_not_guarded_in_worker(death: _native.WorkerDied, said: str, owner: str = POOL) -> str:
+    """A worker of the pool ``owner`` stopped importing the main script with ``said`` (see
+    ``main_not_guarded``)."""
+    message = f"{said}\n(worker pid {death.pid} stopped there)"
+    return f"{_CPYTHON_BROKEN}: {message}" if owner == EXECUTOR else message
+
+
 def pool_process_ended(name: str, pid: int, exitcode: int) -> str:
     """A process leased from a pool (not a DataLoader's worker) ended badly."""
     return f"tether.Pool process {name} (pid {pid}) {ended(exitcode)}"

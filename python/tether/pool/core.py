@@ -29,7 +29,7 @@ from typing import Any, Callable, List, Literal, Optional, Sequence
 
 from .. import _launch, _native, _report, _status, _words
 from .._log import logger
-from . import worker
+from . import guard, worker
 from .errors import BrokenPool
 from .leases import Leases, worker_state
 from .tasks import Tasks, delivery
@@ -66,6 +66,8 @@ class Core:
         start: Optional[int] = None,
         name: str = _words.POOL,
     ) -> None:
+        if start is None or start:
+            guard.check(name)  # a worker importing an unguarded script stops here
         #: The pool's name in what it says (``tether.Pool``, ``tether.ProcessPoolExecutor``).
         self.name = name
         self.size = processes
@@ -102,15 +104,24 @@ class Core:
         #: Notified by the hub when a worker becomes ready or dies.
         self.changed = threading.Condition(self.lock)
         self.hub: Optional[threading.Thread] = None
+        self._begin(wait=start is None)
+
+    def _begin(self, wait: bool) -> None:
+        """Starts the workers of the slots started, and the hub; with ``wait``, waits until
+        the workers are ready. On any error, the pool is closed before it is raised."""
         try:
             if self.started:
                 self._start_workers(list(range(self.started)))
             self.hub = threading.Thread(target=self._hub, name="tether-pool-hub", daemon=True)
             self.hub.start()
-            if start is None:
+            if wait:
                 self.wait_ready()
         except BaseException:
             self._close(kill=True)
+            if self.hub is not None:
+                # It ends at once, the set closed: a daemon thread still coming back from
+                # Rust while the interpreter exits would take the process down with it.
+                self.hub.join()
             raise
 
     def wait_ready(self) -> None:
@@ -169,6 +180,8 @@ class Core:
         """Starts workers, without waiting for them, until ``wanted`` slots (at most the
         pool's size) have one. One that cannot be started breaks the pool (the tasks
         queued fail with ``BrokenPool``), as a replacement that cannot be started does."""
+        if self.started < min(wanted, self.size):
+            guard.check(self.name)
         with self.lock:
             if self.state != "running" or self.broken is not None:
                 return
@@ -253,7 +266,10 @@ class Core:
         if not death.ready and self.state != "closed" and self.broken is None:
             report = _report.decode(death.report)
             text = None if report is None else report[0]
-            self._break(_words.worker_not_started(death, text, self.name))
+            if report is not None and isinstance(report[1], guard.MainNotGuardedError):
+                self._break(_words.main_not_guarded_in_worker(death, str(report[1]), self.name))
+            else:
+                self._break(_words.worker_not_started(death, text, self.name))
         elif self.state != "closed" and self.broken is None:
             thread = threading.Thread(
                 target=self._replace, args=(slot,), name="tether-pool-replace", daemon=True
@@ -287,8 +303,9 @@ class Core:
 
     def stop(self, wait: bool, cancel_futures: bool) -> None:
         """``shutdown`` of the pool's faces: no new tasks; with ``cancel_futures`` the
-        tasks not started are cancelled; every DataLoader iterator's workers are taken
-        back; with ``wait``, returns once the pool is closed."""
+        tasks submitted after the last one started are cancelled (those that run are the
+        first ones submitted); every DataLoader iterator's workers are taken back; with
+        ``wait``, returns once the pool is closed."""
         with self.lock:
             if self.state == "running":
                 self.state = "shutdown"
@@ -297,7 +314,8 @@ class Core:
             # now ends without torch's "killed by signal" (see ``runs``).
             self.leases.take_back_all("the tether.Pool was shut down")
         if cancel_futures:
-            self.tasks.mark_cancelled(self.workers.cancel_all())
+            # The tasks that run are the first ones submitted, as ProcessPoolExecutor's.
+            self.tasks.mark_cancelled(self.workers.cancel_after_started())
         self.workers.wake()
         if wait:
             self.wait_closed()

@@ -48,6 +48,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
 from .. import _launch, _native, _words
+from . import guard
 from .core import Core, track
 
 __all__ = ["ProcessPoolExecutor", "WorkerProcess"]
@@ -252,6 +253,7 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
     ) -> concurrent.futures.Future:
         """Runs ``fn(*args, **kwargs)`` in a worker; returns its future."""
         self._check_exiting()
+        self._check_guard()
         future = self._core.tasks.queue_call(fn, args, kwargs)
         if self._on_demand:
             with self._adjust_lock:
@@ -269,15 +271,23 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
         """``Executor.map``: every call is queued now, in chunks (of ``chunksize`` when
         above 1, else sized to the work); the results come in order."""
         self._check_exiting()
+        self._check_guard()
         results = self._core.tasks.queue_map(fn, iterables, timeout, chunksize)
         if self._on_demand:
             self._core.grow(len(self._core.tasks.sinks))  # a worker for each chunk queued
         return results
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """No new tasks; with ``cancel_futures``, those not started are cancelled; the
-        others finish. With ``wait``, returns once they did and every worker exited."""
+        """No new tasks; with ``cancel_futures``, those submitted after the last one
+        started are cancelled (those that run are the first ones submitted); the others
+        finish. With ``wait``, returns once they did and every worker exited."""
         self._core.stop(wait, cancel_futures)
+
+    def _check_guard(self) -> None:
+        """A worker importing an unguarded main script stops at the call that would start
+        workers (see ``guard``), before anything is queued: its exit would wait for it."""
+        if self._on_demand and self._core.started < self._core.size:
+            guard.check(_words.EXECUTOR)
 
     def _check_exiting(self) -> None:
         if _exiting and self._core.broken is None:

@@ -161,8 +161,9 @@ class Pool(concurrent.futures.Executor):
         return self._core.tasks.queue_map(fn, iterables, timeout, chunksize)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Stops the pool: no new tasks; with ``cancel_futures`` every task not started is
-        cancelled, wherever it waits; the others finish. With ``wait`` this returns once
+        """Stops the pool: no new tasks; with ``cancel_futures`` every task submitted after
+        the last one started is cancelled, wherever it waits (those that run are the first
+        ones submitted); the others finish. With ``wait`` this returns once
         they are done and every worker has exited (otherwise that happens in the
         background). Every DataLoader iterator's workers are taken back, within a grace
         period of a few seconds (a worker loop that does not end by then is killed): an

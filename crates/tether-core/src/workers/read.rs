@@ -13,9 +13,13 @@ use super::table::{Sent, State, Worker};
 use super::types::{Crash, Death, Event, Outcome, Task};
 use super::wire::{self, Kind};
 use crate::channel::{Message, Poller, Recv};
-use crate::group::Group;
+use crate::group::{Group, WaitFor};
 use crate::status::ExitStatus;
 use crate::supervisor::waitid;
+
+/// How long the burial of a worker that died before it was ready waits for the supervisor to
+/// record its exit, and with it the whole report.
+const REPORT_WAIT: Duration = Duration::from_secs(2);
 
 /// The exit code a leased process gets when its worker died: the worker's, in
 /// `multiprocessing`'s convention; 255 when something else took the worker's status (it
@@ -103,6 +107,7 @@ impl Worker {
                 self.inflight.pop_front();
             }
             if record.tag != Kind::Skipped {
+                self.done = self.done.max(record.id);
                 outcomes.push(Outcome {
                     id: record.id,
                     kind: record.tag,
@@ -151,6 +156,14 @@ impl Worker {
                 died: true,
             });
         }
+        if !self.ready {
+            // Its report (why it could not start) is whole once the supervisor, which drains
+            // the report pipe before it records the exit, has recorded it: this pidfd may
+            // have woken us first.
+            let member = [self.member];
+            self.group
+                .wait(Some(&member), WaitFor::AllExited, Some(REPORT_WAIT));
+        }
         let report = self
             .group
             .with_member(self.member, |m| m.report().to_vec())
@@ -197,7 +210,11 @@ impl State {
             let _ = poller.remove(w.ctl.as_fd());
         }
         let _ = poller.remove(w.pidfd.as_fd());
+        let done = w.done;
         let (death, requeue) = w.bury(slot);
+        let started = death.crashed.as_ref().map(|c| c.id).into_iter();
+        let started = started.chain(death.lost.iter().copied()).chain([done]);
+        self.started_by_dead = started.fold(self.started_by_dead, u64::max);
         for task in requeue.into_iter().rev() {
             self.pending.push_front(task);
         }

@@ -145,6 +145,12 @@ impl WorkerSet {
         self.lock().cancel(|_| true)
     }
 
+    /// Withdraws every task submitted after the last one a worker started, the latest
+    /// first, so that the tasks that run are the first ones submitted; returns their ids.
+    pub fn cancel_after_started(&self) -> Vec<u64> {
+        self.lock().cancel_after_started()
+    }
+
     /// Whether task `id` was started by a worker and not answered yet.
     pub fn started(&self, id: u64) -> bool {
         let state = self.lock();

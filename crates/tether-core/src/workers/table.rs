@@ -1,7 +1,7 @@
 //! The table of workers: each worker's link, what is in flight to it, and the queue of
 //! tasks not sent yet, spread over the free workers in batches sized to the backlog.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,6 +42,8 @@ pub(super) struct Worker {
     pub(super) lent: bool,
     pub(super) inflight: VecDeque<Sent>,
     pub(super) seq: u32,
+    /// The highest id among the tasks it answered (0 before any).
+    pub(super) done: u64,
 }
 
 pub(super) fn ctl_token(generation: u64) -> u64 {
@@ -61,6 +63,8 @@ pub(super) struct State {
     /// Events read by a thread waiting on a lent socket (see [`wait`]), for `poll`.
     pub(super) deferred: Vec<Event>,
     pub(super) closed: bool,
+    /// The highest id among the tasks that dead workers started.
+    pub(super) started_by_dead: u64,
 }
 
 /// A worker's process, as its launch left it.
@@ -95,6 +99,7 @@ impl Worker {
             lent: false,
             inflight: VecDeque::new(),
             seq: 0,
+            done: 0,
         }
     }
 
@@ -200,6 +205,44 @@ impl State {
                 }
             }
         }
+    }
+
+    /// Withdraws, the latest first, every task submitted after the last one a worker
+    /// started (task ids grow in submission order), and stops at the first task a worker
+    /// started meanwhile: every task before it runs, so that the tasks that run are the
+    /// first ones submitted, as with `ProcessPoolExecutor`'s queue. Returns their ids.
+    pub(super) fn cancel_after_started(&mut self) -> Vec<u64> {
+        let mut floor = self.started_by_dead;
+        // (id, where: None for the queue here, else the worker's slot and the task's seq)
+        let mut waiting: Vec<(u64, Option<(usize, u32)>)> = Vec::new();
+        for (slot, w) in self.workers.iter().enumerate() {
+            let Some(w) = w else { continue };
+            floor = floor.max(w.done);
+            waiting.extend(w.unanswered().map(|(seq, t)| (t.id, Some((slot, seq)))));
+        }
+        waiting.extend(self.pending.iter().map(|t| (t.id, None)));
+        waiting.sort_unstable_by_key(|w| std::cmp::Reverse(w.0));
+        let mut cancelled = Vec::new();
+        for (id, at) in waiting {
+            if id <= floor {
+                break;
+            }
+            let Some((slot, seq)) = at else {
+                cancelled.push(id);
+                continue;
+            };
+            let Some(w) = self.workers[slot].as_ref() else {
+                continue;
+            };
+            match w.gate.claim(seq) {
+                Claim::Cancelled => {}
+                Claim::Queued if w.gate.cancel(seq) => cancelled.push(id),
+                Claim::Queued | Claim::Started => break,
+            }
+        }
+        let withdrawn: HashSet<u64> = cancelled.iter().copied().collect();
+        self.pending.retain(|task| !withdrawn.contains(&task.id));
+        cancelled
     }
 
     /// Withdraws the unstarted tasks whose ids `wanted` accepts.

@@ -312,6 +312,52 @@ fn unstarted_tasks_are_cancelled_wherever_they_wait() -> Result<(), WorkersError
 }
 
 #[test]
+fn cancelling_in_order_lets_every_task_before_the_last_started_one_run() -> Result<(), WorkersError>
+{
+    let set = pool(2)?;
+    let ready = |e: &[Event]| {
+        e.iter()
+            .filter(|e| matches!(e, Event::Ready { .. }))
+            .count()
+    };
+    collect(&set, |e| ready(e) == 2)?;
+    // Worker A runs task 1 for long, 4 and 5 waiting behind it; worker B runs 2 and 3,
+    // then starts 6 (7 waits behind it, 8 and 9 here): 4 and 5 must run though not started.
+    set.submit(vec![task(1, "sleep:1500")])?;
+    let later = [
+        (2, "sleep:20"),
+        (3, "sleep:20"),
+        (4, "echo:4"),
+        (5, "echo:5"),
+    ];
+    let later = later
+        .iter()
+        .chain(&[(6, "sleep:300"), (7, "echo:7"), (8, "echo:8")]);
+    set.submit(
+        later
+            .chain(&[(9, "echo:9")])
+            .map(|(i, t)| task(*i, t))
+            .collect(),
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut events = Vec::new();
+    while !set.started(6) {
+        assert!(Instant::now() < deadline && !set.started(4), "{events:?}");
+        events.extend(set.poll(Some(Duration::from_millis(5)))?);
+    }
+    let mut cancelled = set.cancel_after_started();
+    cancelled.sort();
+    assert_eq!(cancelled, vec![7, 8, 9]);
+    events.extend(collect(&set, |e| {
+        answers(e).len() + answers(&events).len() == 6
+    })?);
+    let ran: Vec<u64> = answers(&events).into_iter().map(|(id, _)| id).collect();
+    assert_eq!(ran, vec![1, 2, 3, 4, 5, 6]);
+    set.close(false, Duration::from_secs(5));
+    Ok(())
+}
+
+#[test]
 fn leased_workers_take_no_tasks_and_end_their_lease() -> Result<(), WorkersError> {
     let set = pool(2)?;
     let slots = set

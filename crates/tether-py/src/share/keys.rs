@@ -1,9 +1,12 @@
 //! A dict key's canonical bytes: what a shared dict hashes and compares, the same for keys
 //! that Python holds equal (`1`, `1.0`, `True`; a frozenset in any order) and the same in
 //! every process, whatever its hash seed. Numbers (bool, int, float, complex), str, bytes,
-//! None, and tuples and frozensets of them are encoded here; any other key by its pickle
-//! (protocol 5), after a `hash()` that refuses an unhashable one, as a dict would.
+//! None, and tuples and frozensets of them are encoded here; a key of another type that a
+//! dict holds equal to an int or float (numpy's scalars, a `Decimal(1)`) as that number; any
+//! other key by its pickle (protocol 5), after a `hash()` that refuses an unhashable one, as
+//! a dict would.
 
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyBytes, PyComplex, PyFloat, PyFrozenSet, PyInt, PyString, PyTuple};
 
@@ -54,6 +57,8 @@ pub fn canonical(key: &Bound<'_, PyAny>, out: &mut Vec<u8>) -> PyResult<()> {
         parts.sort_unstable();
         out.push(b'z');
         parts.iter().for_each(|p| out.extend_from_slice(p));
+    } else if let Some(number) = as_number(key)? {
+        canonical(&number, out)?;
     } else {
         key.hash()?;
         let pickled = super::pickle::dumps(key)?;
@@ -61,6 +66,32 @@ pub fn canonical(key: &Bound<'_, PyAny>, out: &mut Vec<u8>) -> PyResult<()> {
         out.extend_from_slice(pickled.as_bytes());
     }
     Ok(())
+}
+
+/// The int or float that a key of another type stands for in a dict (numpy's integers,
+/// floats and bools, a `Decimal` or `Fraction` of the same value): the number it converts
+/// to (`__index__`, else `__complex__`, else `__float__`) when the two are equal and hash
+/// alike, as a dict
+/// needs to hold them one key; None for any other key.
+fn as_number<'py>(key: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let py = key.py();
+    let number = if let Ok(n) = key.call_method0(intern!(py, "__index__")) {
+        n.is_instance_of::<PyInt>().then_some(n)
+    } else if let Ok(n) = key.call_method0(intern!(py, "__complex__")) {
+        // Before `__float__`, which warns for numpy's complex numbers.
+        n.is_instance_of::<PyComplex>().then_some(n)
+    } else if let Ok(n) = key.call_method0(intern!(py, "__float__")) {
+        n.is_instance_of::<PyFloat>().then_some(n)
+    } else {
+        None
+    };
+    let Some(number) = number else {
+        return Ok(None);
+    };
+    let Ok(hash) = key.hash() else {
+        return Ok(None); // unhashable: the caller says so
+    };
+    Ok((number.hash()? == hash && number.eq(key)?).then_some(number))
 }
 
 /// An element of a tuple or frozenset: its canonical bytes after their length, so that

@@ -182,6 +182,12 @@ impl WorkerSet {
         self.inner.cancel_all()
     }
 
+    /// Withdraws every task submitted after the last one a worker started (the latest
+    /// first), so that the tasks that run are the first ones submitted; returns their ids.
+    fn cancel_after_started(&self) -> Vec<u64> {
+        self.inner.cancel_after_started()
+    }
+
     /// Whether a worker is running task `id`.
     fn started(&self, id: u64) -> bool {
         self.inner.started(id)

@@ -1,0 +1,144 @@
+"""A script that starts a pool without ``if __name__ == "__main__":`` fails at once with an
+error that names the guard and the script's line, as a file and through IPython's ``%run``,
+while a ``__main__`` without a file (``python -c``, stdin) keeps working. Each program runs
+in a fresh interpreter, in a private temporary folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+#: The guard, as the error must spell it.
+GUARD = 'if __name__ == "__main__":'
+
+#: Starts a pool at the script's top level (line 9), timing the start that fails.
+UNGUARDED_POOL = """\
+import time
+import tether
+
+def square(x):
+    return x * x
+
+started = time.monotonic()
+try:
+    pool = tether.Pool(2, start_method={method!r})
+except tether.BrokenPool as error:
+    print(f"raised after {{time.monotonic() - started:.3f}} s", flush=True)
+    raise
+print(list(pool.map(square, range(4))))
+pool.shutdown()
+"""
+
+#: Makes an executor at the top level (which starts nothing, as CPython's does) and submits
+#: a task there (line 8), which starts its first worker.
+UNGUARDED_EXECUTOR = """\
+import tether
+
+def square(x):
+    return x * x
+
+executor = tether.ProcessPoolExecutor(2, mp_context={method!r})
+try:
+    future = executor.submit(square, 3)
+    print(future.result(timeout=60))
+finally:
+    executor.shutdown()
+"""
+
+#: A module-level executor is fine as long as it starts its workers under the guard.
+GUARDED_EXECUTOR = """\
+import tether
+
+executor = tether.ProcessPoolExecutor(2)
+
+def square(x):
+    return x * x
+
+if __name__ == "__main__":
+    print(list(executor.map(square, range(4))))
+    executor.shutdown()
+"""
+
+#: A program without a file: its functions travel by value, nothing is imported again.
+NO_FILE = """\
+import tether
+
+def square(x):
+    return x * x
+
+with tether.Pool(2) as pool:
+    print(list(pool.map(square, range(4))))
+"""
+
+
+def _run(
+    argv: list, folder: Path, stdin: Optional[str] = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        argv, input=stdin, capture_output=True, text=True, timeout=timeout, cwd=folder
+    )
+
+
+def _write(folder: Path, text: str) -> Path:
+    script = folder / "train.py"
+    script.write_text(textwrap.dedent(text))
+    return script
+
+
+def _says_the_guard(stderr: str, where: str, line: str) -> None:
+    assert "BrokenPool: " in stderr, stderr
+    said = stderr.rsplit("BrokenPool: ", 1)[1]
+    assert GUARD in said and where in said and f"(`{line}`)" in said, stderr
+    assert "Traceback" not in said, stderr  # the error alone, no worker's traceback
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_script_that_starts_a_pool_without_the_main_guard_says_so_at_once(tmp_path, method):
+    script = _write(tmp_path, UNGUARDED_POOL.format(method=method))
+    out = _run([sys.executable, str(script)], tmp_path)
+    assert out.returncode == 1 and "[0, 1, 4, 9]" not in out.stdout, out.stdout + out.stderr
+    _says_the_guard(out.stderr, f"{script}:9", f"pool = tether.Pool(2, start_method={method!r})")
+    seconds = float(out.stdout.split("raised after ")[1].split()[0])
+    assert seconds < 10, out.stdout  # before, the parent waited for nested pools
+
+
+def test_an_executor_made_without_the_guard_says_so_at_its_first_submit(tmp_path):
+    script = _write(tmp_path, UNGUARDED_EXECUTOR.format(method="forkserver"))
+    out = _run([sys.executable, str(script)], tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    _says_the_guard(out.stderr, f"{script}:8", "future = executor.submit(square, 3)")
+    assert "A child process terminated abruptly" in out.stderr  # CPython's words first
+
+
+def test_an_executor_made_at_the_top_level_works_when_it_starts_under_the_guard(tmp_path):
+    script = _write(tmp_path, GUARDED_EXECUTOR)
+    out = _run([sys.executable, str(script)], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 1, 4, 9]"
+
+
+def test_ipythons_run_of_a_script_without_the_guard_says_so(tmp_path):
+    script = _write(tmp_path, UNGUARDED_POOL.format(method="forkserver"))
+    code = f"%run {script}"
+    ipython = [sys.executable, "-m", "IPython", "--colors=NoColor", "--no-banner", "-c", code]
+    out = _run(ipython, tmp_path)
+    said = out.stdout + out.stderr
+    assert "[0, 1, 4, 9]" not in said, said
+    _says_the_guard(said, f"{script}:9", "pool = tether.Pool(2, start_method='forkserver')")
+
+
+@pytest.mark.parametrize("way", ["python -c", "stdin"])
+def test_a_program_without_a_file_starts_a_pool_without_the_guard(tmp_path, way):
+    if way == "python -c":
+        out = _run([sys.executable, "-c", NO_FILE], tmp_path)
+    else:
+        out = _run([sys.executable, "-"], tmp_path, stdin=NO_FILE)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 1, 4, 9]"
+    assert not os.listdir(tmp_path)
