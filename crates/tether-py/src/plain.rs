@@ -136,7 +136,10 @@ fn item_array(items: &Bound<'_, PyAny>) -> Option<(usize, usize)> {
         }
         let start = layout.items(ptr)? as usize;
         let size = usize::try_from(ffi::PyList_Size(ptr)).ok()?;
-        Some((start, start + size * std::mem::size_of::<*mut ffi::PyObject>()))
+        Some((
+            start,
+            start + size * std::mem::size_of::<*mut ffi::PyObject>(),
+        ))
     }
 }
 
