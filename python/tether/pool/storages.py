@@ -20,6 +20,7 @@ import weakref
 from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+from .recycle_page import Libc
 from .snapshot import watch
 
 __all__ = ["mapping", "overrides"]
@@ -100,15 +101,5 @@ def _map_private(fd: int, size: int) -> Any:
     return memory
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc = Libc()
 _MAP_FAILED = ctypes.c_void_p(-1).value
