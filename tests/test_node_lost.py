@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from test_multinode import ELASTIC, QUICK, Node, c10d, descendants, free_port, start, tether
 
 from conftest import wait_gone
-from test_multinode import ELASTIC, QUICK, Node, c10d, descendants, free_port, start, tether
 
 pytestmark = pytest.mark.timeout(240)
 

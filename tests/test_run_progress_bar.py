@@ -48,8 +48,12 @@ def rendered(argv: List[str], tmp: Path) -> List[str]:
     env = dict(os.environ, TMPDIR=str(tmp))
     try:
         proc = subprocess.Popen(
-            [*argv, str(script)], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
-            env=env, cwd=tmp,
+            [*argv, str(script)],
+            stdin=subprocess.DEVNULL,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            cwd=tmp,
         )
     finally:
         os.close(slave)

@@ -54,7 +54,10 @@ def job(tmp_path: Path) -> Any:
     with open(tmp_path / "job.out", "w") as out, open(err, "w") as errf:
         proc = subprocess.Popen(
             [str(BIN), "run", "-n", "2", "--no-warm", str(script)],
-            stdout=out, stderr=errf, stdin=subprocess.DEVNULL, cwd=tmp_path,
+            stdout=out,
+            stderr=errf,
+            stdin=subprocess.DEVNULL,
+            cwd=tmp_path,
         )
     deadline = time.monotonic() + 60
     while (tmp_path / "job.out").read_text().count("in place") < 2:

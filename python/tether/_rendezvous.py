@@ -15,8 +15,7 @@ restart is left, the job ends); ``{"cmd": "done"}`` says this node's ranks succe
 ``{"cmd": "leave"}`` (or the end of stdin, or SIGTERM) leaves the job.
 
 Answers and events: ``round`` (this node's place in the round that formed), ``restart``
-(the membership moved on: nodes wait to join, a node left or stopped answering; ``short``
-when the nodes left are fewer than MIN), ``ended``
+(the membership moved on: nodes wait to join, a node left or stopped answering), ``ended``
 (another node ended the job; its root cause), ``cause`` (the job's root cause, after a final
 failure), ``away`` (the job moved on while this node was away: a sentence, and the root cause
 if the job ended), ``bye``, and ``error`` (a message naming the endpoint, the option or the
@@ -39,7 +38,7 @@ import time
 from typing import Any, Dict, List, Optional, TextIO
 
 from . import _rendezvous_end, _rendezvous_torch
-from ._rendezvous_end import ALIVE, FINISHED, LEFT, declare_lost
+from ._rendezvous_end import ALIVE, FINISHED, LEFT, declare_lost, lost
 from ._rendezvous_say import (
     Say,
     announce_run_id,
@@ -252,7 +251,7 @@ class Node:
                 continue
             if store.check([f"{LEFT}{node}"]):
                 host = json.loads(store.get(f"{LEFT}{node}"))
-                return "restart", self.lost(f"node {node} ({host}) left the job")
+                return "restart", lost(f"node {node} ({host}) left the job", self.nodes, self.opts)
             if not store.check([f"{ALIVE}{node}"]):
                 continue
             beat = store.get(f"{ALIVE}{node}")
@@ -262,17 +261,12 @@ class Node:
                 host = json.loads(beat)[1]
                 why = f"node {node} ({host}) stopped answering for {self.dead_after:g} s"
                 declare_lost(store, node, self.group_rank, self.host, self.dead_after)
-                return "restart", self.lost(why)
+                return "restart", lost(why, self.nodes, self.opts)
         waiting = self.handler.num_nodes_waiting()
         if waiting:
             why = f"{waiting} node(s) wait for a new round (joining, or restarting after a failure)"
             return "restart", {"why": why}
         return None
-
-    def lost(self, why: str) -> Dict[str, Any]:
-        """A restart for a node gone (`why`): ``short`` when the nodes left are fewer than
-        MIN (`--nnodes MIN:MAX`), so that no round can form without a node joining again."""
-        return {"why": why, "short": self.nodes - 1 < int(self.opts["min_nodes"])}
 
     def take_end(self, store: Any) -> Any:
         """How the job ended (its root cause and consequences), marked as read by this node;

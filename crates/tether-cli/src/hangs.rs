@@ -198,12 +198,7 @@ fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -
         .map(|prefix| prefix.rank)
         .zip(answers.iter())
         .collect();
-    let mut summary = stacks::summary(&by_rank);
-    for ((rank, answer), started) in by_rank.iter().zip(&workers) {
-        if let Some(waits) = workers::waits_on(*rank, answer, started) {
-            summary.push_str(&format!("; {waits}"));
-        }
-    }
+    let summary = summary_with_workers(&by_rank, &workers);
     block.extend_from_slice(format!("tether: summary: {summary}\n").as_bytes());
     let silent = by_rank
         .iter()
@@ -219,6 +214,20 @@ fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -
         silent,
         places: crate::top::since::note(Instant::now(), &places),
     })
+}
+
+/// The summary of where the ranks are, and of the ranks that wait on their workers.
+fn summary_with_workers(
+    by_rank: &[(usize, &stacks::Answer)],
+    workers: &[Vec<stacks::Answer>],
+) -> String {
+    let mut summary = stacks::summary(by_rank);
+    for ((rank, answer), started) in by_rank.iter().zip(workers) {
+        if let Some(waits) = workers::waits_on(*rank, answer, started) {
+            summary.push_str(&format!("; {waits}"));
+        }
+    }
+    summary
 }
 
 /// Prints the stacks in a thread of its own, so that the launcher keeps watching its ranks;

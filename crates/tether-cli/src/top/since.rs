@@ -10,8 +10,11 @@ use std::time::Instant;
 
 use crate::stacks_reply::Place;
 
-/// rank -> (pid, place, first seen there).
-static SEEN: Mutex<Option<HashMap<usize, (i32, String, Instant)>>> = Mutex::new(None);
+/// Where a rank was seen: its pid, its place, and when it was first seen there.
+type Seen = (i32, String, Instant);
+
+/// rank -> where it was seen.
+static SEEN: Mutex<Option<HashMap<usize, Seen>>> = Mutex::new(None);
 
 /// Notes where each rank (rank, pid, place) is now; returns each one's [`Place`], with the
 /// seconds since the launcher first saw it there (a new pid starts again at 0).
