@@ -1,5 +1,6 @@
 """``tether run`` on a terminal: each rank's stream that reaches it is a pseudo-terminal of
-the terminal's size, as a torchrun rank inherits the terminal itself (torchrun is the
+the terminal's size less its line prefix (``[rank 0]: `` takes 10 columns; ``--no-prefix``
+gives the whole width), as a torchrun rank inherits the terminal itself (torchrun is the
 control, run in the same test on the same pseudo-terminal); resizes reach the ranks; output
 to a pipe or a log file stays a pipe; ``--no-tty``/``PET_NO_TTY`` turn it off. Also the
 small promises of ``--help``: Kubernetes' form, and ``-h`` exits 0 everywhere."""
@@ -137,9 +138,15 @@ def tether(*args: str) -> List[str]:
     return [str(BIN), "run", *args]
 
 
-ON_A_TERMINAL = {
+#: What a torchrun rank sees on the 37x123 terminal.
+TORCHRUN_SEES = {
     ("start", "stdout", "True", "123x37"),
     ("start", "stderr", "True", "123x37"),
+}
+#: What a tether rank sees there: 10 columns fewer, for its prefix ``[rank 0]: ``.
+ON_A_TERMINAL = {
+    ("start", "stdout", "True", "113x37"),
+    ("start", "stderr", "True", "113x37"),
 }
 
 
@@ -149,12 +156,11 @@ def test_ranks_see_the_terminal_and_its_size_as_torchruns_ranks_do(tmp_path: Pat
     code, shown = on_terminal(torchrun, tmp_path, env={"TMPDIR": str(tmp_path)})
     assert code == 0, shown
     # torchrun's ranks share the terminal unprefixed: both ranks' lines, the same ones.
-    assert seen(shown) == {None: ON_A_TERMINAL}, shown
-    torchrun_saw = seen(shown)[None]
+    assert seen(shown) == {None: TORCHRUN_SEES}, shown
     for warm in ([], ["--no-warm"]):
         code, shown = on_terminal(tether("-n", "2", *warm), tmp_path)
         assert code == 0, shown
-        assert seen(shown) == {0: torchrun_saw, 1: torchrun_saw}, (warm, shown)
+        assert seen(shown) == {0: ON_A_TERMINAL, 1: ON_A_TERMINAL}, (warm, shown)
         # Each rank's line without a newline is shown, on a line of its own, after it exits.
         assert shown.count("[rank 0]: bye\n") == 1 and shown.count("[rank 1]: bye\n") == 1
         # The pty adds no "\r" of its own: the only line ends are the rank's newlines.
@@ -165,10 +171,18 @@ def test_a_resize_of_the_terminal_reaches_every_rank(tmp_path: Path) -> None:
     code, shown = on_terminal(tether("-n", "2"), tmp_path, env={"WAIT": "60"}, resize_after=2)
     assert code == 0, shown
     resized = {
-        ("winch", "stdout", "True", "99x50"),
-        ("winch", "stderr", "True", "99x50"),
+        ("winch", "stdout", "True", "89x50"),
+        ("winch", "stderr", "True", "89x50"),
     }
     assert seen(shown) == {0: ON_A_TERMINAL | resized, 1: ON_A_TERMINAL | resized}, shown
+
+
+def test_under_no_prefix_a_rank_has_the_whole_width_after_a_resize_too(tmp_path: Path) -> None:
+    argv = tether("-n", "1", "--no-prefix")
+    code, shown = on_terminal(argv, tmp_path, env={"WAIT": "60"}, resize_after=1)
+    assert code == 0, shown
+    resized = {("winch", "stdout", "True", "99x50"), ("winch", "stderr", "True", "99x50")}
+    assert seen(shown) == {None: TORCHRUN_SEES | resized}, shown
 
 
 def test_output_to_a_pipe_stays_a_pipe(tmp_path: Path) -> None:
@@ -192,7 +206,7 @@ def test_only_the_stream_on_the_terminal_is_a_terminal(tmp_path: Path) -> None:
     code, shown = on_terminal(tether("-n", "1"), tmp_path, stderr_file=err)
     assert code == 0, shown + err.read_text()
     assert seen(shown + err.read_text()) == {
-        0: {("start", "stdout", "True", "123x37"), ("start", "stderr", "False", "none")}
+        0: {("start", "stdout", "True", "113x37"), ("start", "stderr", "False", "none")}
     }
 
 
@@ -221,7 +235,7 @@ def test_streams_teed_to_log_files_are_pipes_and_log_files_keep_plain_bytes(
     )
     assert code == 0, shown
     assert seen(shown) == {
-        0: {("start", "stdout", "False", "none"), ("start", "stderr", "True", "123x37")}
+        0: {("start", "stdout", "False", "none"), ("start", "stderr", "True", "113x37")}
     }, shown
     # --log-dir alone sends nothing to a file under torchrun: the rank keeps a terminal, and
     # tether's copy in the log file is the program's own bytes.
@@ -231,7 +245,7 @@ def test_streams_teed_to_log_files_are_pipes_and_log_files_keep_plain_bytes(
     assert code == 0, shown
     assert seen(shown) == {0: ON_A_TERMINAL}, shown
     [out_log] = logs.glob("plain/attempt_0/rank_0/stdout.log")
-    assert out_log.read_bytes() == b"start stdout tty=True size=123x37\nready\nbye"
+    assert out_log.read_bytes() == b"start stdout tty=True size=113x37\nready\nbye"
 
 
 def test_run_help_names_kubernetes_form_beside_slurms() -> None:

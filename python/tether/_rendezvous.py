@@ -38,7 +38,7 @@ import time
 from typing import Any, Dict, List, Optional, TextIO
 
 from . import _rendezvous_end, _rendezvous_torch
-from ._rendezvous_end import ALIVE, FINISHED, LEFT, declare_lost
+from ._rendezvous_end import ALIVE, FINISHED, LEFT, declare_lost, lost
 from ._rendezvous_say import (
     Say,
     announce_run_id,
@@ -251,7 +251,7 @@ class Node:
                 continue
             if store.check([f"{LEFT}{node}"]):
                 host = json.loads(store.get(f"{LEFT}{node}"))
-                return "restart", {"why": f"node {node} ({host}) left the job"}
+                return "restart", lost(f"node {node} ({host}) left the job", self.nodes, self.opts)
             if not store.check([f"{ALIVE}{node}"]):
                 continue
             beat = store.get(f"{ALIVE}{node}")
@@ -261,7 +261,7 @@ class Node:
                 host = json.loads(beat)[1]
                 why = f"node {node} ({host}) stopped answering for {self.dead_after:g} s"
                 declare_lost(store, node, self.group_rank, self.host, self.dead_after)
-                return "restart", {"why": why}
+                return "restart", lost(why, self.nodes, self.opts)
         waiting = self.handler.num_nodes_waiting()
         if waiting:
             why = f"{waiting} node(s) wait for a new round (joining, or restarting after a failure)"

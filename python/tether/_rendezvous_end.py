@@ -206,3 +206,10 @@ def hold(store: Any, me: int, nodes: int, limit: float) -> None:
             time.sleep(POLL)
     except Exception:  # noqa: BLE001 - the store is gone: nothing left to hold
         pass
+
+
+def lost(why: str, nodes: int, opts: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``restart`` event for a node gone (`why`) from a round of `nodes` nodes:
+    ``short`` when the nodes left are fewer than MIN (``opts["min_nodes"]``), so that no
+    round can form until a node joins again."""
+    return {"why": why, "short": nodes - 1 < int(opts["min_nodes"])}

@@ -101,6 +101,9 @@ pub enum Command {
     /// Print every rank's stack in a running `tether run` (its PID)
     #[command(disable_help_flag = true, disable_version_flag = true)]
     Stacks(OwnArgs),
+    /// Show the ranks of a running `tether run` (its PID) live: state, CPU, memory, place
+    #[command(disable_help_flag = true, disable_version_flag = true)]
+    Top(OwnArgs),
 }
 
 /// The arguments of a subcommand that reads them itself (`ps`, `stacks`).
@@ -375,6 +378,7 @@ pub enum Parsed {
     Run(Box<RunArgs>),
     Ps(Vec<OsString>),
     Stacks(Vec<OsString>),
+    Top(Vec<OsString>),
     /// A subcommand that the host (the Python package) implements; `main` never sees it
     /// when the host dispatched it first.
     Hosted(String),
@@ -421,6 +425,7 @@ pub fn parse(argv: Vec<OsString>, hosted: &[(String, String)]) -> Result<Parsed,
         Command::Run(run) => Parsed::Run(run),
         Command::Ps(own) => Parsed::Ps(own.args),
         Command::Stacks(own) => Parsed::Stacks(own.args),
+        Command::Top(own) => Parsed::Top(own.args),
     })
 }
 

@@ -7,7 +7,9 @@
 //! that cannot answer is named, with its pid and state, within the request's timeout. Every
 //! block ends with tether-core's summary of where the ranks are (the rank not where the
 //! others wait, named), and goes to whoever asked with `tether stacks` as well
-//! ([`crate::stacks_reply`]).
+//! ([`crate::stacks_reply`]). Under each rank's stack come the stacks of the processes it
+//! started (its DataLoader workers: [`crate::top::workers`]), and the summary says when a
+//! rank waits on them and where they are.
 
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
@@ -22,6 +24,7 @@ use crate::clock;
 use crate::config::Config;
 use crate::output::{self, touch, Activity, Prefix, Stream};
 use crate::stacks_reply;
+use crate::top::workers;
 
 /// How long a request waits for the ranks' stacks.
 pub const STACKS_TIMEOUT: Duration = Duration::from_secs(5);
@@ -132,10 +135,11 @@ pub fn print_stacks(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf
     reply(block.as_ref());
 }
 
-/// A block of stacks, and the ranks (rank, pid) that did not answer.
+/// A block of stacks, the ranks (rank, pid) that did not answer, and where each rank is.
 struct Block {
     text: Vec<u8>,
     silent: Vec<(usize, i32)>,
+    places: Vec<stacks_reply::Place>,
 }
 
 /// Hands `block` (or why there is none) to those who asked with `tether stacks`.
@@ -144,6 +148,7 @@ fn reply(block: Option<&Block>) {
         Some(block) => stacks_reply::answer(&stacks_reply::Reply::Stacks {
             block: &block.text,
             silent: &block.silent,
+            places: &block.places,
         }),
         None => stacks_reply::answer(&stacks_reply::Reply::Error(
             "it cannot ask its ranks for their stacks (its stderr says why)",
@@ -165,6 +170,8 @@ fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -
             return None;
         }
     };
+    let pids: Vec<i32> = answers.iter().map(|a| a.pid).collect();
+    let workers = workers::ask(&workers::of(&pids), &request);
     let answered = answers.iter().filter(|a| a.answered()).count();
     let mut block = format!(
         "tether: {why}: the stack of every rank ({answered} of {} answered in {} ms){then}:\n",
@@ -172,8 +179,10 @@ fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -
         started.elapsed().as_millis()
     )
     .into_bytes();
-    for (answer, prefix) in answers.iter().zip(ranks.prefixes.iter()) {
-        for line in answer.text(request.timeout).lines() {
+    for ((answer, prefix), started) in answers.iter().zip(ranks.prefixes.iter()).zip(&workers) {
+        let text = answer.text(request.timeout);
+        let below = workers::lines(started, request.timeout);
+        for line in text.lines().chain(below.iter().map(String::as_str)) {
             let prefix = prefix.text();
             match line.is_empty() {
                 true => block.extend_from_slice(prefix.trim_ascii_end()),
@@ -189,26 +198,53 @@ fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -
         .map(|prefix| prefix.rank)
         .zip(answers.iter())
         .collect();
-    let summary = stacks::summary(&by_rank);
+    let summary = summary_with_workers(&by_rank, &workers);
     block.extend_from_slice(format!("tether: summary: {summary}\n").as_bytes());
     let silent = by_rank
         .iter()
         .filter(|(_, answer)| !answer.answered())
         .map(|&(rank, answer)| (rank, answer.pid))
         .collect();
+    let places: Vec<(usize, i32, String)> = by_rank
+        .iter()
+        .map(|&(rank, answer)| (rank, answer.pid, stacks::place(answer)))
+        .collect();
     Some(Block {
         text: block,
         silent,
+        places: crate::top::since::note(Instant::now(), &places),
     })
 }
 
+/// The summary of where the ranks are, and of the ranks that wait on their workers.
+fn summary_with_workers(
+    by_rank: &[(usize, &stacks::Answer)],
+    workers: &[Vec<stacks::Answer>],
+) -> String {
+    let mut summary = stacks::summary(by_rank);
+    for ((rank, answer), started) in by_rank.iter().zip(workers) {
+        if let Some(waits) = workers::waits_on(*rank, answer, started) {
+            summary.push_str(&format!("; {waits}"));
+        }
+    }
+    summary
+}
+
 /// Prints the stacks in a thread of its own, so that the launcher keeps watching its ranks;
-/// a request while one is being answered is refused with a line.
+/// a request while one is being answered is refused with a line. A block that only quiet
+/// askers (`tether top`) asked for is theirs alone: not printed on the job's stderr.
 pub fn print_stacks_in_background(ranks: &Ranks, sig: i32) {
     static BUSY: AtomicBool = AtomicBool::new(false);
+    static LOUD: AtomicBool = AtomicBool::new(false);
+    let quiet = sig == stacks::signal() && stacks_reply::all_quiet();
+    if !quiet {
+        LOUD.store(true, Ordering::SeqCst);
+    }
     if BUSY.swap(true, Ordering::SeqCst) {
         // Whoever asked with `tether stacks` gets the block being collected.
-        output::message("tether: the ranks' stacks are being collected already");
+        if !quiet {
+            output::message("tether: the ranks' stacks are being collected already");
+        }
         return;
     }
     let ranks = ranks.clone();
@@ -222,8 +258,9 @@ pub fn print_stacks_in_background(ranks: &Ranks, sig: i32) {
             // Every rank has answered: the next request may begin while this block prints
             // (one refused after its block had been read would seem lost).
             let block = stacks_block(&ranks, &why, "", None);
+            let loud = LOUD.swap(false, Ordering::SeqCst) || stacks_reply::any_loud();
             BUSY.store(false, Ordering::SeqCst);
-            if let Some(block) = &block {
+            if let Some(block) = block.as_ref().filter(|_| loud) {
                 output::write_console(Stream::Stderr, &block.text);
             }
             reply(block.as_ref());

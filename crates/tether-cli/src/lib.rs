@@ -7,8 +7,8 @@
 //! them all on the first failure and reports it, and leaves no orphan. Two processes do
 //! it: the keeper ([`keeper`], the process that called [`main`]) and the supervisor it
 //! forks ([`run`]), which starts and watches the ranks. `tether ps` ([`ps`]) lists what
-//! tether runs for this user, and `tether stacks PID` ([`stacks_cmd`]) asks a `tether run`
-//! for every rank's stack.
+//! tether runs for this user, `tether stacks PID` ([`stacks_cmd`]) asks a `tether run`
+//! for every rank's stack, and `tether top PID` ([`top`]) shows its ranks live.
 
 mod args;
 mod clock;
@@ -25,6 +25,7 @@ mod signals;
 mod slurm;
 mod stacks_cmd;
 mod stacks_reply;
+mod top;
 mod zygote;
 
 use std::ffi::OsString;
@@ -74,6 +75,7 @@ pub fn main(argv: Vec<OsString>, host: Host) -> i32 {
         Parsed::Run(run_args) => run_args,
         Parsed::Ps(args) => return ps::main(&args),
         Parsed::Stacks(args) => return stacks_cmd::main(&args),
+        Parsed::Top(args) => return top::main(&args),
         Parsed::Hosted(name) => {
             output::message(&format!("tether: `{name}` is run by the Python package"));
             return 2;

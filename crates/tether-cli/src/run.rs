@@ -125,7 +125,7 @@ impl Launcher {
                 ));
                 Some(hangs::TIMED_OUT)
             }
-            AttemptEnd::Moved(moved) => self.membership.moved(moved),
+            AttemptEnd::Moved(moved) => self.membership.moved(moved, &self.node, *failures < max),
             AttemptEnd::Failed(failure) if *failures < max => {
                 *failures += 1;
                 self.membership

@@ -13,7 +13,7 @@ use crate::stacks_reply::{self, Got};
 
 /// How long the asker waits for the block: the launcher's wait for its ranks, and time to
 /// write it.
-const WAIT: Duration = Duration::from_secs(crate::hangs::STACKS_TIMEOUT.as_secs() + 10);
+pub const WAIT: Duration = Duration::from_secs(crate::hangs::STACKS_TIMEOUT.as_secs() + 10);
 
 /// The exit status when some rank did not answer.
 const SILENT: i32 = 3;
@@ -53,7 +53,7 @@ pub fn main(args: &[OsString]) -> i32 {
     else {
         return not_a_run();
     };
-    match stacks_reply::ask(pid, stacks::signal(), WAIT) {
+    match stacks_reply::ask(pid, stacks::signal(), WAIT, false) {
         Ok(Some(got)) => show(pid, got),
         Ok(None) => {
             crate::output::message(&format!(
@@ -83,7 +83,7 @@ pub fn main(args: &[OsString]) -> i32 {
 /// Prints what the launcher `pid` sent back; the exit status.
 fn show(pid: i32, got: Got) -> i32 {
     let (block, silent) = match got {
-        Got::Stacks { block, silent } => (block, silent),
+        Got::Stacks { block, silent, .. } => (block, silent),
         Got::Error(why) => {
             crate::output::message(&format!("tether stacks: `tether run` (pid {pid}): {why}"));
             return 1;
@@ -113,7 +113,7 @@ fn println_flushed(line: &str) {
 
 /// Whether `pid` is a running `tether run` (its keeper or its supervisor): such a process
 /// reads the stacks signal from a signalfd, so it keeps it blocked.
-fn is_launcher(pid: i32) -> bool {
+pub fn is_launcher(pid: i32) -> bool {
     let (Some(status), Some(argv)) = (proc::status(Of::Pid(pid)), proc::cmdline(pid)) else {
         return false;
     };

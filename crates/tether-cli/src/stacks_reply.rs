@@ -3,14 +3,18 @@
 //!
 //! - The asker listens on an abstract Unix socket named `tether-stacks/{pid}/{nonce}` (a
 //!   random nonce; the name vanishes with the socket, nothing is left on disk), then sends
-//!   the stack signal queued (`sigqueue`) with the value `pid << 32 | nonce`.
+//!   the stack signal queued (`sigqueue`) with the value `pid << 32 | nonce`. A nonce with its
+//!   top bit set asks quietly (`tether top`): the block is not printed on the job's stderr
+//!   unless someone else asked for it too.
 //! - The keeper forwards that value with the signal to the supervisor; the supervisor,
 //!   reading its signalfd, notes the asker ([`note`]).
 //! - Once a block of stacks is ready (a request's, or one already being collected), the
 //!   supervisor connects to every asker noted, checks that the listener is that asker
 //!   (`SO_PEERCRED`: its pid, and this user or root), and writes the reply ([`Reply`]): a
-//!   header of `silent RANK PID` lines (the ranks that did not answer) or one `error ...`
-//!   line, an empty line, then the block as the job's stderr shows it.
+//!   header of `silent RANK PID` lines (the ranks that did not answer) and `place RANK PID
+//!   SECONDS WHERE` lines (each rank's place, and for how long the launcher has seen it
+//!   there), or one `error ...` line, an empty line, then the block as the job's stderr shows
+//!   it.
 //! - A reply never holds up the launcher: each write has a time limit, and an asker gone
 //!   meanwhile is skipped.
 
@@ -34,16 +38,25 @@ pub struct Asker {
     nonce: u32,
 }
 
+/// The nonce's bit that asks quietly.
+const QUIET: u32 = 1 << 31;
+
 impl Asker {
-    /// This process, with a new random nonce.
-    fn new() -> Asker {
+    /// This process, with a new random nonce (with [`QUIET`] when `quiet`).
+    fn new(quiet: bool) -> Asker {
         let random = std::collections::hash_map::RandomState::new()
             .build_hasher()
             .finish();
+        let nonce = (random as u32 & !QUIET).max(1);
         Asker {
             pid: std::process::id(),
-            nonce: (random as u32).max(1),
+            nonce: if quiet { nonce | QUIET } else { nonce },
         }
+    }
+
+    /// Whether it asked quietly (the block is for it alone, not for the job's stderr).
+    pub fn quiet(self) -> bool {
+        self.nonce & QUIET != 0
     }
 
     /// The asker a signal's queued value names (`None` for a plain signal).
@@ -78,6 +91,23 @@ pub fn note(info: &libc::signalfd_siginfo) {
     }
 }
 
+/// Whether some asker noted (and not answered yet) wants the block on the job's stderr too;
+/// false when there is none.
+pub fn any_loud() -> bool {
+    ASKERS
+        .lock()
+        .map(|a| a.iter().any(|asker| !asker.quiet()))
+        .unwrap_or(true)
+}
+
+/// Whether every stack request noted came from a quiet asker (and there was one).
+pub fn all_quiet() -> bool {
+    ASKERS
+        .lock()
+        .map(|a| !a.is_empty() && a.iter().all(|asker| asker.quiet()))
+        .unwrap_or(false)
+}
+
 /// The askers noted so far, taken.
 pub fn take() -> Vec<Asker> {
     ASKERS
@@ -88,23 +118,44 @@ pub fn take() -> Vec<Asker> {
 
 /// What the launcher hands back.
 pub enum Reply<'a> {
-    /// The block, and the ranks (rank, pid) that did not answer.
+    /// The block, the ranks (rank, pid) that did not answer, and where each rank is.
     Stacks {
         block: &'a [u8],
         silent: &'a [(usize, i32)],
+        places: &'a [Place],
     },
     /// Why there are no stacks.
     Error(&'a str),
 }
 
+/// Where a rank is, as the launcher saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Place {
+    pub rank: usize,
+    pub pid: i32,
+    /// For how long the launcher has seen it there (from every request it answered).
+    pub seconds: f64,
+    /// Where: see [`tether_core::stacks::place`].
+    pub place: String,
+}
+
 impl Reply<'_> {
     fn bytes(&self) -> Vec<u8> {
         match self {
-            Reply::Stacks { block, silent } => {
+            Reply::Stacks {
+                block,
+                silent,
+                places,
+            } => {
                 let mut out: Vec<u8> = silent
                     .iter()
                     .flat_map(|(rank, pid)| format!("silent {rank} {pid}\n").into_bytes())
                     .collect();
+                for p in places.iter() {
+                    let place = p.place.replace('\n', " ");
+                    let line = format!("place {} {} {:.3} {place}\n", p.rank, p.pid, p.seconds);
+                    out.extend_from_slice(line.as_bytes());
+                }
                 out.push(b'\n');
                 out.extend_from_slice(block);
                 out
@@ -144,21 +195,28 @@ fn send(asker: Asker, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 /// What `tether stacks` got back.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq)]
 pub enum Got {
-    /// The block, and the ranks (rank, pid) that did not answer.
+    /// The block, the ranks (rank, pid) that did not answer, and where each rank is.
     Stacks {
         block: Vec<u8>,
         silent: Vec<(usize, i32)>,
+        places: Vec<Place>,
     },
     /// The launcher could not ask its ranks.
     Error(String),
 }
 
-/// Asks the launcher `pid` for its ranks' stacks with `signal`, and waits up to `wait` for
-/// the reply. An error of `sigqueue` (the pid gone, another user's) comes back as such.
-pub fn ask(pid: i32, signal: i32, wait: Duration) -> Result<Option<Got>, std::io::Error> {
-    let asker = Asker::new();
+/// Asks the launcher `pid` for its ranks' stacks with `signal` (`quiet`: not to be printed
+/// on the job's stderr), and waits up to `wait` for the reply. An error of `sigqueue` (the
+/// pid gone, another user's) comes back as such.
+pub fn ask(
+    pid: i32,
+    signal: i32,
+    wait: Duration,
+    quiet: bool,
+) -> Result<Option<Got>, std::io::Error> {
+    let asker = Asker::new(quiet);
     let listener = UnixListener::bind_addr(&asker.address()?)?;
     listener.set_nonblocking(true)?;
     let value = libc::sigval {
@@ -227,9 +285,20 @@ fn parse(bytes: &[u8]) -> Option<Got> {
     };
     let head = std::str::from_utf8(head).ok()?;
     let mut silent = Vec::new();
+    let mut places = Vec::new();
     for line in head.lines().filter(|l| !l.is_empty()) {
         if let Some(why) = line.strip_prefix("error ") {
             return Some(Got::Error(why.to_string()));
+        }
+        if let Some(rest) = line.strip_prefix("place ") {
+            let mut words = rest.splitn(4, ' ');
+            places.push(Place {
+                rank: words.next()?.parse().ok()?,
+                pid: words.next()?.parse().ok()?,
+                seconds: words.next()?.parse().ok()?,
+                place: words.next().unwrap_or("").to_string(),
+            });
+            continue;
         }
         let mut words = line.strip_prefix("silent ")?.split(' ');
         let rank = words.next()?.parse().ok()?;
@@ -239,6 +308,7 @@ fn parse(bytes: &[u8]) -> Option<Got> {
     Some(Got::Stacks {
         block: block.to_vec(),
         silent,
+        places,
     })
 }
 
@@ -249,26 +319,36 @@ mod tests {
     #[test]
     fn replies_read_back_as_written() {
         let silent = [(2, 4242), (5, 77)];
+        let places = [Place {
+            rank: 0,
+            pid: 11,
+            seconds: 1.5,
+            place: "all_reduce called from train.py:57".into(),
+        }];
         let reply = Reply::Stacks {
             block: b"tether: asked\n[rank 0]: x\n",
             silent: &silent,
+            places: &places,
         };
         assert_eq!(
             parse(&reply.bytes()),
             Some(Got::Stacks {
                 block: b"tether: asked\n[rank 0]: x\n".to_vec(),
-                silent: silent.to_vec()
+                silent: silent.to_vec(),
+                places: places.to_vec(),
             })
         );
         let all = Reply::Stacks {
             block: b"b\n",
             silent: &[],
+            places: &[],
         };
         assert_eq!(
             parse(&all.bytes()),
             Some(Got::Stacks {
                 block: b"b\n".to_vec(),
-                silent: vec![]
+                silent: vec![],
+                places: vec![],
             })
         );
         let error = Reply::Error("no\nranks");
@@ -278,8 +358,12 @@ mod tests {
 
     #[test]
     fn an_asker_travels_in_the_queued_value() {
-        let asker = Asker::new();
+        let asker = Asker::new(false);
         assert_eq!(Asker::from_value(asker.value()), Some(asker));
+        assert!(!asker.quiet());
+        let quiet = Asker::new(true);
+        assert_eq!(Asker::from_value(quiet.value()), Some(quiet));
+        assert!(quiet.quiet());
         assert_eq!(Asker::from_value(0), None);
         assert_eq!(Asker::from_value(7), None);
     }

@@ -5,10 +5,14 @@
 //! a pseudo-terminal (pty) instead of a pipe, and reads its master side as it reads a pipe
 //! (see [`super::Pump`]).
 //!
-//! - The pty starts at the size of the launcher's terminal. On a resize the keeper forwards
-//!   SIGWINCH to the supervisor, where a thread ([`watch_resizes`]) sets every open pty to
-//!   the new size (TIOCSWINSZ) and then sends SIGWINCH to the ranks on a pty, as a terminal
-//!   does to its foreground process group.
+//! - The pty starts at the size of the launcher's terminal, less the width of the rank's line
+//!   prefix (`[rank 0]: ` takes 10 columns): a line that fills the rank's pty (a progress
+//!   bar) fills the terminal with its prefix, and redraws in place as under torchrun, whose
+//!   ranks write to the terminal itself. Under `--no-prefix` the rank has the whole width.
+//!   On a resize the keeper forwards SIGWINCH to the supervisor, where a thread
+//!   ([`watch_resizes`]) sets every open pty to the new size (TIOCSWINSZ, the prefix's width
+//!   taken off again) and then sends SIGWINCH to the ranks on a pty, as a terminal does to
+//!   its foreground process group.
 //! - What the launcher reads is what the rank wrote: the pty's `\n` to `\r\n` translation
 //!   (ONLCR) and its echo are off, so log files keep the program's own bytes.
 //! - The pty is not the rank's controlling terminal (the rank keeps its session, its process
@@ -43,6 +47,8 @@ struct Open {
     stream: Stream,
     /// The local rank it belongs to.
     local: usize,
+    /// The columns its line prefix takes.
+    narrower: u16,
 }
 
 static OPEN: Mutex<Vec<Open>> = Mutex::new(Vec::new());
@@ -58,17 +64,61 @@ pub fn is_terminal(stream: Stream) -> bool {
         [stream as usize]
 }
 
-/// The size of the terminal that the launcher's `stream` is, now.
-fn terminal_size(stream: Stream) -> Option<Winsize> {
-    termios::tcgetwinsize(stream.fd()).ok()
+/// The size of the terminal that the launcher's `stream` is, now, less `narrower` columns
+/// (a rank's line prefix).
+fn terminal_size(stream: Stream, narrower: u16) -> Option<Winsize> {
+    termios::tcgetwinsize(stream.fd())
+        .ok()
+        .map(|size| less_columns(size, narrower))
 }
 
-/// A new pty for local rank `local`, of the size of the launcher's terminal on `stream`,
-/// that follows its resizes; `None` (said once) when none can be opened: the rank gets a
-/// pipe, as with `--no-tty`.
-pub fn open(local: usize, stream: Stream) -> Option<Pty> {
+/// `size` with `narrower` columns fewer (one column at least); the pixel width shrinks in
+/// proportion.
+fn less_columns(size: Winsize, narrower: u16) -> Winsize {
+    if size.ws_col == 0 || narrower == 0 {
+        return size;
+    }
+    let cols = size.ws_col.saturating_sub(narrower).max(1);
+    let xpixel = u32::from(size.ws_xpixel) * u32::from(cols) / u32::from(size.ws_col);
+    Winsize {
+        ws_col: cols,
+        ws_xpixel: xpixel as u16,
+        ..size
+    }
+}
+
+/// The columns a line prefix takes on a terminal (one per character; a prefix is plain
+/// text in practice, its escape sequences, if any, are not counted).
+pub fn width(prefix: &[u8]) -> u16 {
+    let text = String::from_utf8_lossy(prefix);
+    let mut cols = 0usize;
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            // CSI: ESC [ ... final byte in @..~
+            if chars.peek() == Some(&'[') {
+                chars.next();
+                for c in chars.by_ref() {
+                    if ('@'..='~').contains(&c) {
+                        break;
+                    }
+                }
+            }
+            continue;
+        }
+        if !c.is_control() {
+            cols += 1;
+        }
+    }
+    u16::try_from(cols).unwrap_or(u16::MAX)
+}
+
+/// A new pty for local rank `local`, of the size of the launcher's terminal on `stream` less
+/// `narrower` columns (its line prefix), that follows its resizes; `None` (said once) when
+/// none can be opened: the rank gets a pipe, as with `--no-tty`.
+pub fn open(local: usize, stream: Stream, narrower: u16) -> Option<Pty> {
     static WARNED: OnceLock<()> = OnceLock::new();
-    match open_pty(local, stream) {
+    match open_pty(local, stream, narrower) {
         Ok(pty) => Some(pty),
         Err(err) => {
             WARNED.get_or_init(|| {
@@ -83,7 +133,7 @@ pub fn open(local: usize, stream: Stream) -> Option<Pty> {
     }
 }
 
-fn open_pty(local: usize, stream: Stream) -> io::Result<Pty> {
+fn open_pty(local: usize, stream: Stream, narrower: u16) -> io::Result<Pty> {
     let flags = OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC;
     let master = rustix::pty::openpt(flags)?;
     rustix::pty::grantpt(&master)?;
@@ -95,7 +145,7 @@ fn open_pty(local: usize, stream: Stream) -> io::Result<Pty> {
         .local_modes
         .remove(LocalModes::ECHO | LocalModes::ECHONL);
     termios::tcsetattr(&slave, OptionalActions::Now, &modes)?;
-    if let Some(size) = terminal_size(stream) {
+    if let Some(size) = terminal_size(stream, narrower) {
         termios::tcsetwinsize(&master, size)?;
     }
     let master = Arc::new(master);
@@ -105,6 +155,7 @@ fn open_pty(local: usize, stream: Stream) -> io::Result<Pty> {
         master: Arc::downgrade(&master),
         stream,
         local,
+        narrower,
     });
     drop(open);
     watch_resizes();
@@ -148,13 +199,13 @@ fn watch_resizes() {
 
 /// Gives every open pty its terminal's size now, then SIGWINCH to the ranks that have one.
 fn resize() {
-    let ptys: Vec<(Arc<OwnedFd>, Stream, usize)> = lock(&OPEN)
+    let ptys: Vec<(Arc<OwnedFd>, Stream, usize, u16)> = lock(&OPEN)
         .iter()
-        .filter_map(|o| Some((o.master.upgrade()?, o.stream, o.local)))
+        .filter_map(|o| Some((o.master.upgrade()?, o.stream, o.local, o.narrower)))
         .collect();
     let mut resized = BTreeSet::new();
-    for (master, stream, local) in ptys {
-        let Some(size) = terminal_size(stream) else {
+    for (master, stream, local, narrower) in ptys {
+        let Some(size) = terminal_size(stream, narrower) else {
             continue;
         };
         if termios::tcsetwinsize(master.as_fd(), size).is_ok() {
@@ -175,7 +226,7 @@ mod tests {
 
     #[test]
     fn a_pty_passes_the_programs_bytes_and_ends_in_eio() {
-        let pty = open_pty(0, Stream::Stdout).unwrap();
+        let pty = open_pty(0, Stream::Stdout, 10).unwrap();
         assert!(termios::isatty(&pty.slave));
         let size = Winsize {
             ws_row: 37,
@@ -198,5 +249,22 @@ mod tests {
             }
         }
         assert_eq!(got, b"a\nb\r\n\x1b[31mc");
+    }
+
+    #[test]
+    fn a_prefix_takes_its_width_off_the_terminal() {
+        assert_eq!(width(b"[rank 0]: "), 10);
+        assert_eq!(width(b"\x1b[1m[rank 12]:\x1b[0m "), 11);
+        assert_eq!(width("é: ".as_bytes()), 3);
+        let size = Winsize {
+            ws_row: 24,
+            ws_col: 80,
+            ws_xpixel: 800,
+            ws_ypixel: 480,
+        };
+        let less = less_columns(size, 10);
+        assert_eq!((less.ws_row, less.ws_col, less.ws_xpixel), (24, 70, 700));
+        assert_eq!(less_columns(size, 0).ws_col, 80);
+        assert_eq!(less_columns(size, 200).ws_col, 1);
     }
 }

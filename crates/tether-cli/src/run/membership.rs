@@ -30,6 +30,10 @@ use helper::{Helper, Message};
 pub enum Moved {
     /// Nodes wait to join, or a node is gone: a new round, which is no restart.
     Round(String),
+    /// A node is gone and the nodes left are fewer than MIN: a new round only once a node
+    /// joins again (a restart of the lost one), which this node waits for only while it has a
+    /// restart left.
+    Short(String),
     /// Another node ended the job; its root cause.
     Ended(serde_json::Value),
     /// The job moved on while this node was away: what happened, and the root cause if the
@@ -163,7 +167,14 @@ impl Membership {
             return None;
         };
         match helper.read() {
-            Message::Restart { round: of, why } if of == *round => Some(Moved::Round(why)),
+            Message::Restart {
+                round: of,
+                why,
+                short,
+            } if of == *round => Some(match short {
+                true => Moved::Short(why),
+                false => Moved::Round(why),
+            }),
             Message::Ended(cause) | Message::Cause(cause) => Some(Moved::Ended(cause)),
             Message::Away { why, cause } => Some(Moved::Away(why, cause)),
             Message::Error(message) => {
@@ -175,9 +186,19 @@ impl Membership {
     }
 
     /// The ranks were stopped because the job moved on: a new round (`None`), or the exit
-    /// status of a job that ended elsewhere.
-    pub fn moved(&self, moved: Moved) -> Option<i32> {
+    /// status of a job that ended elsewhere, or of one that cannot go on (`restarts_left`:
+    /// whether this node may wait for a lost node to come back).
+    pub fn moved(&self, moved: Moved, node: &Node, restarts_left: bool) -> Option<i32> {
         match moved {
+            Moved::Short(why) if !restarts_left => Some(too_few_nodes(&why, node)),
+            Moved::Short(why) => {
+                output::message(&format!(
+                    "tether: {why}: this node's ranks were stopped; fewer nodes than --nnodes' \
+                     MIN are left, so they start again once a node joins (a restart of the lost \
+                     one), for at most the rendezvous' join_timeout (not counted as a restart)"
+                ));
+                None
+            }
             Moved::Round(why) => {
                 output::message(&format!(
                     "tether: {why}: this node's ranks were stopped; they start again in a new \
@@ -362,6 +383,23 @@ fn away(why: &str, cause: &serde_json::Value) -> i32 {
         return 1;
     }
     report_cause(cause)
+}
+
+/// A node is gone (`why`), the nodes left are fewer than MIN, and this node has no restart
+/// left: the job cannot go on. Says so, as the root cause; the exit status (1).
+fn too_few_nodes(why: &str, node: &Node) -> i32 {
+    let cfg = &node.cfg;
+    let min = cfg.rendezvous.as_ref().map_or(0, |r| r.min_nodes);
+    output::message(&format!(
+        "tether: the job ends: {why}, and the nodes left are fewer than --nnodes' MIN ({min}) \
+         with no restart left on this node (--max-restarts {}); root cause: the lost node. \
+         This node's {} rank(s) were stopped (ranks {}..{}); exit status 1",
+        cfg.max_restarts,
+        cfg.nproc,
+        cfg.place.rank_base,
+        cfg.place.rank_base + cfg.nproc.saturating_sub(1),
+    ));
+    1
 }
 
 /// Prints the job's root cause; returns the exit status it gives.

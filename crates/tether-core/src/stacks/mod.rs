@@ -34,6 +34,7 @@ mod answer;
 mod collect;
 pub mod handler;
 mod native;
+mod others;
 mod summary;
 
 use std::collections::HashMap;
@@ -44,7 +45,8 @@ use std::time::{Duration, Instant};
 
 pub use answer::{Answer, Reply, Untouched};
 pub(crate) use collect::{this_process as channel, Channel};
-pub use summary::{ranks_words, summary};
+pub use others::ask_others;
+pub use summary::{place, ranks_words, summary};
 
 use crate::error::Error;
 use crate::group::{Exit, Group};
@@ -371,6 +373,17 @@ fn reply_of(
             state,
         },
         false => Reply::Silent { state },
+    }
+}
+
+/// The reply of a process that is no member of a group (see [`others`]), from what arrived.
+fn reply_of_other(channel: &Channel, pid: i32, dump: Option<collect::Dump>) -> Reply {
+    match proc::exists(pid) {
+        true => reply_of(channel, pid, dump, None),
+        false => match dump {
+            Some(d) if d.done => Reply::Stack(String::from_utf8_lossy(&d.text).into_owned()),
+            _ => Reply::Exited(None),
+        },
     }
 }
 

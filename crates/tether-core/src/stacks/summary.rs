@@ -266,12 +266,32 @@ pub fn ranks_words(ranks: &[usize]) -> String {
     format!("{noun} {}", spans.join(", "))
 }
 
+/// Where the process that gave `answer` is, in a few words: "all_reduce called from
+/// train.py:57", "data.py:31 in __getitem__", "no Python frame", "did not answer",
+/// "exited".
+pub fn place(answer: &Answer) -> String {
+    let file = |f: &Frame| file_name(&f.file);
+    match spot(answer) {
+        Spot::At {
+            frame,
+            callee: Some(callee),
+        } => format!("{callee} called from {}:{}", file(&frame), frame.line),
+        Spot::At {
+            frame,
+            callee: None,
+        } => format!("{}:{} in {}", file(&frame), frame.line, frame.function),
+        Spot::NoFrame => "no Python frame".to_string(),
+        Spot::Silent => "did not answer".to_string(),
+        Spot::Exited => "exited".to_string(),
+    }
+}
+
 /// Where the rank that gave `answer` is.
 fn spot(answer: &Answer) -> Spot {
     match &answer.reply {
         Reply::Stack(text) => {
             let frames = main_thread(text);
-            match place(&frames) {
+            match innermost(&frames) {
                 Some((frame, callee)) => Spot::At { frame, callee },
                 None => Spot::NoFrame,
             }
@@ -316,7 +336,7 @@ fn parse_frame(rest: &str) -> Option<Frame> {
 
 /// The user's innermost frame in `frames` (most recent first), with the call it waits in;
 /// the innermost frame when none is the user's.
-fn place(frames: &[Frame]) -> Option<(Frame, Option<String>)> {
+fn innermost(frames: &[Frame]) -> Option<(Frame, Option<String>)> {
     let Some(user) = frames.iter().position(|f| is_users(&f.file)) else {
         return frames.first().map(|f| (f.clone(), None));
     };

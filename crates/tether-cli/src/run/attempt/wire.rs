@@ -164,8 +164,8 @@ impl Wired {
     }
 
     /// Makes the pipe that carries the rank's `streams` to `pump` (with `tty`, local rank
-    /// `tty`'s pseudo-terminal, of the size of the launcher's terminal on `streams[0]`), and
-    /// starts the pump.
+    /// `tty`'s pseudo-terminal, of the size of the launcher's terminal on `streams[0]` less the
+    /// width of the pump's prefix), and starts the pump.
     fn plumb(
         &mut self,
         pump: Pump,
@@ -173,7 +173,8 @@ impl Wired {
         tty: Option<usize>,
         done: &mpsc::Sender<()>,
     ) -> Result<(), RunError> {
-        let pty = tty.and_then(|local| pty::open(local, streams[0]));
+        let narrower = pump.prefix.as_ref().map_or(0, |p| pty::width(p.text()));
+        let pty = tty.and_then(|local| pty::open(local, streams[0], narrower));
         let (read, write) = match pty {
             Some(pty) => (pty.master, pty.slave),
             None => {

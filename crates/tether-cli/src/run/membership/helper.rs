@@ -32,6 +32,8 @@ pub enum Message {
     Restart {
         round: u64,
         why: String,
+        /// A node is gone and the nodes left are fewer than MIN.
+        short: bool,
     },
     /// Another node ended the job; its root cause.
     Ended(Value),
@@ -65,6 +67,7 @@ impl Message {
                     .as_str()
                     .unwrap_or("the membership changed")
                     .to_string(),
+                short: v["short"].as_bool().unwrap_or(false),
             },
             Some("ended") => Message::Ended(v["cause"].clone()),
             Some("cause") => Message::Cause(v["cause"].clone()),

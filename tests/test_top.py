@@ -1,0 +1,150 @@
+"""``tether top PID`` on a real running ``tether run``: ``--once`` and ``--json`` give one row
+per rank whose pid, state and resident memory agree with ``ps``, each rank's place in its
+code (where its stack is) and for how long, and the processes the rank started (as
+DataLoader workers are) with their CPU; the job's own stderr shows none of it."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+from conftest import child_pids, wait_gone
+
+pytestmark = pytest.mark.timeout(120)
+
+BIN = Path(sys.executable).with_name("tether")
+
+#: Rank 0 spins in `spin`, with one forked child spinning too (a worker); rank 1 sleeps in
+#: `nap`. Each says when it is in place.
+JOB = r"""
+import multiprocessing as mp, os, sys, time
+
+def spin():
+    while True:
+        pass
+
+def nap():
+    while True:
+        time.sleep(1)
+
+if os.environ["RANK"] == "0":
+    worker = mp.get_context("fork").Process(target=spin, daemon=True)
+    worker.start()
+    print("in place", flush=True)
+    spin()
+else:
+    print("in place", flush=True)
+    nap()
+"""
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Any:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    err = tmp_path / "job.err"
+    with open(tmp_path / "job.out", "w") as out, open(err, "w") as errf:
+        proc = subprocess.Popen(
+            [str(BIN), "run", "-n", "2", "--no-warm", str(script)],
+            stdout=out,
+            stderr=errf,
+            stdin=subprocess.DEVNULL,
+            cwd=tmp_path,
+        )
+    deadline = time.monotonic() + 60
+    while (tmp_path / "job.out").read_text().count("in place") < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+        time.sleep(0.1)
+    try:
+        yield proc, err
+    finally:
+        everything = sorted(descendants(proc.pid))
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert wait_gone(everything, 10) == []
+
+
+def descendants(pid: int) -> set:
+    found, todo = set(), [pid]
+    while todo:
+        kids = child_pids(todo.pop())
+        todo.extend(kids - found)
+        found |= kids
+    return found
+
+
+def ps(pid: int) -> Dict[str, str]:
+    out = subprocess.run(
+        ["ps", "-o", "stat=,rss=", "-p", str(pid)], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return {"state": out[0][0], "rss": out[1]}
+
+
+def top(pid: int, *flags: str) -> str:
+    done = subprocess.run(
+        [str(BIN), "top", str(pid), *flags], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def check_against_ps(rows: List[Dict[str, Any]]) -> None:
+    for row in rows:
+        seen = ps(row["pid"])
+        assert row["state"] == seen["state"], (row, seen)
+        kib = int(seen["rss"])
+        assert abs(row["rss"] / 1024 - kib) <= max(2048, kib * 0.1), (row, seen)
+
+
+def test_json_gives_each_ranks_pid_state_memory_place_and_workers_as_ps_sees_them(
+    job: Any,
+) -> None:
+    proc, err = job
+    rows = json.loads(top(proc.pid, "--json"))
+    assert [row["rank"] for row in rows] == [0, 1], rows
+    for row in rows:
+        assert set(row) >= {"rank", "pid", "state", "cpu", "rss", "place", "seconds", "workers"}
+    ranks = sorted(child_pids(next(iter(child_pids(proc.pid)))))
+    assert sorted(row["pid"] for row in rows) == ranks
+    check_against_ps(rows)
+    spinner, napper = rows
+    assert spinner["place"].endswith("in spin") and napper["place"].endswith("in nap"), rows
+    assert spinner["state"] == "R" and napper["state"] == "S", rows
+    assert spinner["cpu"] > 10 and napper["cpu"] < 10, rows
+    [worker] = spinner["workers"]
+    assert worker["pid"] in child_pids(spinner["pid"]) and worker["cpu"] > 10, worker
+    assert napper["workers"] == []
+    # The launcher remembers when it first saw each rank in its place.
+    time.sleep(1)
+    again = json.loads(top(proc.pid, "--json"))
+    assert again[1]["seconds"] >= rows[1]["seconds"] + 1, (rows, again)
+    # Quiet: the job's stderr shows no block of stacks.
+    assert "the stack of every rank" not in err.read_text()
+
+
+def test_once_prints_one_table_with_a_row_per_rank(job: Any) -> None:
+    proc, _ = job
+    text = top(proc.pid, "--once")
+    row = re.compile(r"^\s+(\d+)\s+(\d+) (\S)\s+([\d.]+)\s+([\d.]+)M\s+([\d.]+)  (.+)$", re.M)
+    rows = [
+        {"rank": int(r), "pid": int(p), "state": s, "rss": float(m) * 1024 * 1024, "place": w}
+        for r, p, s, _, m, _, w in row.findall(text)
+    ]
+    assert [r["rank"] for r in rows] == [0, 1], text
+    check_against_ps(rows)
+    assert "workers:" in text, text
+
+
+def test_a_pid_that_is_no_tether_run_is_named() -> None:
+    done = subprocess.run([str(BIN), "top", "1", "--once"], capture_output=True, text=True)
+    assert done.returncode == 1 and "not a running `tether run`" in done.stderr
+    done = subprocess.run([str(BIN), "top"], capture_output=True, text=True)
+    assert done.returncode == 2 and "usage: tether top PID" in done.stdout
