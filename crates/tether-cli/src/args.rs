@@ -292,6 +292,11 @@ pub struct StopArgs {
     /// End the run the same way when no rank has printed anything for SECONDS.
     #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
     pub stall_timeout: Option<f64>,
+    /// Do not watch the ranks. By default tether samples where each rank's main thread is,
+    /// and its CPU time, a few times a second: a hang (no rank moving for max(2 s, 3 steps))
+    /// and a slow rank are named on stderr, and the run goes on.
+    #[arg(long)]
+    pub no_watch: bool,
 }
 
 #[derive(Debug, Args)]

@@ -25,6 +25,7 @@ mod signals;
 mod slurm;
 mod stacks_cmd;
 mod stacks_reply;
+mod watch;
 mod zygote;
 
 use std::ffi::OsString;
