@@ -763,6 +763,16 @@ mod tests {
     }
 
     #[test]
+    fn python_ranks_are_watched_unless_told_otherwise() {
+        assert!(args(&["-m", "pkg.train"]).unwrap().watch);
+        assert!(!args(&["--no-python", "x"]).unwrap().watch);
+        for flag in ["--no-watch", "--no_watch"] {
+            let c = args(&[flag, "-m", "pkg.train"]).unwrap();
+            assert!(!c.watch && c.python_ranks);
+        }
+    }
+
+    #[test]
     fn time_limits_are_positive_seconds_and_python_ranks_answer_for_stacks() {
         let c = args(&["--timeout", "1.5", "--stall-timeout=60", "x.py"]);
         let err = c.unwrap_err().to_string();

@@ -15,7 +15,8 @@
 //!   many), stopped ones aside, are where the others wait; every other rank is a culprit. A block is printed when the picture (who is where)
 //!   differs from the last one printed; it is forgotten once no rank has been still that
 //!   long for [`CLEARED`].
-//! - A *slow* rank: over the last [`SLOW_WINDOW`], the share of its looks outside a
+//! - A *slow* rank: over the last [`SLOW_WINDOW`] (in which no rank was still for
+//!   [`GROUPED`]), the share of its looks outside a
 //!   collective (its own work in a step) is at least [`SLOW_RATIO`] times the median share
 //!   of the others. Said once, again only after it fell below [`SLOW_AGAIN`].
 
@@ -70,6 +71,9 @@ pub struct Judge {
     pub tracks: Vec<Track>,
     /// The picture last printed, and since when no rank has been still long enough.
     printed: Option<(words::Picture, Option<Duration>)>,
+    /// The last time a rank was still for [`GROUPED`] (a pause, a hang): slow ranks are
+    /// judged on the [`SLOW_WINDOW`] after it only.
+    unsettled: Duration,
 }
 
 impl Judge {
@@ -85,6 +89,7 @@ impl Judge {
         Judge {
             tracks,
             printed: None,
+            unsettled: Duration::ZERO,
         }
     }
 
@@ -201,12 +206,14 @@ impl Judge {
     fn slow(&mut self, now: Duration) -> Vec<String> {
         let shares: Vec<Option<f64>> = self.tracks.iter().map(|t| t.own_share(now)).collect();
         let mut said = Vec::new();
-        let quiet = self.hang_after() / 2;
         if self
             .tracks
             .iter()
-            .any(|t| !t.exited && t.still_for(now) >= quiet)
+            .any(|t| !t.exited && t.still_for(now) >= GROUPED)
         {
+            self.unsettled = now;
+        }
+        if now.saturating_sub(self.unsettled) < SLOW_WINDOW {
             return said;
         }
         for i in 0..self.tracks.len() {
@@ -356,7 +363,8 @@ impl Track {
         self.usual(now.saturating_sub(SLOW_WINDOW))
     }
 
-    /// The time between its passes of its most frequent place.
+    /// The time between its passes of its most frequent place (the median, so that the
+    /// time it spent elsewhere, at its start or in a pause, does not count).
     fn period(&self) -> Option<Duration> {
         let usual = self.usual(Duration::ZERO)?;
         let mut passes = Vec::new();
@@ -368,8 +376,9 @@ impl Track {
             }
             before = seen.place.as_ref();
         }
-        let (first, last) = (passes.first()?, passes.last()?);
-        (passes.len() >= 3).then(|| (*last - *first) / (passes.len() as u32 - 1))
+        let mut gaps: Vec<Duration> = passes.windows(2).map(|w| w[1] - w[0]).collect();
+        gaps.sort_unstable();
+        (gaps.len() >= 2).then(|| gaps[gaps.len() / 2])
     }
 
     /// The share of its looks outside a collective over the last [`SLOW_WINDOW`], once it

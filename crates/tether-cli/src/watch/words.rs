@@ -123,12 +123,20 @@ fn culprit_line(c: &Culprit) -> String {
         (Some(Doing::Exited), _) => format!("{who} has exited"),
         (Some(Doing::Stopped), at) => format!(
             "{who} is stopped (SIGSTOP){}; `kill -CONT {}` resumes it",
-            at.map(|a| format!(", last seen at {a}"))
+            at.map(|a| format!(", last seen {}", at_words(&a)))
                 .unwrap_or_default(),
             c.pid
         ),
         (doing, Some(at)) => format!("{who} is {}: {at}", doing_words(doing)),
         (doing, None) => format!("{who} is {} (no Python frame seen)", doing_words(doing)),
+    }
+}
+
+/// "in all_reduce called from train.py:57", "at data.py:31 in __getitem__".
+fn at_words(place: &str) -> String {
+    match place.starts_with("in ") {
+        true => place.to_string(),
+        false => format!("at {place}"),
     }
 }
 
