@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _table import print_table  # noqa: E402
+from _table import print_table
 
 JOB = textwrap.dedent(
     """
@@ -81,7 +81,10 @@ def main() -> None:
         ["median ms", "runs (ms)"],
         [
             ("--no-watch", (f"{off * 1e3:.2f}", " ".join(f"{t * 1e3:.1f}" for t in times[False]))),
-            ("watch (default)", (f"{on * 1e3:.2f}", " ".join(f"{t * 1e3:.1f}" for t in times[True]))),
+            (
+                "watch (default)",
+                (f"{on * 1e3:.2f}", " ".join(f"{t * 1e3:.1f}" for t in times[True])),
+            ),
         ],
     )
     print(f"\nwatch / no watch: {on / off:.3f} (the watch's cost: {(on / off - 1) * 100:+.1f}%)")

@@ -106,7 +106,9 @@ def tether() -> str:
     return str(Path(sys.executable).with_name("tether"))
 
 
-def _read(stream: "subprocess.IO[str]", name: str, lines: "queue.Queue[Tuple[float, str, str]]") -> None:
+def _read(
+    stream: "subprocess.IO[str]", name: str, lines: "queue.Queue[Tuple[float, str, str]]"
+) -> None:
     for line in stream:
         lines.put((time.time(), name, line.rstrip("\n")))
     lines.put((time.time(), name, ""))
@@ -214,9 +216,7 @@ def play(job: Job) -> Outcome:
 def hang_jobs() -> List[Job]:
     """Faults of every kind, at every rank, for 2, 3 and 4 ranks and three step times."""
     jobs = []
-    for j, (nproc, step) in enumerate(
-        (n, s) for n in (2, 3, 4) for s in (0.05, 0.2, 0.6)
-    ):
+    for j, (nproc, step) in enumerate((n, s) for n in (2, 3, 4) for s in (0.05, 0.2, 0.6)):
         kinds = ["getitem", "lock", "stop", "spin", "getitem"]
         faults = [Fault(kind, (j + k) % nproc) for k, kind in enumerate(kinds)]
         faults.append(Fault("wait", 0))
@@ -230,8 +230,14 @@ def hang_jobs() -> List[Job]:
 def slow_jobs() -> List[Job]:
     """A straggler at 1.3x and 2x, among 3 and 4 ranks."""
     return [
-        Job(nproc, 0.1, slow=(rank, factor), jitter=0.1, steps=int(16 / (0.1 * factor)),
-            name=f"slow-{nproc}-{factor}")  # fmt: skip
+        Job(
+            nproc,
+            0.1,
+            slow=(rank, factor),
+            jitter=0.1,
+            steps=int(24 / (0.1 * factor)),
+            name=f"slow-{nproc}-{factor}",
+        )  # fmt: skip
         for nproc, rank, factor in ((3, 1, 1.3), (4, 2, 1.3), (3, 2, 2.0), (4, 3, 2.0))
     ]
 
@@ -243,5 +249,5 @@ def healthy_jobs() -> List[Job]:
         Job(3, 0.1, jitter=0.5, steps=120, name="healthy-jitter"),
         Job(4, 0.3, jitter=0.5, steps=40, name="healthy-long-steps"),
         Job(3, 0.05, jitter=0.5, steps=200, env={"WATCH_GC": "20"}, name="healthy-gc"),
-        Job(2, 0.1, jitter=0.3, steps=120, env={"WATCH_EPOCH": "25"}, name="healthy-epochs"),
+        Job(2, 0.1, jitter=0.3, steps=120, env={"WATCH_EPOCH": "15"}, name="healthy-epochs"),
     ]

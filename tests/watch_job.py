@@ -17,8 +17,8 @@ RANK prints ``watch-fault KIND RANK PID TIME`` (TIME: ``time.time()``) and then:
 SIGUSR2 (SIGCONT after ``stop``) ends a fault: the rank prints ``watch-released`` and steps
 on. Other settings: ``WATCH_STEPS``, the number of steps (then the job ends); ``WATCH_GC``,
 every that many steps rank 1 pauses to collect garbage (a heap of cycles); ``WATCH_EPOCH``,
-every that many steps an epoch ends (rank 0 validates for 0.4 s while the others wait in a
-barrier)."""
+epochs of that many steps, twice and three times as many in turn, each ending in a
+validation (a nap of 0.15 to 0.45 s on every rank) and a barrier."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 
-class Release(Exception):
+class Release(Exception):  # noqa: N818 (a signal, not an error)
     """Raised by SIGUSR2 in the rank at fault."""
 
 
@@ -110,7 +110,7 @@ class DataLoaderIter:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     signal.signal(signal.SIGUSR2, release)
     step_time = float(os.environ.get("WATCH_STEP", "0.1"))
     jitter = float(os.environ.get("WATCH_JITTER", "0.25"))
@@ -119,6 +119,7 @@ def main() -> None:
     gc_every = int(os.environ.get("WATCH_GC", "0"))
     epoch = int(os.environ.get("WATCH_EPOCH", "0"))
     faults = plan()
+    next_epoch, epochs = epoch, []
     loader = DataLoaderIter()
     slow = 1.0
     junk = []
@@ -148,9 +149,11 @@ def main() -> None:
                 item.append(item)
             junk.clear()
             gc.collect()
-        if epoch and step % epoch == epoch - 1:
-            if rank == 0:
-                time.sleep(0.4)
+        if epoch and step == next_epoch:
+            # Epochs of different lengths, each ending in a validation on every rank.
+            next_epoch += epoch * (1 + len(epochs) % 3)
+            epochs.append(step)
+            time.sleep(0.3 * random.uniform(0.5, 1.5))
             dist.barrier()
         dist.all_reduce(tensor)  # watch: all_reduce
     print(f"watch-done {rank}", flush=True)

@@ -226,7 +226,11 @@ impl Judge {
                 continue;
             }
             others.sort_by(f64::total_cmp);
-            let median = others[others.len() / 2];
+            let half = others.len() / 2;
+            let median = match others.len() % 2 {
+                1 => others[half],
+                _ => (others[half - 1] + others[half]) / 2.0,
+            };
             if median < 0.05 {
                 continue;
             }
