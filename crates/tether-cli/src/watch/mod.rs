@@ -78,6 +78,7 @@ fn watch(group: &Group, ranks: &[usize], stop: &(Mutex<bool>, Condvar)) {
     let since = Instant::now();
     let mut judge = judge::Judge::new(ranks);
     let mut draw = Jitter::new();
+    let mut first_seen = std::collections::HashMap::new();
     loop {
         let (lock, wake) = stop;
         let stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -89,7 +90,7 @@ fn watch(group: &Group, ranks: &[usize], stop: &(Mutex<bool>, Condvar)) {
             return;
         }
         drop(stopped);
-        let look = sample::look(group, since);
+        let look = sample::look(group, since, &mut first_seen);
         if group.first_failure().is_some() {
             return;
         }

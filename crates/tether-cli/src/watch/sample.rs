@@ -4,6 +4,7 @@
 //! with [`Request::main_thread`]: the dump signal alone, which restarts what it interrupts).
 //! A rank that is stopped or a zombie is not asked: it could not answer.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use tether_core::proc::{self, Of};
@@ -104,16 +105,27 @@ pub fn frames_doing(frames: &[(String, String)]) -> Option<Doing> {
     None
 }
 
-/// One look at every rank of `group`.
-pub fn look(group: &Group, since: Instant) -> Look {
+/// How long after the watch first sees a rank it begins to ask its stack: a rank forked a
+/// moment ago is still setting up its interpreter and its handlers, and a dump from a signal
+/// handler then has been seen to crash it.
+const SETTLED: Duration = Duration::from_secs(3);
+
+/// One look at every rank of `group`; `first_seen` keeps when each pid was first seen.
+pub fn look(group: &Group, since: Instant, first_seen: &mut HashMap<i32, Instant>) -> Look {
     let n = group.len();
     let pids: Vec<Option<i32>> = (0..n)
         .map(|i| group.exit(i).is_none().then(|| group.pid(i)).flatten())
         .collect();
     let before_at = since.elapsed();
     let before: Vec<Option<Counters>> = pids.iter().map(|p| p.and_then(counters)).collect();
+    let now = Instant::now();
+    let mut settled = |i: usize| {
+        pids[i]
+            .is_some_and(|pid| now.duration_since(*first_seen.entry(pid).or_insert(now)) >= SETTLED)
+    };
     let askable: Vec<(&Group, usize)> = (0..n)
         .filter(|&i| before[i].is_some_and(|c| !matches!(c.state, 'T' | 't' | 'Z' | 'X')))
+        .filter(|&i| settled(i))
         .map(|i| (group, i))
         .collect();
     let answers = stacks::ask(&askable, &Request::main_thread(ASK_TIMEOUT)).unwrap_or_default();
