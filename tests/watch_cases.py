@@ -54,7 +54,7 @@ class Job:
     def plan(self) -> str:
         gap = int(GAP / self.step) + 1
         items = []
-        at = int(1.5 / self.step) + 3
+        at = int(4.0 / self.step) + 3
         for fault in self.faults:
             fault.step = at
             items.append(f"{at}:{fault.kind}:{fault.rank}")
