@@ -62,6 +62,9 @@ const RUN_AFTER: &str =
      terminal itself; --no-tty (PET_NO_TTY=1) gives every rank pipes.\n\n\
      Stacks: `kill -USR1 PID` (or `tether stacks PID`) prints every rank's Python stack, \
      rank\nby rank, to tether's stderr, and the run goes on; PID is tether's own.\n\n\
+     Watch: a hang (a rank that has not moved for max(2 s, 3 steps)) and a slow rank are \
+     named\non tether's stderr as they happen (`tether: hang: ...`, `tether: slow: ...`), and \
+     the run\ngoes on; --no-watch (PET_NO_WATCH=1) turns it off.\n\n\
      Exit status: 0 when every rank exits 0; the first failing rank's exit code (128+signal\n\
      when a signal killed it); 128+signal when tether got a stop signal; 124 past \
      --timeout or\n--stall-timeout; 2 for bad usage; 127/126 when the command cannot be \
@@ -295,6 +298,11 @@ pub struct StopArgs {
     /// End the run the same way when no rank has printed anything for SECONDS.
     #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
     pub stall_timeout: Option<f64>,
+    /// Do not watch the ranks. By default tether samples where each rank's main thread is,
+    /// and its CPU time, a few times a second: a hang (no rank moving for max(2 s, 3 steps))
+    /// and a slow rank are named on stderr, and the run goes on.
+    #[arg(long)]
+    pub no_watch: bool,
 }
 
 #[derive(Debug, Args)]

@@ -61,6 +61,9 @@ pub struct Config {
     /// Whether the ranks run tether's Python (a script or a module), which answers requests
     /// for its stacks; false with `--no-python`.
     pub python_ranks: bool,
+    /// Whether the ranks are watched for hangs and slow ranks ([`crate::watch`]): Python
+    /// ranks, without `--no-watch`.
+    pub watch: bool,
     /// Whether the ranks are forked from the node's warm zygote (a script or a module,
     /// without `--no-warm`).
     pub warm: bool,
@@ -138,6 +141,7 @@ pub fn resolve(args: RunArgs, ctx: &Context) -> Result<Config, clap::Error> {
         stall_timeout: limit("--stall-timeout", stop.stall_timeout)?,
         command: program::program(&args.program, &args.command, &ctx.python)?,
         python_ranks: !args.program.no_python || args.program.run_path,
+        watch: (!args.program.no_python || args.program.run_path) && !stop.no_watch,
         warm: (!args.program.no_python || args.program.run_path) && !args.program.no_warm,
         notes,
     })
@@ -755,6 +759,16 @@ mod tests {
         for flag in ["--no-warm", "--no_warm"] {
             let c = args(&[flag, "-m", "pkg.train"]).unwrap();
             assert!(!c.warm && c.python_ranks);
+        }
+    }
+
+    #[test]
+    fn python_ranks_are_watched_unless_told_otherwise() {
+        assert!(args(&["-m", "pkg.train"]).unwrap().watch);
+        assert!(!args(&["--no-python", "x"]).unwrap().watch);
+        for flag in ["--no-watch", "--no_watch"] {
+            let c = args(&[flag, "-m", "pkg.train"]).unwrap();
+            assert!(!c.watch && c.python_ranks);
         }
     }
 

@@ -26,6 +26,7 @@ mod slurm;
 mod stacks_cmd;
 mod stacks_reply;
 mod top;
+mod watch;
 mod zygote;
 
 use std::ffi::OsString;

@@ -19,6 +19,7 @@ use crate::clock;
 use crate::hangs::Limit;
 use crate::output;
 use crate::report::{oom_kills, ErrorFile, Failure, RankEnd};
+use crate::watch::Watch as Looking;
 
 mod supervise;
 mod wire;
@@ -90,7 +91,9 @@ impl Attempt<'_> {
         );
         let number = self.number;
         let record = |g: &Group| record(node, g, number, &wired, oom_before, &logs);
+        let looking = watch_ranks(node, &group);
         let supervised = watch.supervise(&record);
+        drop(looking);
         if supervised.is_err() {
             kill_all(&group);
         }
@@ -104,6 +107,16 @@ impl Attempt<'_> {
             None => conclude(node, &group, self.number, stop_mono, &wired, oom, logs),
         })
     }
+}
+
+/// The watch over the attempt's ranks, unless `--no-watch` (or the ranks do not run
+/// Python).
+fn watch_ranks(node: &Node, group: &Group) -> Option<Looking> {
+    let ranks = (0..group.len()).map(|i| node.cfg.global_rank(i)).collect();
+    node.cfg
+        .watch
+        .then(|| Looking::start(group, ranks))
+        .flatten()
 }
 
 /// Every local rank wired for attempt `number`, and the channel on which each pump says

@@ -29,6 +29,12 @@
 //!   are added ([`Request::py_spy`]).
 //! - [`summary`] ends every block of stacks: the ranks grouped by where their main thread
 //!   waits, and the ranks that are not where most others are, named.
+//! - A request for the main thread alone ([`Request::main_thread`], what the run's watch
+//!   samples) sends only the dump signal, whose handler restarts the calls it interrupts:
+//!   `faulthandler` dumps the main thread from its signal handler, and Python's own
+//!   handlers never run. Requests are asked one at a time in a process (one that comes
+//!   while another is being answered waits for it), so that no request takes another's
+//!   answer.
 
 mod answer;
 mod collect;
@@ -46,7 +52,7 @@ use std::time::{Duration, Instant};
 pub use answer::{Answer, Reply, Untouched};
 pub(crate) use collect::{this_process as channel, Channel};
 pub use others::ask_others;
-pub use summary::{place, ranks_words, summary};
+pub use summary::{place, ranks_words, summary, whereabouts, Whereabouts};
 
 use crate::error::Error;
 use crate::group::{Exit, Group};
@@ -94,6 +100,9 @@ pub struct Request {
     /// How long a process may take to begin answering from its interpreter before the dump
     /// signal is sent ([`DUMP_AFTER`] unless a test wants the signal path at once).
     pub dump_after: Duration,
+    /// Only the main thread's stack, from the dump signal alone (see the module's
+    /// documentation).
+    pub main_thread: bool,
 }
 
 impl Request {
@@ -103,9 +112,32 @@ impl Request {
             timeout,
             py_spy,
             dump_after: DUMP_AFTER,
+            main_thread: false,
+        }
+    }
+
+    /// A request for the main thread's stack alone within `timeout` (see the module's
+    /// documentation).
+    pub fn main_thread(timeout: Duration) -> Request {
+        Request {
+            timeout,
+            py_spy: None,
+            dump_after: Duration::ZERO,
+            main_thread: true,
+        }
+    }
+
+    /// The signal that asks.
+    fn signal(&self) -> i32 {
+        match self.main_thread {
+            true => dump_signal(),
+            false => signal(),
         }
     }
 }
+
+/// Held while a request is asked and answered: one at a time in a process.
+static ASKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Whether `pid` catches `signal` (`SigCgt` in /proc/PID/status): only then may it be
 /// sent, since the signal's default action ends a process.
@@ -234,9 +266,14 @@ fn live(group: &Group, index: usize) -> Option<(i32, Option<Exit>, RawFd)> {
     group.with_member(index, |m| (m.pid, m.exit, m.sentinel()))
 }
 
-/// Asks member `index` of `group`; `None` once asked (the answer will come), else the
-/// reply already known.
-fn ask_one(channel: &Channel, group: &Group, index: usize, id: u64) -> (i32, Option<Reply>) {
+/// Asks member `index` of `group` with `signal`; `None` once asked (the answer will come),
+/// else the reply already known.
+fn ask_one(
+    channel: &Channel,
+    (group, index): (&Group, usize),
+    id: u64,
+    signal: i32,
+) -> (i32, Option<Reply>) {
     let found = live(group, index);
     let Some((pid, exit, sentinel)) = found else {
         return (0, Some(Reply::Unreachable(format!("no member {index}"))));
@@ -244,7 +281,6 @@ fn ask_one(channel: &Channel, group: &Group, index: usize, id: u64) -> (i32, Opt
     if let Some(exit) = exit {
         return (pid, Some(Reply::Exited(Some(exit.status))));
     }
-    let signal = signal();
     if !catches(pid, signal) {
         return (pid, Some(Reply::NoHandler));
     }
@@ -278,12 +314,13 @@ impl Group {
 /// the answers up to `request.timeout`; returns them in order.
 pub fn ask(members: &[(&Group, usize)], request: &Request) -> Result<Vec<Answer>, Error> {
     let channel = collect::this_process()?;
+    let _one_at_a_time = ASKING.lock().unwrap_or_else(|e| e.into_inner());
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     let start = Instant::now();
     let deadline = start.checked_add(request.timeout).unwrap_or(start);
     let asked: Vec<(i32, Option<Reply>)> = members
         .iter()
-        .map(|&(group, index)| ask_one(channel, group, index, id))
+        .map(|&member| ask_one(channel, member, id, request.signal()))
         .collect();
     let waiting: Vec<i32> = asked
         .iter()
@@ -295,7 +332,10 @@ pub fn ask(members: &[(&Group, usize)], request: &Request) -> Result<Vec<Answer>
         .zip(members)
         .map(|(&(pid, _), &member)| (pid, member))
         .collect();
-    let silent = channel.wait_started(id, &waiting, deadline.min(start + request.dump_after));
+    let silent = match request.main_thread {
+        true => Vec::new(),
+        false => channel.wait_started(id, &waiting, deadline.min(start + request.dump_after)),
+    };
     for pid in silent {
         if let Some(&(group, index)) = by_pid.get(&pid) {
             send_dump_signal(channel, group, index, id);

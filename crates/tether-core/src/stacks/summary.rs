@@ -301,6 +301,31 @@ fn spot(answer: &Answer) -> Spot {
     }
 }
 
+/// Where a main thread is, read from a dump as the summary reads it: the user's innermost
+/// frame, the call it waits in, and every frame of the main thread (file and function, most
+/// recent call first).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Whereabouts {
+    pub file: String,
+    pub line: String,
+    pub function: String,
+    pub callee: Option<String>,
+    pub frames: Vec<(String, String)>,
+}
+
+/// Where the main thread of the dump `text` is; `None` when it shows no Python frame.
+pub fn whereabouts(text: &str) -> Option<Whereabouts> {
+    let frames = main_thread(text);
+    let (frame, callee) = innermost(&frames)?;
+    Some(Whereabouts {
+        file: frame.file,
+        line: frame.line,
+        function: frame.function,
+        callee,
+        frames: frames.into_iter().map(|f| (f.file, f.function)).collect(),
+    })
+}
+
 /// The frames of the main thread in a dump, most recent call first.
 fn main_thread(text: &str) -> Vec<Frame> {
     let mut blocks: Vec<(bool, Vec<Frame>)> = Vec::new();
