@@ -613,12 +613,12 @@ mod tests {
 
     #[test]
     fn hosted_subcommands_are_listed() {
-        let hosted = [("top".to_string(), "List the runs".to_string())];
-        let argv = ["tether", "top", "-a"].map(OsString::from).to_vec();
-        assert!(matches!(parse(argv, &hosted), Ok(Parsed::Hosted(name)) if name == "top"));
+        let hosted = [("runs".to_string(), "List the runs".to_string())];
+        let argv = ["tether", "runs", "-a"].map(OsString::from).to_vec();
+        assert!(matches!(parse(argv, &hosted), Ok(Parsed::Hosted(name)) if name == "runs"));
         let help = command(&hosted).render_help().to_string();
         assert!(
-            help.contains("top") && help.contains("List the runs"),
+            help.contains("runs") && help.contains("List the runs"),
             "{help}"
         );
     }

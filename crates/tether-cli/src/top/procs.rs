@@ -76,11 +76,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn this_process_is_sampled_running_with_memory() {
+    fn this_process_is_sampled_with_its_state_and_memory() {
+        // The state is the main thread's: running, or asleep while a
+        // test thread runs this.
         let me = std::process::id() as i32;
         let s = sample(me).unwrap();
         assert_eq!(s.pid, me);
-        assert_eq!(s.state, 'R');
+        assert!(matches!(s.state, 'R' | 'S'), "{s:?}");
         assert!(s.rss > 1 << 20, "{s:?}");
         assert!(sample(-1).is_none());
     }
