@@ -8,6 +8,7 @@ import functools
 import json
 import sys
 import threading
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -206,6 +207,29 @@ def unpicklable(pool):
     return "no error"
 
 
+class Raises(Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        raise ValueError(f"item {i} is broken")
+
+
+def raised(context):
+    """The lines of a worker's traceback that name this script (file, line, function) and
+    the line that raised: what a user reads to find the fault."""
+    try:
+        list(DataLoader(Raises(), num_workers=1, multiprocessing_context=context))
+    except ValueError as exc:
+        lines = str(exc).splitlines()
+        return [
+            line.strip()
+            for at, line in enumerate(lines)
+            if Path(__file__).name in line or (at and Path(__file__).name in lines[at - 1])
+        ]
+    return ["no error"]
+
+
 if __name__ == "__main__":
     results = {}
     with tether.Pool(2) as pool:
@@ -215,4 +239,5 @@ if __name__ == "__main__":
                 "pool": loaders(case, pool.context()),
             }
         results["unpicklable"] = unpicklable(pool)
+        results["raises"] = {"fork": raised("fork"), "pool": raised(pool.context())}
     json.dump(results, sys.stdout)

@@ -35,7 +35,7 @@ def results():
 
 
 def test_every_case_gives_every_batch_fork_gives_and_leaves_the_parent_as_fork_does(results):
-    cases = {name: got for name, got in results.items() if name != "unpicklable"}
+    cases = {name: got for name, got in results.items() if name not in ("unpicklable", "raises")}
     assert len(cases) == 36
     wrong = [
         f"{name}:\n  fork: {got['fork']}\n  pool: {got['pool']}"
@@ -63,3 +63,9 @@ def test_a_global_that_cannot_travel_is_named_never_read_at_its_import_time_valu
     said = results["unpicklable"]
     assert said.startswith("PicklingError: the global 'LOCK' of __main__ (a lock)"), said
     assert "ReadsLock.__getitem__" in said
+
+
+def test_a_worker_traceback_names_the_scripts_file_and_line_as_fork_does(results):
+    fork, pool = results["raises"]["fork"], results["raises"]["pool"]
+    assert any('pool_main_script.py", line' in line and "__getitem__" in line for line in fork)
+    assert pool == fork

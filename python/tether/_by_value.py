@@ -6,7 +6,9 @@ one has it: one of a ``__main__`` without a file (a notebook, the REPL, ``python
 stdin), and, for what a pool's workers receive for a DataLoader (*as fork*), every one of
 ``__main__``, every lambda, every one defined inside a function or whose name was rebound.
 Its code takes with it the values of what it reads (the globals its code names, the
-variables it closes over); one of them that cannot travel is named in the error."""
+variables it closes over); one of them that cannot travel is named in the error. Its code
+keeps the file it was defined in (cloudpickle would name it ``<dynamic-code>``), so that a
+traceback or a stack from the other process names the file and line, as fork's does."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import io
 import pickle
 import sys
 from collections import ChainMap
-from types import FunctionType, ModuleType
+from types import CodeType, FunctionType, ModuleType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 __all__ = [
@@ -167,11 +169,25 @@ def _by_value_pickler(cloudpickle: ModuleType, table: Dict[Any, Any]) -> type:
     global _by_value_class
     if _by_value_class is None or _by_value_class[0] is not table:
         base = cloudpickle.Pickler
+        own = {CodeType: _code_with_its_file(base.dispatch_table[CodeType])}
         made = type(
-            "_ByValuePickler", (base,), {"dispatch_table": ChainMap(base.dispatch_table, table)}
+            "_ByValuePickler",
+            (base,),
+            {"dispatch_table": ChainMap(own, base.dispatch_table, table)},
         )
         _by_value_class = (table, made)
     return _by_value_class[1]
+
+
+def _code_with_its_file(reduce_code: Callable[[CodeType], Any]) -> Callable[[CodeType], Any]:
+    """cloudpickle's reduction of a code object (``reduce_code``), but keeping the file the
+    code was defined in instead of its ``<dynamic-code>``."""
+
+    def reduce(code: CodeType) -> Any:
+        make, args = reduce_code(code)
+        return make, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+    return reduce
 
 
 def _from_main(data: bytes) -> Any:
@@ -192,6 +208,7 @@ def as_fork_class(usual: Dict[Any, Any]) -> type:
         base = _cloudpickle(None).Pickler
         table = dict(base.dispatch_table)
         table.update(usual)
+        table[CodeType] = _code_with_its_file(base.dispatch_table[CodeType])
 
         def reducer_override(self: Any, obj: Any) -> Any:
             if isinstance(obj, BY_VALUE_KINDS) and travels_by_value(obj, as_fork=True):
