@@ -443,22 +443,21 @@ fn is_version(v: &str) -> bool {
     !v.is_empty() && v.starts_with('3') && v.bytes().all(|b| b.is_ascii_digit() || b == b'.')
 }
 
-/// A file of tether's own Python package: a folder named `tether` that holds tether's
-/// native module beside it.
+/// A file of tether's own Python package, at any depth (`tether/pool/core.py`): under a
+/// folder named `tether` that holds tether's native module.
 fn is_tethers(path: &str) -> bool {
-    let dir = Path::new(path).parent();
-    if !dir
-        .and_then(Path::file_name)
-        .is_some_and(|name| name == "tether")
-    {
-        return false;
-    }
-    let Some(entries) = dir.and_then(|d| std::fs::read_dir(d).ok()) else {
-        return false;
+    let holds_native = |dir: &Path| {
+        std::fs::read_dir(dir).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().as_encoded_bytes().starts_with(b"_native"))
+        })
     };
-    entries
-        .flatten()
-        .any(|e| e.file_name().as_encoded_bytes().starts_with(b"_native"))
+    Path::new(path)
+        .ancestors()
+        .skip(1)
+        .filter(|dir| dir.file_name().is_some_and(|name| name == "tether"))
+        .any(holds_native)
 }
 
 #[cfg(test)]
@@ -652,5 +651,21 @@ mod tests {
         assert_eq!(ranks_words(&[0, 1, 2, 3, 4, 5, 6, 9]), "ranks 0-6, 9");
         assert_eq!(ranks_words(&[7]), "rank 7");
         assert_eq!(ranks_words(&[1, 3, 4]), "ranks 1, 3-4");
+    }
+
+    #[test]
+    fn tethers_own_files_are_known_at_every_depth_of_its_package() {
+        let root = std::env::temp_dir().join(format!("tether-summary-{}", std::process::id()));
+        let package = root.join("site").join("tether");
+        std::fs::create_dir_all(package.join("pool")).unwrap();
+        std::fs::write(package.join("_native.abi3.so"), b"").unwrap();
+        let lonely = root.join("elsewhere").join("tether");
+        std::fs::create_dir_all(&lonely).unwrap();
+        let path = |p: &Path| p.to_str().unwrap().to_string();
+        assert!(is_tethers(&path(&package.join("spawn.py"))));
+        assert!(is_tethers(&path(&package.join("pool").join("channel.py"))));
+        assert!(!is_tethers(&path(&lonely.join("spawn.py"))));
+        assert!(!is_users(&path(&package.join("pool").join("channel.py"))));
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }
