@@ -170,8 +170,7 @@ fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -
             return None;
         }
     };
-    let pids: Vec<i32> = answers.iter().map(|a| a.pid).collect();
-    let workers = workers::ask(&workers::of(&pids), &request);
+    let (answers, workers) = workers::gather(answers, &request);
     let answered = answers.iter().filter(|a| a.answered()).count();
     let mut block = format!(
         "tether: {why}: the stack of every rank ({answered} of {} answered in {} ms){then}:\n",
@@ -219,7 +218,7 @@ fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -
 /// The summary of where the ranks are, and of the ranks that wait on their workers.
 fn summary_with_workers(
     by_rank: &[(usize, &stacks::Answer)],
-    workers: &[Vec<stacks::Answer>],
+    workers: &[Vec<workers::Worker>],
 ) -> String {
     let mut summary = stacks::summary(by_rank);
     for ((rank, answer), started) in by_rank.iter().zip(workers) {

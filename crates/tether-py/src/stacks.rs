@@ -208,9 +208,37 @@ fn answer_request(py: Python<'_>, _signal: i32, _frame: PyObject) {
     if id == 0 {
         return;
     }
-    let text = every_thread(py)
-        .unwrap_or_else(|err| format!("(tether could not read the Python stacks: {err})\n"));
-    core_stacks::handler::answer(id, text.as_bytes());
+    core_stacks::handler::answer(id, || {
+        let mut text = every_thread(py)
+            .unwrap_or_else(|err| format!("(tether could not read the Python stacks: {err})\n"));
+        text.push_str(&pool_workers(py));
+        text.into_bytes()
+    });
+}
+
+/// How long a process waits for the workers of its pools, answering a request.
+const POOL_WORKERS_TIMEOUT: f64 = 1.0;
+
+/// The stacks of the workers of this process's `tether.Pool`s, each under its header (see
+/// [`core_stacks::relay`]): they answer to this process, not to whoever asked it. Nothing
+/// when this process never used a pool (the module is never imported for it).
+fn pool_workers(py: Python<'_>) -> String {
+    let asked = || -> PyResult<Vec<(i32, String)>> {
+        let modules = py.import("sys")?.getattr("modules")?;
+        match modules.get_item("tether.pool.core") {
+            Ok(core) => core
+                .call_method1("worker_stacks", (POOL_WORKERS_TIMEOUT,))?
+                .extract(),
+            Err(_) => Ok(Vec::new()),
+        }
+    };
+    match asked() {
+        Ok(workers) => workers
+            .iter()
+            .map(|(pid, text)| core_stacks::relay::section(*pid, text))
+            .collect(),
+        Err(err) => format!("(tether could not ask this process's pool workers: {err})\n"),
+    }
 }
 
 /// Most threads, and most frames of one thread, written (as `faulthandler` does).

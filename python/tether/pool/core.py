@@ -27,7 +27,7 @@ import time
 import weakref
 from typing import Any, Callable, List, Literal, Optional, Sequence
 
-from .. import _launch, _native, _report, _status, _words
+from .. import _launch, _native, _report, _stacks, _status, _words
 from .._log import logger
 from . import guard, worker
 from .errors import BrokenPool
@@ -365,6 +365,17 @@ def track(core: Core) -> None:
 def describe_pools() -> List[_status.Pool]:
     """The pools of this process and their workers (see ``tether.status()``)."""
     return [core.describe() for core in sorted(_live, key=lambda c: c.number)]
+
+
+def worker_stacks(timeout: float) -> List[Any]:
+    """``[(pid, text)]``: the stack of every worker of this process's pools, asked at once
+    within ``timeout`` seconds. Tether's handler of a stack request calls it, so that the
+    workers of a pool that a rank started show under the rank in ``tether stacks``: they
+    answer to the pools' process, not to the launcher."""
+    targets = [m for core in list(_live) if core.pid == os.getpid() for m in core.workers.members()]
+    if not targets:
+        return []
+    return [(a.pid, a.text) for a in _stacks.ask(targets, timeout, False)]
 
 
 def _python_exit() -> None:

@@ -117,7 +117,7 @@ fn snapshot(pid: i32) -> Result<Vec<Row>, i32> {
     Ok(places
         .into_iter()
         .map(|place| {
-            let workers = procs::descendants(place.pid, &parents)
+            let workers = workers::started(place.pid, &parents)
                 .into_iter()
                 .filter_map(procs::sample)
                 .map(|s| (s, 0.0))

@@ -1,52 +1,93 @@
 //! The stacks of the processes each rank started (its DataLoader workers, a forkserver and
-//! its children), for the blocks of stacks: asked at once through tether-core
-//! ([`tether_core::stacks::ask_others`]), shown under their rank, and named in the summary
-//! when the rank waits on them (its main thread in torch's DataLoader).
+//! its children, the workers of its `tether.Pool`), for the blocks of stacks: a pool's
+//! workers answer to the rank, which carries their stacks in its own answer
+//! ([`stacks::relay`]); the others are asked at once through tether-core
+//! ([`tether_core::stacks::others::ask_others`]). They are shown under their rank, and named in the
+//! summary when the rank waits on them (its main thread in torch's DataLoader).
 
 use tether_core::stacks::{self, Answer, Request};
 
 use super::procs;
 
-/// Every rank's started processes (pid, parent), by rank, in the order of `ranks` (the
-/// ranks' pids).
-pub fn of(ranks: &[i32]) -> Vec<Vec<(i32, i32)>> {
+/// A process a rank started, and what it answered.
+#[derive(Debug, Clone)]
+pub struct Worker {
+    pub answer: Answer,
+    /// Whether it is a worker of the rank's `tether.Pool` (its stack came in the rank's).
+    pub pooled: bool,
+}
+
+/// Tether's own processes that run no code of the program (a pool's zygote and its blanks,
+/// ready to become workers): not shown among a rank's workers.
+const IDLE_HELPERS: [&str; 2] = ["tether-zygote", "tether-blank"];
+
+/// The processes `rank` started (and theirs), but tether's idle helpers.
+pub fn started(rank: i32, parents: &std::collections::BTreeMap<i32, i32>) -> Vec<i32> {
+    let helper = |pid: &i32| {
+        tether_core::proc::stat(tether_core::proc::Of::Pid(*pid))
+            .and_then(|s| s.command().map(|c| IDLE_HELPERS.contains(&c)))
+            .unwrap_or(false)
+    };
+    procs::descendants(rank, parents)
+        .into_iter()
+        .filter(|pid| !helper(pid))
+        .collect()
+}
+
+/// The ranks' `answers` without the stacks they carried for their pools' workers, and every
+/// rank's workers with their answers, in the same order: the pools' workers first (from the
+/// rank's answer), then every other process the rank started, asked now with `request`.
+pub fn gather(answers: Vec<Answer>, request: &Request) -> (Vec<Answer>, Vec<Vec<Worker>>) {
+    let (ranks, pooled): (Vec<Answer>, Vec<Vec<Answer>>) =
+        answers.into_iter().map(stacks::relay::split).unzip();
     let parents = procs::parents();
-    ranks
+    let others: Vec<Vec<(i32, i32)>> = ranks
         .iter()
-        .map(|&rank| {
-            procs::descendants(rank, &parents)
+        .zip(&pooled)
+        .map(|(rank, pool)| {
+            started(rank.pid, &parents)
                 .into_iter()
+                .filter(|pid| pool.iter().all(|w| w.pid != *pid))
                 .filter_map(|pid| Some((pid, *parents.get(&pid)?)))
                 .collect()
         })
-        .collect()
-}
-
-/// The answers of `workers` (see [`of`]), in the same shape; a rank with none gets none.
-pub fn ask(workers: &[Vec<(i32, i32)>], request: &Request) -> Vec<Vec<Answer>> {
-    let flat: Vec<(i32, i32)> = workers.iter().flatten().copied().collect();
-    let mut answers = match flat.is_empty() {
+        .collect();
+    let flat: Vec<(i32, i32)> = others.iter().flatten().copied().collect();
+    let mut asked = match flat.is_empty() {
         true => Vec::new(),
-        false => stacks::ask_others(&flat, request).unwrap_or_default(),
+        false => stacks::others::ask_others(&flat, request).unwrap_or_default(),
     }
     .into_iter();
-    workers
-        .iter()
-        .map(|w| answers.by_ref().take(w.len()).collect())
-        .collect()
+    let workers = pooled
+        .into_iter()
+        .zip(&others)
+        .map(|(pool, other)| {
+            let pool = pool.into_iter().map(|answer| Worker {
+                answer,
+                pooled: true,
+            });
+            let other = asked.by_ref().take(other.len()).map(|answer| Worker {
+                answer,
+                pooled: false,
+            });
+            pool.chain(other).collect()
+        })
+        .collect();
+    (ranks, workers)
 }
 
 /// The lines that show the answers of a rank's `workers` under the rank's own.
-pub fn lines(workers: &[Answer], timeout: std::time::Duration) -> Vec<String> {
+pub fn lines(workers: &[Worker], timeout: std::time::Duration) -> Vec<String> {
     let mut lines = Vec::new();
-    for answer in workers {
+    for Worker { answer, pooled } in workers {
         let comm = tether_core::proc::stat(tether_core::proc::Of::Pid(answer.pid))
             .and_then(|s| s.command().map(str::to_string))
             .unwrap_or_else(|| "?".to_string());
-        lines.push(format!(
-            "-- a process this rank started (its DataLoader worker, or another): pid {} ({comm})",
-            answer.pid
-        ));
+        let what = match pooled {
+            true => "a worker of this rank's tether.Pool",
+            false => "a process this rank started (its DataLoader worker, or another)",
+        };
+        lines.push(format!("-- {what}: pid {} ({comm})", answer.pid));
         lines.extend(answer.text(timeout).lines().map(str::to_string));
     }
     lines
@@ -55,7 +96,7 @@ pub fn lines(workers: &[Answer], timeout: std::time::Duration) -> Vec<String> {
 /// "rank 0 waits on its DataLoader workers: pid 41 at data.py:31 in __getitem__, pid 42
 /// did not answer", for a rank whose main thread is in torch's DataLoader and that has
 /// workers; `None` otherwise.
-pub fn waits_on(rank: usize, answer: &Answer, workers: &[Answer]) -> Option<String> {
+pub fn waits_on(rank: usize, answer: &Answer, workers: &[Worker]) -> Option<String> {
     let stacks::Reply::Stack(text) = &answer.reply else {
         return None;
     };
@@ -64,6 +105,7 @@ pub fn waits_on(rank: usize, answer: &Answer, workers: &[Answer]) -> Option<Stri
     }
     let each: Vec<String> = workers
         .iter()
+        .map(|w| &w.answer)
         .map(|w| match &w.reply {
             stacks::Reply::Stack(_) => format!("pid {} at {}", w.pid, stacks::place(w)),
             stacks::Reply::NoHandler => {

@@ -418,13 +418,15 @@ pub fn take_request() -> u64 {
     PENDING.swap(0, Ordering::SeqCst)
 }
 
-/// Answers request `id` with `text` (every thread's stack, as `faulthandler` writes it),
-/// from the main thread; nothing when it was answered already, a dump is being written or
-/// the channel is gone.
-pub fn answer(id: u64, text: &[u8]) -> bool {
+/// Answers request `id` with the text `make` gives (every thread's stack, as `faulthandler`
+/// writes it, and what this process answers for its own children), from the main thread;
+/// nothing when it was answered already, a dump is being written or the channel is gone.
+/// The answer is claimed (its start marker sent) before `make` runs: a dump signal that
+/// comes meanwhile finds it under way and writes nothing.
+pub fn answer(id: u64, make: impl FnOnce() -> Vec<u8>) -> bool {
     const PIECE: usize = 32 << 10;
     answer_with(id, |fd| {
-        for piece in text.chunks(PIECE) {
+        for piece in make().chunks(PIECE) {
             send(fd, piece);
         }
     })
@@ -483,7 +485,7 @@ mod tests {
         assert!(adopt(child.as_raw_fd(), Some(inode + 1)).is_err());
         let fd = adopt(child.as_raw_fd(), Some(inode)).unwrap();
         std::mem::forget(child); // adopt closed or kept it: the fd is the channel's now
-        assert!(answer(1, b"a stack"));
+        assert!(answer(1, || b"a stack".to_vec()));
         let mut buf = [0u8; 64];
         let mut got = Vec::new();
         while let Ok(n) = rustix::io::read(&parent, &mut buf) {
@@ -493,7 +495,7 @@ mod tests {
         // The program puts a socket of its own under the channel's number.
         // SAFETY: dup2 onto the fd adopted above, which this test owns.
         assert_eq!(unsafe { libc::dup2(their_other_end.as_raw_fd(), fd) }, fd);
-        assert!(!answer(2, b"a stack"));
+        assert!(!answer(2, || b"a stack".to_vec()));
         assert!(rustix::io::read(&theirs, &mut buf).is_err());
         // SAFETY: closes the fd dup2 made.
         unsafe { libc::close(fd) };

@@ -40,7 +40,8 @@ mod answer;
 mod collect;
 pub mod handler;
 mod native;
-mod others;
+pub mod others;
+pub mod relay;
 mod summary;
 
 use std::collections::HashMap;
@@ -51,7 +52,6 @@ use std::time::{Duration, Instant};
 
 pub use answer::{Answer, Reply, Untouched};
 pub(crate) use collect::{this_process as channel, Channel};
-pub use others::ask_others;
 pub use summary::{place, ranks_words, summary, whereabouts, Whereabouts};
 
 use crate::error::Error;
