@@ -148,3 +148,80 @@ def test_a_pid_that_is_no_tether_run_is_named() -> None:
     assert done.returncode == 1 and "not a running `tether run`" in done.stderr
     done = subprocess.run([str(BIN), "top"], capture_output=True, text=True)
     assert done.returncode == 2 and "usage: tether top PID" in done.stdout
+
+
+#: The same ranks from ``tether.spawn`` (``join=False``); the parent also forks a helper of
+#: its own, which is no job: it inherited nothing that answers ``tether top``.
+SPAWN_JOB = r"""
+import multiprocessing as mp, os, sys, time
+import tether
+
+def spin():
+    parent = os.getppid()
+    while os.getppid() == parent:
+        pass
+
+def nap():
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.2)
+
+def rank(i):
+    if i == 0:
+        worker = mp.get_context("fork").Process(target=spin, daemon=True)
+        worker.start()
+        spin()
+    nap()
+
+if __name__ == "__main__":
+    ctx = tether.start_processes(rank, nprocs=2, join=False)
+    helper = mp.get_context("fork").Process(target=nap, daemon=True)
+    helper.start()
+    print("ranks", *ctx.pids(), "helper", helper.pid, flush=True)
+    ctx.join()
+"""
+
+
+@pytest.fixture
+def spawn_job(tmp_path: Path) -> Any:
+    script = tmp_path / "job.py"
+    script.write_text(SPAWN_JOB)
+    out = tmp_path / "job.out"
+    with open(out, "w") as outf, open(tmp_path / "job.err", "w") as errf:
+        proc = subprocess.Popen(
+            [sys.executable, str(script)], stdout=outf, stderr=errf, stdin=subprocess.DEVNULL
+        )
+    deadline = time.monotonic() + 60
+    while "helper" not in out.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+        time.sleep(0.1)
+    words = out.read_text().split()
+    ranks, helper = [int(w) for w in words[1:3]], int(words[4])
+    try:
+        yield proc, ranks, helper
+    finally:
+        everything = sorted(descendants(proc.pid) | set(ranks))
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert wait_gone(everything, 10) == []
+
+
+def test_a_spawn_job_is_shown_from_the_process_that_called_spawn(spawn_job: Any) -> None:
+    proc, ranks, helper = spawn_job
+    rows = json.loads(top(proc.pid, "--json"))
+    assert [(row["rank"], row["pid"]) for row in rows] == [(0, ranks[0]), (1, ranks[1])], rows
+    check_against_ps(rows)
+    spinner, napper = rows
+    assert spinner["place"].endswith("in spin"), rows
+    assert napper["place"].endswith("in nap"), rows
+    assert spinner["cpu"] > 10 and napper["cpu"] < 10, rows
+    [worker] = spinner["workers"]
+    assert worker["pid"] in child_pids(spinner["pid"]) and worker["cpu"] > 10, worker
+    time.sleep(1)
+    again = json.loads(top(proc.pid, "--json"))
+    assert again[1]["seconds"] >= rows[1]["seconds"] + 1, (rows, again)
+    text = top(proc.pid, "--once")
+    assert text.startswith(f"tether top: `tether.spawn` job pid {proc.pid}, 2 rank(s)"), text
+    # A child forked from the parent is no job of its own.
+    done = subprocess.run([str(BIN), "top", str(helper), "--once"], capture_output=True, text=True)
+    assert done.returncode == 1 and "not a running `tether run`" in done.stderr, done.stderr

@@ -34,6 +34,7 @@ __all__ = [
     "StacksChannel",
     "stacks",
     "stacks_summary",
+    "serve_top",
     "WorkerSet",
     "WorkerLink",
     "WorkerFds",
@@ -350,6 +351,7 @@ def stacks(
     dump_after: Optional[float] = None,
 ) -> List[StackAnswer]: ...
 def stacks_summary(ranks: Sequence[int], answers: Sequence[StackAnswer]) -> str: ...
+def serve_top(group: Group) -> None: ...
 
 @final
 class StackAnswer:

@@ -82,6 +82,11 @@ class ProcessContext:
         self._done = False
         with _live_lock:
             _live.add(self)
+        try:
+            # ``tether top PID`` (PID: this process) shows the ranks.
+            _native.serve_top(group)
+        except OSError as err:
+            logger.info("tether top cannot show these ranks: %s", err)
 
     def pids(self) -> List[int]:
         return [p.pid for p in self.processes]

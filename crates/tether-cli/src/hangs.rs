@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tether_core::stacks::{self, Request};
+use tether_core::stacks::{self, places::Since, Request};
 use tether_core::{signal_name, Group};
 
 use crate::clock;
@@ -25,6 +25,10 @@ use crate::config::Config;
 use crate::output::{self, touch, Activity, Prefix, Stream};
 use crate::stacks_reply;
 use crate::top::workers;
+
+/// Where the launcher saw each rank, over every block of stacks it collected (asked by
+/// `tether stacks`, `tether top`, SIGUSR1 or a limit): `tether top`'s seconds in a place.
+static SEEN: Since = Since::new();
 
 /// How long a request waits for the ranks' stacks.
 pub const STACKS_TIMEOUT: Duration = Duration::from_secs(5);
@@ -211,7 +215,7 @@ fn stacks_block(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf>) -
     Some(Block {
         text: block,
         silent,
-        places: crate::top::since::note(Instant::now(), &places),
+        places: SEEN.note(Instant::now(), &places),
     })
 }
 

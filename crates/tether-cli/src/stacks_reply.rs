@@ -27,6 +27,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tether_core::stacks;
+pub use tether_core::stacks::places::Place;
 
 /// How long the launcher tries to hand a reply to one asker.
 const WRITE_LIMIT: Duration = Duration::from_secs(5);
@@ -128,17 +129,6 @@ pub enum Reply<'a> {
     Error(&'a str),
 }
 
-/// Where a rank is, as the launcher saw it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Place {
-    pub rank: usize,
-    pub pid: i32,
-    /// For how long the launcher has seen it there (from every request it answered).
-    pub seconds: f64,
-    /// Where: see [`tether_core::stacks::place`].
-    pub place: String,
-}
-
 impl Reply<'_> {
     fn bytes(&self) -> Vec<u8> {
         match self {
@@ -151,10 +141,8 @@ impl Reply<'_> {
                     .iter()
                     .flat_map(|(rank, pid)| format!("silent {rank} {pid}\n").into_bytes())
                     .collect();
-                for p in places.iter() {
-                    let place = p.place.replace('\n', " ");
-                    let line = format!("place {} {} {:.3} {place}\n", p.rank, p.pid, p.seconds);
-                    out.extend_from_slice(line.as_bytes());
+                for place in places.iter() {
+                    out.extend_from_slice(place.line().as_bytes());
                 }
                 out.push(b'\n');
                 out.extend_from_slice(block);
@@ -290,14 +278,8 @@ fn parse(bytes: &[u8]) -> Option<Got> {
         if let Some(why) = line.strip_prefix("error ") {
             return Some(Got::Error(why.to_string()));
         }
-        if let Some(rest) = line.strip_prefix("place ") {
-            let mut words = rest.splitn(4, ' ');
-            places.push(Place {
-                rank: words.next()?.parse().ok()?,
-                pid: words.next()?.parse().ok()?,
-                seconds: words.next()?.parse().ok()?,
-                place: words.next().unwrap_or("").to_string(),
-            });
+        if line.starts_with("place ") {
+            places.push(Place::parse(line)?);
             continue;
         }
         let mut words = line.strip_prefix("silent ")?.split(' ');

@@ -9,7 +9,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crate::report::Report;
@@ -108,6 +108,17 @@ pub struct Group {
     pub(crate) inner: Arc<GroupInner>,
 }
 
+/// A [`Group`] held without keeping it: gone once its last holder drops it.
+#[derive(Debug, Clone, Default)]
+pub struct WeakGroup(Weak<GroupInner>);
+
+impl WeakGroup {
+    /// The group, while someone else still holds it.
+    pub fn upgrade(&self) -> Option<Group> {
+        self.0.upgrade().map(|inner| Group { inner })
+    }
+}
+
 /// What [`Group::wait`] waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WaitFor {
@@ -139,6 +150,11 @@ const INTERRUPT_CHECK: Duration = Duration::from_millis(50);
 impl Group {
     pub fn new() -> Group {
         Group::default()
+    }
+
+    /// This group, held without keeping it.
+    pub fn downgrade(&self) -> WeakGroup {
+        WeakGroup(Arc::downgrade(&self.inner))
     }
 
     pub fn len(&self) -> usize {

@@ -12,7 +12,7 @@ use tether_core::stacks::{self as core_stacks, Request};
 
 use crate::convert::{Fd, Timeout};
 use crate::error::{core_error, os_error};
-use crate::group::Member;
+use crate::group::{Group, Member};
 
 /// In a child: makes this process answer its parent's requests for its stacks through `fd`
 /// (the sending end of the parent's stacks channel; when `inode` is given, that very
@@ -399,6 +399,14 @@ fn stacks_summary(ranks: Vec<usize>, answers: Vec<PyRef<'_, StackAnswer>>) -> Py
     Ok(core_stacks::summary(&pairs))
 }
 
+/// Makes the members of `group` answer `tether top PID` (PID: this process) as ranks of
+/// this process, listening for it from a thread of tether's own (see
+/// `tether_core::stacks::served`).
+#[pyfunction]
+fn serve_top(group: &Bound<'_, Group>) -> PyResult<()> {
+    core_stacks::served::serve(&group.get().inner).map_err(os_error)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STACKS_FD_ENV", core_stacks::FD_ENV)?;
     m.add("PY_SPY_ENV", core_stacks::PY_SPY_ENV)?;
@@ -410,5 +418,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stacks_fd, m)?)?;
     m.add_function(wrap_pyfunction!(stacks, m)?)?;
     m.add_function(wrap_pyfunction!(stacks_summary, m)?)?;
+    m.add_function(wrap_pyfunction!(serve_top, m)?)?;
     Ok(())
 }

@@ -1,20 +1,22 @@
-//! `tether top PID`: a live view of a running `tether run`, one row per rank: its pid, state,
+//! `tether top PID`: a live view of a running `tether run` or `tether.spawn` job (PID: the
+//! launcher, or the process that called `tether.spawn`), one row per rank: its pid, state,
 //! CPU %, resident memory, its place (the innermost frame of the user's code, as the stacks'
 //! summary names it), for how long it has been there, and its DataLoader workers (every
 //! process the rank started) with their CPU %.
 //!
 //! - The places come from the launcher, asked quietly for the stacks as `tether stacks`
-//!   asks ([`crate::stacks_reply`]): the block is not printed on the job's stderr. The
-//!   launcher remembers where it last saw each rank ([`since`]): "seconds" is the time since
-//!   it first saw the rank in its present place, over every request it answered (a lower
-//!   bound, as fine as the requests are frequent).
+//!   asks ([`crate::stacks_reply`]): the block is not printed on the job's stderr; or from
+//!   the process that called `tether.spawn`, which listens for `tether top`
+//!   ([`tether_core::stacks::served`]). Either remembers where it last saw each rank
+//!   ([`crate::hangs`] in the launcher): "seconds" is the time since it first saw the rank in its
+//!   present place, over every request it answered (a lower bound, as fine as the requests
+//!   are frequent).
 //! - CPU % is measured between two samples of /proc ([`procs`]), 0.5 s apart.
 //! - On a terminal the view is redrawn every 0.5 s until the job ends or Ctrl-C; `--once` (or
 //!   a stdout that is no terminal) prints one snapshot; `--json` prints it as a JSON list of
 //!   objects (`rank`, `pid`, `state`, `cpu`, `rss`, `place`, `seconds`, `workers`).
 
 pub mod procs;
-pub mod since;
 pub mod workers;
 
 use std::ffi::OsString;
@@ -22,11 +24,38 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use tether_core::stacks;
+use tether_core::stacks::{self, served};
 
 use crate::stacks_reply::{self, Got, Place};
 
-const USAGE: &str = "usage: tether top PID [--once] [--json]  (PID: a running `tether run`)";
+const USAGE: &str = "usage: tether top PID [--once] [--json]  (PID: a running `tether run`, \
+                     or a process that called `tether.spawn`)";
+
+/// What PID is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Job {
+    /// A `tether run`.
+    Run,
+    /// A process that started ranks with `tether.spawn` (or `start_processes`).
+    Spawn,
+}
+
+impl Job {
+    /// What `pid` is, if it is either.
+    fn of(pid: i32) -> Option<Job> {
+        if crate::stacks_cmd::is_launcher(pid) {
+            return Some(Job::Run);
+        }
+        matches!(served::ask(pid, served::TIMEOUT), Ok(Some(_))).then_some(Job::Spawn)
+    }
+
+    fn words(self) -> &'static str {
+        match self {
+            Job::Run => "`tether run`",
+            Job::Spawn => "`tether.spawn` job",
+        }
+    }
+}
 
 /// The time between two samples.
 const PERIOD: Duration = Duration::from_millis(500);
@@ -58,28 +87,29 @@ pub fn main(args: &[OsString]) -> i32 {
     let Some(pid) = pid else {
         return usage(2);
     };
-    if pid <= 0 || !crate::stacks_cmd::is_launcher(pid) {
+    let Some(job) = (pid > 0).then(|| Job::of(pid)).flatten() else {
         crate::output::message(&format!(
-            "tether top: pid {pid} is not a running `tether run`"
+            "tether top: pid {pid} is not a running `tether run` nor a process that called \
+             `tether.spawn`"
         ));
         return 1;
-    }
+    };
     let live = !once && !as_json && rustix::termios::isatty(std::io::stdout());
-    let mut before = match snapshot(pid) {
+    let mut before = match snapshot(pid, job) {
         Ok(rows) => rows,
         Err(code) => return code,
     };
     loop {
         let started = Instant::now();
         std::thread::sleep(PERIOD);
-        let rows = match snapshot(pid) {
+        let rows = match snapshot(pid, job) {
             Ok(rows) => rows,
             Err(code) => return if live { 0 } else { code },
         };
         let rows = with_cpu(rows, &before, started.elapsed());
         let text = match as_json {
             true => format!("{}\n", to_json(&rows)),
-            false => table(pid, &rows),
+            false => table(pid, job, &rows),
         };
         let mut out = std::io::stdout().lock();
         let clear = if live { "\x1b[H\x1b[2J" } else { "" };
@@ -97,18 +127,32 @@ fn usage(code: i32) -> i32 {
     code
 }
 
-/// Every rank's place (from the launcher) and /proc sample, with its workers'.
-fn snapshot(pid: i32) -> Result<Vec<Row>, i32> {
-    let got = stacks_reply::ask(pid, stacks::signal(), crate::stacks_cmd::WAIT, true);
+/// Every rank's place (from `pid`, a `job`) and /proc sample, with its workers'.
+fn snapshot(pid: i32, job: Job) -> Result<Vec<Row>, i32> {
+    let got = match job {
+        Job::Run => stacks_reply::ask(pid, stacks::signal(), crate::stacks_cmd::WAIT, true),
+        Job::Spawn => served::ask(pid, crate::stacks_cmd::WAIT).map(|places| {
+            places.map(|places| Got::Stacks {
+                block: Vec::new(),
+                silent: Vec::new(),
+                places,
+            })
+        }),
+    };
     let places = match got {
         Ok(Some(Got::Stacks { places, .. })) => places,
         Ok(Some(Got::Error(why))) => {
-            crate::output::message(&format!("tether top: `tether run` (pid {pid}): {why}"));
+            crate::output::message(&format!("tether top: {} (pid {pid}): {why}", job.words()));
             return Err(1);
         }
         Ok(None) | Err(_) => {
+            let when = match job {
+                Job::Run => "gone, or between attempts",
+                Job::Spawn => "gone",
+            };
             crate::output::message(&format!(
-                "tether top: `tether run` (pid {pid}) did not answer (gone, or between attempts)"
+                "tether top: {} (pid {pid}) did not answer ({when})",
+                job.words()
             ));
             return Err(1);
         }
@@ -182,9 +226,13 @@ fn to_json(rows: &[Row]) -> serde_json::Value {
 }
 
 /// The view as a table, one line per rank and one more for its workers.
-fn table(pid: i32, rows: &[Row]) -> String {
+fn table(pid: i32, job: Job, rows: &[Row]) -> String {
     let mut lines = vec![
-        format!("tether top: `tether run` pid {pid}, {} rank(s)", rows.len()),
+        format!(
+            "tether top: {} pid {pid}, {} rank(s)",
+            job.words(),
+            rows.len()
+        ),
         format!(
             "{:>5} {:>8} {:1} {:>6} {:>9} {:>7}  PLACE",
             "RANK", "PID", "S", "CPU%", "RSS", "SECS"

@@ -35,13 +35,17 @@
 //!   handlers never run. Requests are asked one at a time in a process (one that comes
 //!   while another is being answered waits for it), so that no request takes another's
 //!   answer.
+//! - `tether top PID` reads each rank's place ([`places`]) from a `tether run`, or from a
+//!   process that started ranks itself, which listens for it ([`served`]).
 
 mod answer;
 mod collect;
 pub mod handler;
 mod native;
 pub mod others;
+pub mod places;
 pub mod relay;
+pub mod served;
 mod summary;
 
 use std::collections::HashMap;
