@@ -67,8 +67,8 @@ test-python: build
 	@echo "== Python tests"
 	$(PY) -m pytest
 
-# Formatting and lints, the type checker over python/tether, and the stubs of the compiled
-# module checked against its real signatures.
+# Formatting and lints, the type checker over python/tether, the stubs of the compiled
+# module checked against its real signatures, and the layout rules (sizes, imports one way).
 lint: build
 	@echo "== lint and type checks"
 	cargo fmt --all -- --check
@@ -76,6 +76,7 @@ lint: build
 	$(VENV)/bin/ruff check python tests bench examples tools
 	$(PY) -m mypy
 	$(PY) -m mypy.stubtest tether._native
+	$(PY) tools/layout.py
 
 # The documentation site (docs/, mkdocs.yml), built strictly: a broken link, a missing anchor
 # or a page left out of the navigation fails the build. It is built into a temporary

@@ -23,7 +23,8 @@ use crate::config::Config;
 use crate::output::message;
 use crate::reaper;
 use crate::run::{supervisor_main, TempDir};
-use crate::signals::{self, SignalFd};
+use crate::signalfd::{self, SignalFd};
+use crate::signals;
 
 /// Runs `cfg` in a supervisor process and returns the exit status. Must be called while
 /// the process has a single thread.
@@ -33,7 +34,7 @@ pub fn run(cfg: Config) -> i32 {
     if cfg.output.tty {
         handled.push(libc::SIGWINCH);
     }
-    let saved = match signals::block(&handled) {
+    let saved = match signalfd::block(&handled) {
         Ok(saved) => saved,
         Err(err) => {
             message(&format!("tether: cannot block signals: {err}"));
@@ -41,7 +42,7 @@ pub fn run(cfg: Config) -> i32 {
         }
     };
     let code = keep(cfg, &handled);
-    signals::restore(saved);
+    signalfd::restore(saved);
     code
 }
 
@@ -105,7 +106,7 @@ fn wait_for(pid: i32, signals: &SignalFd) -> i32 {
 }
 
 /// Sends `sig` on to the supervisor `pid`, with the value it was queued with (which names
-/// who asked for the stacks: see [`crate::stacks_reply`]).
+/// who asked for the stacks: see [`crate::stacks::reply`]).
 fn forward(pid: i32, sig: i32, queued: Option<u64>) {
     match queued {
         Some(value) => {

@@ -7,27 +7,24 @@
 //! them all on the first failure and reports it, and leaves no orphan. Two processes do
 //! it: the keeper ([`keeper`], the process that called [`main`]) and the supervisor it
 //! forks ([`run`]), which starts and watches the ranks. `tether ps` ([`ps`]) lists what
-//! tether runs for this user, `tether stacks PID` ([`stacks_cmd`]) asks a `tether run`
+//! tether runs for this user, `tether stacks PID` ([`stacks`]) asks a `tether run`
 //! for every rank's stack, and `tether top PID` ([`top`]) shows its ranks live.
 
 mod args;
 mod clock;
 mod config;
-mod env;
-mod hangs;
 mod keeper;
 mod output;
+mod procs;
 mod ps;
 mod reaper;
-mod report;
 mod run;
+mod signalfd;
 mod signals;
 mod slurm;
-mod stacks_cmd;
-mod stacks_reply;
+mod stacks;
 mod top;
 mod watch;
-mod zygote;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -75,7 +72,7 @@ pub fn main(argv: Vec<OsString>, host: Host) -> i32 {
     let run_args = match parsed {
         Parsed::Run(run_args) => run_args,
         Parsed::Ps(args) => return ps::main(&args),
-        Parsed::Stacks(args) => return stacks_cmd::main(&args),
+        Parsed::Stacks(args) => return stacks::main(&args),
         Parsed::Top(args) => return top::main(&args),
         Parsed::Hosted(name) => {
             output::message(&format!("tether: `{name}` is run by the Python package"));

@@ -11,18 +11,21 @@ use std::path::PathBuf;
 use tether_core::signal_name;
 
 use crate::config::Config;
-use crate::hangs;
 use crate::output;
-use crate::signals::SignalFd;
+use crate::signalfd::SignalFd;
+use crate::stacks::hangs;
 
 mod abandon;
 mod attempt;
+mod env;
 mod error;
 mod membership;
 mod node;
+mod report;
 mod supervisor;
 mod temp;
 mod warm;
+mod zygote;
 
 pub use supervisor::supervisor_main;
 pub use temp::TempDir;

@@ -32,7 +32,7 @@ use rustix::termios::{self, LocalModes, OptionalActions, OutputModes, Winsize};
 use tether_core::Group;
 
 use super::Stream;
-use crate::signals::SignalFd;
+use crate::signalfd::SignalFd;
 
 /// A pty open for a rank: the master, read by a pump, and the slave, the rank's stream(s).
 pub struct Pty {

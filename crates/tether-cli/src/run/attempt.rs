@@ -14,11 +14,11 @@ use super::abandon::stop_launching;
 use super::error::RunError;
 use super::membership::{Membership, Moved};
 use super::node::Node;
+use super::report::{oom_kills, ErrorFile, Failure, RankEnd};
 use super::warm::Warm;
 use crate::clock;
-use crate::hangs::Limit;
 use crate::output;
-use crate::report::{oom_kills, ErrorFile, Failure, RankEnd};
+use crate::stacks::hangs::Limit;
 use crate::watch::Watch as Looking;
 
 mod supervise;

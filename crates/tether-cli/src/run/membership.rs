@@ -15,11 +15,11 @@ use rustix::event::{PollFd, PollFlags};
 use tether_core::signal_name;
 
 use super::node::Node;
+use super::report::{cause_code, render_cause, Failure};
 use super::warm::Warm;
 use crate::clock;
 use crate::config::{nodes_spec, Place, Rendezvous};
 use crate::output;
-use crate::report::{cause_code, render_cause, Failure};
 
 mod helper;
 

@@ -7,10 +7,11 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 
 use crate::config::{Config, DEFAULT_PREFIX};
-use crate::hangs::{self, Watchdog};
 use crate::output::{self, Prefix, RankNames};
 use crate::reaper;
-use crate::signals::SignalFd;
+use crate::signalfd::SignalFd;
+use crate::signals;
+use crate::stacks::hangs::{self, Watchdog};
 
 pub struct Node {
     pub cfg: Config,
@@ -51,7 +52,7 @@ impl Node {
     /// The next stop signal that arrived, if one did; SIGCHLDs on the way reap orphans (all
     /// but `own`, the launcher's own processes), and stack signals are passed over.
     pub fn next_stop(&self, own: &HashSet<i32>) -> Option<i32> {
-        while let Some(sig) = self.signals.next() {
+        while let Some(sig) = signals::next(&self.signals) {
             if sig == libc::SIGCHLD {
                 reaper::reap_orphans(own);
             } else if !self.stack_signals.contains(&sig) {
@@ -69,7 +70,7 @@ impl Node {
     /// Reads every pending signal, keeping a stop signal for [`Self::pending_stop`]; whether
     /// one came (then no attempt starts).
     pub fn stop_noted(&self) -> bool {
-        while let Some(sig) = self.signals.next() {
+        while let Some(sig) = signals::next(&self.signals) {
             if sig != libc::SIGCHLD && !self.stack_signals.contains(&sig) {
                 self.stop_pending.set(Some(sig));
             }

@@ -73,7 +73,7 @@ fn supervisor(cfg: Config, tmp: PathBuf, keeper: i32) -> i32 {
     };
     // tether.share's key form: the job's copies live as long as the job, not only as long
     // as the ranks that hold them (a thread, started with the handled signals blocked).
-    let _copies = tether_core::share::Vault::start(crate::env::job_id());
+    let _copies = tether_core::share::Vault::start(super::env::job_id());
     super::launch(cfg, signals, tmp, logs)
 }
 

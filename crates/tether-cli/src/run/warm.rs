@@ -1,4 +1,4 @@
-//! Warm ranks in the run: the node's zygote ([`crate::zygote`]) is started first of all, so
+//! Warm ranks in the run: the node's zygote ([`super::zygote`]) is started first of all, so
 //! that its imports run while the launcher does everything else; the first round (and the
 //! rendezvous helper, which is forked from it too) waits for it with stop signals in view;
 //! every rank of every attempt is a fork of it. A zygote that cannot start, or that dies, is
@@ -16,9 +16,9 @@ use rustix::event::{PollFd, PollFlags};
 use tether_core::{signal_name, Group, LaunchSpec};
 
 use super::node::Node;
+use super::zygote::NodeZygote;
 use crate::config::Place;
 use crate::output;
-use crate::zygote::NodeZygote;
 
 /// How long the other ranks of a warm start wait for rank 0 to listen on `MASTER_PORT`: rank
 /// 0 of a script that starts with `init_process_group` listens within a few milliseconds; one

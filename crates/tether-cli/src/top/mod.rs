@@ -5,19 +5,16 @@
 //! process the rank started) with their CPU %.
 //!
 //! - The places come from the launcher, asked quietly for the stacks as `tether stacks`
-//!   asks ([`crate::stacks_reply`]): the block is not printed on the job's stderr; or from
+//!   asks ([`crate::stacks::reply`]): the block is not printed on the job's stderr; or from
 //!   the process that called `tether.spawn`, which listens for `tether top`
 //!   ([`tether_core::stacks::served`]). Either remembers where it last saw each rank
-//!   ([`crate::hangs`] in the launcher): "seconds" is the time since it first saw the rank in its
+//!   ([`crate::stacks::hangs`] in the launcher): "seconds" is the time since it first saw the rank in its
 //!   present place, over every request it answered (a lower bound, as fine as the requests
 //!   are frequent).
 //! - CPU % is measured between two samples of /proc ([`procs`]), 0.5 s apart.
 //! - On a terminal the view is redrawn every 0.5 s until the job ends or Ctrl-C; `--once` (or
 //!   a stdout that is no terminal) prints one snapshot; `--json` prints it as a JSON list of
 //!   objects (`rank`, `pid`, `state`, `cpu`, `rss`, `place`, `seconds`, `workers`).
-
-pub mod procs;
-pub mod workers;
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -26,7 +23,9 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tether_core::stacks::{self, served};
 
-use crate::stacks_reply::{self, Got, Place};
+use crate::procs;
+use crate::stacks::reply::{self, Got, Place};
+use crate::stacks::workers;
 
 const USAGE: &str = "usage: tether top PID [--once] [--json]  (PID: a running `tether run`, \
                      or a process that called `tether.spawn`)";
@@ -43,7 +42,7 @@ enum Job {
 impl Job {
     /// What `pid` is, if it is either.
     fn of(pid: i32) -> Option<Job> {
-        if crate::stacks_cmd::is_launcher(pid) {
+        if crate::stacks::is_launcher(pid) {
             return Some(Job::Run);
         }
         matches!(served::ask(pid, served::TIMEOUT), Ok(Some(_))).then_some(Job::Spawn)
@@ -130,8 +129,8 @@ fn usage(code: i32) -> i32 {
 /// Every rank's place (from `pid`, a `job`) and /proc sample, with its workers'.
 fn snapshot(pid: i32, job: Job) -> Result<Vec<Row>, i32> {
     let got = match job {
-        Job::Run => stacks_reply::ask(pid, stacks::signal(), crate::stacks_cmd::WAIT, true),
-        Job::Spawn => served::ask(pid, crate::stacks_cmd::WAIT).map(|places| {
+        Job::Run => reply::ask(pid, stacks::signal(), crate::stacks::WAIT, true),
+        Job::Spawn => served::ask(pid, crate::stacks::WAIT).map(|places| {
             places.map(|places| Got::Stacks {
                 block: Vec::new(),
                 silent: Vec::new(),

@@ -11,13 +11,13 @@ use rustix::event::{PollFd, PollFlags};
 use tether_core::{signal_name, Escalation, Group, WaitFor};
 
 use crate::clock;
-use crate::hangs::{self, Limit, Ranks};
 use crate::output;
 use crate::reaper;
 use crate::run::error::{io_err, RunError};
 use crate::run::membership::{Membership, Moved};
 use crate::run::node::Node;
 use crate::run::warm::Warm;
+use crate::stacks::hangs::{self, Limit, Ranks};
 
 /// How long the supervisor waits for output pipes to drain once every rank has exited, and
 /// after which it says which leftovers are slow to die (it waits for them all the same).
@@ -165,7 +165,7 @@ impl Watch<'_> {
         let began = clock::monotonic();
         let kill_now = std::cell::Cell::new(false);
         let mut interrupted = || {
-            while let Some(got) = self.node.signals.next() {
+            while let Some(got) = crate::signals::next(&self.node.signals) {
                 if got == libc::SIGCHLD {
                     reaper::reap_orphans(&self.live_pids());
                 } else if got == libc::SIGINT {
@@ -240,7 +240,7 @@ impl Watch<'_> {
             .map(|(_, &(i, _))| i)
             .collect();
         drop(fds);
-        let signals = std::iter::from_fn(|| self.node.signals.next()).collect();
+        let signals = std::iter::from_fn(|| crate::signals::next(&self.node.signals)).collect();
         let moved = match membership_ready {
             true => self.membership.moved_on(),
             false => None,

@@ -9,8 +9,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use tether_core::LaunchSpec;
 
 use crate::config::{Config, Streams};
-use crate::env::rank_env;
 use crate::output::{pty, FilterSink, Prefix, Pump, SharedTail, Stream, Tail};
+use crate::run::env::rank_env;
 use crate::run::error::{io_err, RunError};
 use crate::run::node::Node;
 

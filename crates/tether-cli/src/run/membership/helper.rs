@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use tether_core::{Group, WaitFor};
 
 use crate::config::{Place, Rendezvous};
-use crate::zygote::NodeZygote;
+use crate::run::zygote::NodeZygote;
 
 /// What the helper said.
 #[derive(Debug)]
@@ -248,7 +248,7 @@ impl Helper {
         match &mut self.process {
             Process::Cold(child) => child.wait().map_or_else(
                 |e| format!("cannot be waited for ({e})"),
-                crate::report::describe_std,
+                crate::run::report::describe_std,
             ),
             Process::Warm(group) => {
                 group.wait(None, WaitFor::AllExited, None);

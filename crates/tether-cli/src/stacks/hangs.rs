@@ -7,8 +7,8 @@
 //! that cannot answer is named, with its pid and state, within the request's timeout. Every
 //! block ends with tether-core's summary of where the ranks are (the rank not where the
 //! others wait, named), and goes to whoever asked with `tether stacks` as well
-//! ([`crate::stacks_reply`]). Under each rank's stack come the stacks of the processes it
-//! started (its DataLoader workers: [`crate::top::workers`]), and the summary says when a
+//! ([`crate::stacks::reply`]). Under each rank's stack come the stacks of the processes it
+//! started (its DataLoader workers: [`crate::stacks::workers`]), and the summary says when a
 //! rank waits on them and where they are.
 
 use std::ffi::{OsStr, OsString};
@@ -20,11 +20,10 @@ use std::time::{Duration, Instant};
 use tether_core::stacks::{self, places::Since, Request};
 use tether_core::{signal_name, Group};
 
+use super::{reply, workers};
 use crate::clock;
 use crate::config::Config;
 use crate::output::{self, touch, Activity, Prefix, Stream};
-use crate::stacks_reply;
-use crate::top::workers;
 
 /// Where the launcher saw each rank, over every block of stacks it collected (asked by
 /// `tether stacks`, `tether top`, SIGUSR1 or a limit): `tether top`'s seconds in a place.
@@ -143,18 +142,18 @@ pub fn print_stacks(ranks: &Ranks, why: &str, then: &str, py_spy: Option<PathBuf
 struct Block {
     text: Vec<u8>,
     silent: Vec<(usize, i32)>,
-    places: Vec<stacks_reply::Place>,
+    places: Vec<reply::Place>,
 }
 
 /// Hands `block` (or why there is none) to those who asked with `tether stacks`.
 fn reply(block: Option<&Block>) {
     match block {
-        Some(block) => stacks_reply::answer(&stacks_reply::Reply::Stacks {
+        Some(block) => reply::answer(&reply::Reply::Stacks {
             block: &block.text,
             silent: &block.silent,
             places: &block.places,
         }),
-        None => stacks_reply::answer(&stacks_reply::Reply::Error(
+        None => reply::answer(&reply::Reply::Error(
             "it cannot ask its ranks for their stacks (its stderr says why)",
         )),
     }
@@ -239,7 +238,7 @@ fn summary_with_workers(
 pub fn print_stacks_in_background(ranks: &Ranks, sig: i32) {
     static BUSY: AtomicBool = AtomicBool::new(false);
     static LOUD: AtomicBool = AtomicBool::new(false);
-    let quiet = sig == stacks::signal() && stacks_reply::all_quiet();
+    let quiet = sig == stacks::signal() && reply::all_quiet();
     if !quiet {
         LOUD.store(true, Ordering::SeqCst);
     }
@@ -261,7 +260,7 @@ pub fn print_stacks_in_background(ranks: &Ranks, sig: i32) {
             // Every rank has answered: the next request may begin while this block prints
             // (one refused after its block had been read would seem lost).
             let block = stacks_block(&ranks, &why, "", None);
-            let loud = LOUD.swap(false, Ordering::SeqCst) || stacks_reply::any_loud();
+            let loud = LOUD.swap(false, Ordering::SeqCst) || reply::any_loud();
             BUSY.store(false, Ordering::SeqCst);
             if let Some(block) = block.as_ref().filter(|_| loud) {
                 output::write_console(Stream::Stderr, &block.text);

@@ -22,8 +22,8 @@ use tether_core::attrs::Attributes;
 use tether_core::zygote::{ForkRequest, Zygote};
 use tether_core::{Group, LaunchSpec};
 
+use super::env;
 use crate::config::Config;
-use crate::env;
 
 /// The variable that carries the zygote's configuration (JSON) to the start-up hook.
 const VARIABLE: &str = "TETHER_WARM";

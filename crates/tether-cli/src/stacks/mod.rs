@@ -1,6 +1,6 @@
 //! `tether stacks PID`: asks the `tether run` whose pid is PID for every rank's stack, as
 //! `kill -USR1 PID` does (the run goes on, the block shows on its stderr), and prints the
-//! block it gets back on stdout ([`crate::stacks_reply`]), summary last.
+//! block it gets back on stdout ([`crate::stacks::reply`]), summary last.
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -9,11 +9,15 @@ use std::time::Duration;
 use tether_core::proc::{self, Of};
 use tether_core::stacks;
 
-use crate::stacks_reply::{self, Got};
+pub mod hangs;
+pub mod reply;
+pub mod workers;
+
+use reply::Got;
 
 /// How long the asker waits for the block: the launcher's wait for its ranks, and time to
 /// write it.
-pub const WAIT: Duration = Duration::from_secs(crate::hangs::STACKS_TIMEOUT.as_secs() + 10);
+pub const WAIT: Duration = Duration::from_secs(crate::stacks::hangs::STACKS_TIMEOUT.as_secs() + 10);
 
 /// The exit status when some rank did not answer.
 const SILENT: i32 = 3;
@@ -53,7 +57,7 @@ pub fn main(args: &[OsString]) -> i32 {
     else {
         return not_a_run();
     };
-    match stacks_reply::ask(pid, stacks::signal(), WAIT, false) {
+    match reply::ask(pid, stacks::signal(), WAIT, false) {
         Ok(Some(got)) => show(pid, got),
         Ok(None) => {
             crate::output::message(&format!(

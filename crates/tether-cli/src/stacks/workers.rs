@@ -7,7 +7,7 @@
 
 use tether_core::stacks::{self, Answer, Request};
 
-use super::procs;
+use crate::procs;
 
 /// A process a rank started, and what it answered.
 #[derive(Debug, Clone)]
