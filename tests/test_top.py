@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from conftest import child_pids, wait_gone
+from conftest import child_pids, descendants, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,15 +70,6 @@ def job(tmp_path: Path) -> Any:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         assert wait_gone(everything, 10) == []
-
-
-def descendants(pid: int) -> set:
-    found, todo = set(), [pid]
-    while todo:
-        kids = child_pids(todo.pop())
-        todo.extend(kids - found)
-        found |= kids
-    return found
 
 
 def ps(pid: int) -> Dict[str, str]:
