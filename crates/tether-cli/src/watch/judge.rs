@@ -7,8 +7,9 @@
 //!   time, or its place changed. A rank that did not move is *still*, since the start of the
 //!   first clean interval in which it did not; a stopped rank is still.
 //! - The *step*: each rank passes its most frequent place when it is seen there after being
-//!   elsewhere or after moving; the step is the median, over the ranks, of the time between
-//!   passes over the last [`HISTORY`].
+//!   elsewhere or after moving; the step is the median, over the ranks, of the lower
+//!   quartile of the times between passes over the last [`HISTORY`] (unknown until each
+//!   rank has [`LEAST_GAPS`] of them).
 //! - A *hang*: some rank has been still for `max(2 s, 3 x step)`, other than in
 //!   torch.distributed's start (`init_process_group`). The ranks still for [`GROUPED`] in
 //!   the same place doing the same thing (the most of them; a collective first when as
@@ -39,6 +40,9 @@ pub const SLOW_RATIO: f64 = 1.25;
 pub const SLOW_AGAIN: f64 = 1.1;
 /// How long a rank must have been still to be one of those that wait, in a hang.
 pub const GROUPED: Duration = Duration::from_secs(1);
+/// The fewest gaps between passes a rank's step is read from (fewer, at a job's start, say
+/// little: the step is then not known, and a hang is [`MIN_HANG`]).
+const LEAST_GAPS: usize = 4;
 /// CPU time of a main thread in an interval that is more than the noise of /proc.
 const MOVED_CPU_NS: u64 = 2_000_000;
 
@@ -367,8 +371,10 @@ impl Track {
         self.usual(now.saturating_sub(SLOW_WINDOW))
     }
 
-    /// The time between its passes of its most frequent place (the median, so that the
-    /// time it spent elsewhere, at its start or in a pause, does not count).
+    /// The time between its passes of its most frequent place: the lower quartile of at
+    /// least [`LEAST_GAPS`] gaps, so that the time it spent elsewhere (at its start, in a
+    /// pause) does not count, nor the passes a look missed (a step shorter than the time
+    /// between looks is seen at its place at only some of them).
     fn period(&self) -> Option<Duration> {
         let usual = self.usual(Duration::ZERO)?;
         let mut passes = Vec::new();
@@ -382,7 +388,7 @@ impl Track {
         }
         let mut gaps: Vec<Duration> = passes.windows(2).map(|w| w[1] - w[0]).collect();
         gaps.sort_unstable();
-        (gaps.len() >= 2).then(|| gaps[gaps.len() / 2])
+        (gaps.len() >= LEAST_GAPS).then(|| gaps[gaps.len() / 4])
     }
 
     /// The share of its looks outside a collective over the last [`SLOW_WINDOW`], once it
@@ -537,5 +543,28 @@ mod tests {
             said[0].starts_with("tether: slow: rank 1 (pid 101) takes 2.00x"),
             "{said:?}"
         );
+    }
+
+    #[test]
+    fn the_step_is_unknown_at_first_and_not_a_multiple_of_the_time_between_looks() {
+        // Two ranks step faster than the looks come: a look finds each in the collective
+        // (its most frequent place) at some looks only, one, two or three looks apart.
+        let mut judge = Judge::new(&[0, 1]);
+        let mut runs = [0; 2];
+        let (nap, reduce) = (place(10, None), place(20, Some("all_reduce")));
+        let at_reduce = [true, false, false, true, true, false, true, false, true, true];
+        let mut steps = Vec::new();
+        for (k, &here) in at_reduce.iter().cycle().take(30).enumerate() {
+            let spot = match here {
+                true => (reduce.clone(), Doing::Collective, true, 'S'),
+                false => (nap.clone(), Doing::Asleep, true, 'S'),
+            };
+            judge.look(&look(200 * k as u64, &[spot.clone(), spot], &mut runs));
+            steps.push(judge.step());
+        }
+        assert_eq!(steps[..5], [None; 5], "too few passes say nothing of the step");
+        let last = steps.last().copied().flatten().expect("a step once passes are many");
+        assert_eq!(last, Duration::from_millis(200));
+        assert_eq!(judge.hang_after(), MIN_HANG);
     }
 }
