@@ -74,6 +74,17 @@ def child_pids(parent: int = 0) -> Set[int]:
     return found
 
 
+def descendants(pid: int) -> Set[int]:
+    """Every process below ``pid`` (its children, theirs, ...), as ``/proc`` shows them now."""
+    found: Set[int] = set()
+    todo = [pid]
+    while todo:
+        kids = child_pids(todo.pop())
+        todo.extend(kids - found)
+        found |= kids
+    return found
+
+
 def _marked(pid: int) -> bool:
     """Whether ``pid`` was started with this session's marker in its environment."""
     try:

@@ -101,7 +101,8 @@ def test_a_node_frozen_past_the_heartbeat_window_learns_on_resuming_that_the_job
 ) -> None:
     port = free_port()
     conf = QUICK + ",join_timeout=8"
-    script = ["--nproc-per-node=1", ELASTIC, "--sleep", "60"]
+    # A restart left: the host waits for a node to join, up to join_timeout.
+    script = ["--nproc-per-node=1", "--max-restarts=1", ELASTIC, "--sleep", "60"]
     host = start(nodes, tmp_path, tether(*c10d(port, "away", conf=conf + ",is_host=true"), *script))
     guest = start(
         nodes, tmp_path, tether(*c10d(port, "away", conf=conf + ",is_host=false"), *script)
@@ -125,6 +126,39 @@ def test_a_node_frozen_past_the_heartbeat_window_learns_on_resuming_that_the_job
     # The job itself ends on the host's join timeout, with the same exit status.
     assert host.end(limit=60) == 1, host.err
     assert "join_timeout" in host.err, host.err
+
+
+def test_a_node_lost_with_no_restart_left_ends_the_job_at_once_naming_the_lost_node(
+    tmp_path: Path, nodes: List[Node]
+) -> None:
+    port = free_port()
+    conf = QUICK + ",join_timeout=60"
+    script = ["--nproc-per-node=1", "--max-restarts=0", ELASTIC, "--sleep", "60"]
+    host = start(nodes, tmp_path, tether(*c10d(port, "lost", conf=conf + ",is_host=true"), *script))
+    guest = start(
+        nodes, tmp_path, tether(*c10d(port, "lost", conf=conf + ",is_host=false"), *script)
+    )
+    for node in nodes:
+        node.wait_for("place RANK=")
+    frozen = freeze(guest)
+    try:
+        started = time.monotonic()
+        # Well before join_timeout: no round can form, and no restart is left.
+        assert host.end(limit=30) == 1, host.err
+        assert time.monotonic() - started < 30
+    finally:
+        signal_each(frozen, signal.SIGCONT)
+    assert re.search(
+        r"the job ends: node \d \(\S+\) stopped answering for 3 s, and the nodes left are fewer "
+        r"than --nnodes' MIN \(2\) with no restart left on this node \(--max-restarts 0\); "
+        r"root cause: the lost node",
+        host.err,
+    ), host.err
+    assert guest.end(limit=60) == 1, guest.err
+    assert re.search(
+        r"this node was away for \d+ s .*no longer answers: the job ended or went on without it",
+        guest.err,
+    ), guest.err
 
 
 def test_a_node_frozen_while_the_job_ended_reports_the_jobs_root_cause_when_it_resumes(

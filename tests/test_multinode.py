@@ -15,11 +15,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from conftest import child_pids, cmdline, wait_gone
+from conftest import cmdline, descendants, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -162,15 +162,6 @@ def listener_pid(port: int) -> Optional[int]:
         except OSError:
             continue
     return None
-
-
-def descendants(pid: int) -> Set[int]:
-    found, todo = set(), [pid]
-    while todo:
-        kids = child_pids(todo.pop())
-        todo.extend(kids - found)
-        found |= kids
-    return found
 
 
 def signal_each(pids: List[int], sig: int) -> None:

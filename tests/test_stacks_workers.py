@@ -11,11 +11,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import Iterator, Tuple
 
 import pytest
 
-from conftest import child_pids, wait_gone
+from conftest import descendants, wait_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,15 +47,6 @@ STUCK_LINE = JOB.splitlines().index("        time.sleep(1000)") + 1
 LOOP_LINE = next(n for n, line in enumerate(JOB.splitlines(), 1) if "for batch in" in line)
 
 
-def descendants(pid: int) -> List[int]:
-    found, todo = set(), [pid]
-    while todo:
-        kids = child_pids(todo.pop())
-        todo.extend(kids - found)
-        found |= kids
-    return sorted(found)
-
-
 def command(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
@@ -81,7 +72,7 @@ def job(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tuple[str, i
         err = (tmp_path / "job.err").read_text()
         assert proc.poll() is None and time.monotonic() < deadline, err
         time.sleep(0.1)
-    everything = descendants(proc.pid)
+    everything = sorted(descendants(proc.pid))
     try:
         yield request.param, proc.pid, str(script)
     finally:

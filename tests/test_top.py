@@ -12,11 +12,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import pytest
 
-from conftest import child_pids, wait_gone
+from conftest import child_pids, descendants, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,15 +72,6 @@ def job(tmp_path: Path) -> Any:
         assert wait_gone(everything, 10) == []
 
 
-def descendants(pid: int) -> set:
-    found, todo = set(), [pid]
-    while todo:
-        kids = child_pids(todo.pop())
-        todo.extend(kids - found)
-        found |= kids
-    return found
-
-
 def ps(pid: int) -> Dict[str, str]:
     out = subprocess.run(
         ["ps", "-o", "stat=,rss=", "-p", str(pid)], capture_output=True, text=True, check=True
@@ -96,12 +87,26 @@ def top(pid: int, *flags: str) -> str:
     return done.stdout
 
 
-def check_against_ps(rows: List[Dict[str, Any]]) -> None:
+def differences(rows: List[Dict[str, Any]]) -> List[Any]:
+    """How each row differs from what ``ps`` says of its pid now (none: they agree)."""
+    found = []
     for row in rows:
         seen = ps(row["pid"])
-        assert row["state"] == seen["state"], (row, seen)
         kib = int(seen["rss"])
-        assert abs(row["rss"] / 1024 - kib) <= max(2048, kib * 0.1), (row, seen)
+        if row["state"] != seen["state"] or abs(row["rss"] / 1024 - kib) > max(2048, kib * 0.1):
+            found.append((row, seen))
+    return found
+
+
+def check_against_ps(rows: List[Dict[str, Any]], again: Callable[[], List[Dict[str, Any]]]) -> None:
+    """The rows agree with ``ps``: a rank that naps is running for a moment now and then,
+    so a row and ``ps`` may catch it apart; they must agree on one of a few fresh reads."""
+    for _ in range(5):
+        found = differences(rows)
+        if not found:
+            return
+        rows = again()
+    assert not found, found
 
 
 def test_json_gives_each_ranks_pid_state_memory_place_and_workers_as_ps_sees_them(
@@ -109,12 +114,12 @@ def test_json_gives_each_ranks_pid_state_memory_place_and_workers_as_ps_sees_the
 ) -> None:
     proc, err = job
     rows = json.loads(top(proc.pid, "--json"))
+    check_against_ps(rows, lambda: json.loads(top(proc.pid, "--json")))
     assert [row["rank"] for row in rows] == [0, 1], rows
     for row in rows:
         assert set(row) >= {"rank", "pid", "state", "cpu", "rss", "place", "seconds", "workers"}
     ranks = sorted(child_pids(next(iter(child_pids(proc.pid)))))
     assert sorted(row["pid"] for row in rows) == ranks
-    check_against_ps(rows)
     spinner, napper = rows
     assert spinner["place"].endswith("in spin") and napper["place"].endswith("in nap"), rows
     assert spinner["state"] == "R" and napper["state"] == "S", rows
@@ -133,14 +138,19 @@ def test_json_gives_each_ranks_pid_state_memory_place_and_workers_as_ps_sees_the
 def test_once_prints_one_table_with_a_row_per_rank(job: Any) -> None:
     proc, _ = job
     text = top(proc.pid, "--once")
+    rows = table(text)
+    assert [r["rank"] for r in rows] == [0, 1], text
+    check_against_ps(rows, lambda: table(top(proc.pid, "--once")))
+    assert "workers:" in text, text
+
+
+def table(text: str) -> List[Dict[str, Any]]:
+    """The rows of ``--once``'s table."""
     row = re.compile(r"^\s+(\d+)\s+(\d+) (\S)\s+([\d.]+)\s+([\d.]+)M\s+([\d.]+)  (.+)$", re.M)
-    rows = [
+    return [
         {"rank": int(r), "pid": int(p), "state": s, "rss": float(m) * 1024 * 1024, "place": w}
         for r, p, s, _, m, _, w in row.findall(text)
     ]
-    assert [r["rank"] for r in rows] == [0, 1], text
-    check_against_ps(rows)
-    assert "workers:" in text, text
 
 
 def test_a_pid_that_is_no_tether_run_is_named() -> None:

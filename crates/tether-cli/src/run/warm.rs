@@ -23,7 +23,7 @@ use crate::output;
 /// How long the other ranks of a warm start wait for rank 0 to listen on `MASTER_PORT`: rank
 /// 0 of a script that starts with `init_process_group` listens within a few milliseconds; one
 /// that does other work first costs the others this much of a head start, no more.
-const STORE_HEAD_START: Duration = Duration::from_millis(50);
+const STORE_HEAD_START: Duration = Duration::from_millis(250);
 
 /// The node's zygote, while the ranks are warm and it serves.
 pub struct Warm {

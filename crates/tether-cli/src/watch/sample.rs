@@ -110,6 +110,22 @@ pub fn frames_doing(frames: &[(String, String)]) -> Option<Doing> {
 /// handler then has been seen to crash it.
 const SETTLED: Duration = Duration::from_secs(3);
 
+/// The longest a look waits for the ranks it woke to be off the CPU again.
+const BACK_ASLEEP: Duration = Duration::from_millis(20);
+
+/// Waits (up to [`BACK_ASLEEP`]) until the main thread of each of `pids`, asleep before the
+/// dump signal woke it, is off the CPU again: on a busy machine a rank can be put off the
+/// CPU between its answer and its return to the call the signal interrupted, and the rest
+/// of that return, seen after the look, would count as the rank moving.
+fn back_asleep(pids: &[i32]) {
+    let deadline = Instant::now() + BACK_ASLEEP;
+    for &pid in pids {
+        while proc::process_state(pid) == Some('R') && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+}
+
 /// One look at every rank of `group`; `first_seen` keeps when each pid was first seen.
 pub fn look(group: &Group, since: Instant, first_seen: &mut HashMap<i32, Instant>) -> Look {
     let n = group.len();
@@ -139,6 +155,12 @@ pub fn look(group: &Group, since: Instant, first_seen: &mut HashMap<i32, Instant
             places[i] = Some((Place::of(at), doing));
         }
     }
+    let asleep: Vec<i32> = askable
+        .iter()
+        .filter(|&&(_, i)| before[i].is_some_and(|c| c.state != 'R'))
+        .filter_map(|&(_, i)| pids[i])
+        .collect();
+    back_asleep(&asleep);
     let after_at = since.elapsed();
     let after = pids.iter().map(|p| p.and_then(counters)).collect();
     Look {

@@ -142,9 +142,10 @@ fn at_words(place: &str) -> String {
 
 /// "in a collective or barrier: in all_reduce called from train.py:57".
 fn doing_at(doing: Option<Doing>, place: Option<&Place>) -> String {
-    match place {
-        Some(place) => format!("{}: {}", doing_words(doing), place_words(place)),
-        None => doing_words(doing),
+    match (place, doing) {
+        (Some(place), _) => format!("{}: {}", doing_words(doing), place_words(place)),
+        (None, Some(Doing::Waiting) | None) => "(no Python frame seen yet)".into(),
+        (None, doing) => format!("{} (no Python frame seen yet)", doing_words(doing)),
     }
 }
 
@@ -186,4 +187,29 @@ pub fn slow(rank: usize, pid: i32, ratio: f64, place: Option<Place>) -> String {
          per step (its own work, outside collectives, over the last {} s){at}\n",
         SLOW_WINDOW.as_secs()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn picture(waiting: Vec<usize>, doing: Option<Doing>) -> Picture {
+        Picture {
+            waiting,
+            place: None,
+            doing,
+            culprits: Vec::new(),
+            still_for: Duration::from_millis(2100),
+            after: Duration::from_secs(2),
+            step: None,
+        }
+    }
+
+    #[test]
+    fn ranks_whose_place_is_not_known_yet_say_so() {
+        let block = picture(vec![0], Some(Doing::Waiting)).block();
+        assert!(block.contains("tether:   rank 0 waits (no Python frame seen yet)\n"), "{block}");
+        let block = picture(vec![0, 1], Some(Doing::Asleep)).block();
+        assert!(block.contains("ranks 0-1 wait asleep (no Python frame seen yet)"), "{block}");
+    }
 }

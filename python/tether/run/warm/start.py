@@ -42,8 +42,9 @@ from .nodes import Node
 from .record import signature
 from .serve import Preloaded, Server, enter
 
-#: How many times a zygote starts again without the modules it must leave to the ranks.
-MAX_STARTS = 4
+#: The most times a zygote starts (each start leaves out at least one more module, never
+#: one it left out before: a script of torch and torch.distributed takes three).
+MAX_STARTS = 8
 #: Seconds without a request before the zygote does its idle work.
 QUIET = 1.0
 #: The variables that only travel to the zygote.
@@ -218,7 +219,7 @@ def _start_again(
     if starts >= MAX_STARTS:
         raise RuntimeError(
             f"the zygote started {starts} times and still has modules to leave out: "
-            + ", ".join(name for name, _ in found.left_out + found.failed)
+            + "; ".join(f"{name} ({why})" for name, why in found.left_out + found.failed)
         )
     config = dict(
         config,
