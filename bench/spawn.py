@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _table import fmt_seconds, median, print_table, ratio
 
 import tether
-from tether import _native, _zygote
+from tether import _native
+from tether.zygote import client
 
 
 def trivial(i: int) -> None:
@@ -75,7 +76,7 @@ def torch_forkserver(n: int, cold: bool) -> float:
 
 def tether_forkserver(n: int, cold: bool) -> float:
     if cold:
-        _zygote.shutdown()
+        client.shutdown()
     else:
         # Warm: the zygote is up, and has forked ahead the children of a start this size
         # (as many as it keeps).

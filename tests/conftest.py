@@ -45,7 +45,7 @@ os.environ["TETHER_TESTS_TMP"] = os.environ["TMPDIR"] = tempfile.tempdir = _PRIV
 multiprocessing.process.current_process()._config["semprefix"] = f"/mp-tether{os.getpid()}"
 
 # Imported once the variables above are set (a tether child started by a test inherits them).
-from tether._launch import START_METHODS  # noqa: E402
+from tether.spawn.launch import START_METHODS  # noqa: E402
 
 
 def _stat(pid: int) -> List[str]:
@@ -128,9 +128,9 @@ def _helpers() -> Set[int]:
     children they keep ready."""
     from multiprocessing import resource_tracker
 
-    from tether import _zygote
+    from tether.zygote import client
 
-    return {getattr(resource_tracker._resource_tracker, "_pid", None), *_zygote.pids()}
+    return {getattr(resource_tracker._resource_tracker, "_pid", None), *client.pids()}
 
 
 def alive(pid: int) -> bool:
@@ -261,7 +261,7 @@ def nodes() -> Iterator[List[Any]]:
 
 @pytest.fixture(params=START_METHODS)
 def start_method(request: pytest.FixtureRequest) -> str:
-    """Each of tether's start methods in turn (their one list is ``_launch.STARTERS``)."""
+    """Each of tether's start methods in turn (their one list is ``spawn.launch.STARTERS``)."""
     return request.param
 
 

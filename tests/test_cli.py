@@ -61,7 +61,7 @@ def test_console_script_and_python_dash_m_run_the_launcher(entry, tmp_path: Path
 
 
 def test_importing_the_command_line_does_not_import_torch() -> None:
-    code = "import sys, tether._cli, tether.__main__; assert 'torch' not in sys.modules"
+    code = "import sys, tether.run.cli, tether.__main__; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 
 
@@ -69,9 +69,9 @@ def test_python_subcommands_dispatch_before_the_launcher_and_are_listed() -> Non
     code = textwrap.dedent(
         """
         import sys
-        from tether import _cli
-        _cli.COMMANDS["hello"] = _cli.Command("Say hello", lambda a: print("hello", *a) or 3)
-        _cli.main(sys.argv[1:])
+        from tether.run import cli
+        cli.COMMANDS["hello"] = cli.Command("Say hello", lambda a: print("hello", *a) or 3)
+        cli.main(sys.argv[1:])
         """
     )
     hello = subprocess.run(
@@ -195,9 +195,9 @@ def test_the_launcher_leaves_the_host_processs_own_children_alone() -> None:
     code = textwrap.dedent(
         """
         import subprocess
-        from tether import _cli
+        from tether.run import cli
         own = subprocess.Popen(["sleep", "30"])
-        status = _cli.run_native(["run", "-n", "2", "--no-python", "sh", "-c", "sleep 0.1 &"])
+        status = cli.run_native(["run", "-n", "2", "--no-python", "sh", "-c", "sleep 0.1 &"])
         assert status == 0, status
         assert own.poll() is None, "the host's own child was killed or reaped"
         own.kill()

@@ -20,7 +20,9 @@ import launch_ranks
 import pytest
 
 import tether
-from tether import _native, _report, _zygote
+from tether import _native
+from tether.common import reports
+from tether.zygote import client
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,7 +33,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 def _light_zygote():
     """The zygote of ``preload=[]`` these tests use is stopped after each of them."""
     yield
-    _zygote.get(()).close()
+    client.get(()).close()
 
 
 def options(method):
@@ -209,7 +211,7 @@ def test_a_child_writing_its_report_is_never_signalled(start_method):
 def test_a_report_beyond_the_limit_is_cut_with_a_note():
     body = b"Traceback (most recent call last):\n" + b"y" * 1000
     frame = _native.encode_report("builtins.ValueError", body, b"")
-    text, cause = _report.decode(frame[:600])
+    text, cause = reports.decode(frame[:600])
     assert text.startswith("Traceback (most recent call last):\n")
     assert "report is incomplete" in text and "builtins.ValueError" in text
     assert cause is None
@@ -279,13 +281,13 @@ def noop(i):
 
 
 def test_a_stopped_zygote_fails_the_start_within_seconds_and_is_replaced():
-    zygote = _zygote.get(("json",))
+    zygote = client.get(("json",))
     try:
         tether.start_processes(noop, nprocs=1, preload=("json",))
         old = zygote.pid
         os.kill(old, signal.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(_zygote.ZygoteError) as info:
+        with pytest.raises(client.ZygoteError) as info:
             tether.start_processes(noop, nprocs=2, preload=("json",))
         assert time.monotonic() - start < 30
         assert f"pid {old}" in str(info.value) and "stopped" in str(info.value)

@@ -155,13 +155,13 @@ def test_the_checker_finds_a_circle_between_folders_that_no_two_files_make(tmp_p
 
 def test_the_docs_list_the_start_methods_of_the_one_table():
     import tether
-    from tether import _launch
+    from tether.spawn import launch
 
     page = (ROOT / "docs" / "spawn.md").read_text()
     table = page[page.index("| start method |") :].split("\n\n")[0].splitlines()[2:]
     names = [row.split("`")[1].strip('"') for row in table]
-    assert tuple(names) == _launch.START_METHODS
+    assert tuple(names) == launch.START_METHODS
     assert [row for row in table if "(default)" in row] == [
-        row for row in table if f'`"{_launch.DEFAULT_START_METHOD}"`' in row
+        row for row in table if f'`"{launch.DEFAULT_START_METHOD}"`' in row
     ]
     assert all(f'"{method}"' in tether.start_processes.__doc__ for method in names)

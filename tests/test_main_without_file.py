@@ -14,7 +14,7 @@ from typing import List
 
 import pytest
 
-from tether._launch import START_METHODS
+from tether.spawn.launch import START_METHODS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,4 +1,4 @@
-"""The choice of a job's root cause in a round's store (`tether._rendezvous_end`), against
+"""The choice of a job's root cause in a round's store (`tether.run.rendezvous.end`), against
 torch's own TCPStore (in a child process, which takes the store's threads and sockets with
 it): the earliest record wins whoever decides first, nodes deciding at the same moment read
 one end, a first record is only filled in by its own node, and a node declared lost reads
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 PREAMBLE = """
 import datetime, json, threading
 import torch.distributed as dist
-from tether import _rendezvous_end as end
+from tether.run.rendezvous import end as end
 
 server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
 store = dist.PrefixStore("round.0.", server)

@@ -191,7 +191,7 @@ def test_lookups_do_not_depend_on_the_hash_seed():
         source[f"key {i}"] = i
     shared = tether.share(source)
     code = (
-        "import sys, tether._shared as s, tether._native as n\n"
+        "import sys, tether.shared.items as s, tether._native as n\n"
         "d = s.from_fd(int(sys.argv[1]))\n"
         "keys = [frozenset(f'k{i}' for i in range(20)), 'text', b'b', ('t', 1)]\n"
         "keys += [f'key {i}' for i in range(200)]\n"
@@ -427,8 +427,8 @@ def test_a_copy_is_the_object_itself():
 def test_it_pickles_small_for_a_process_start():
     # As a spawn child's argument: the fd travels, not the items.
     shared = tether.share(helpers.samples(10_000))
-    from tether import _pickling
+    from tether.common import pickling
 
-    collector = _pickling.FdCollector(inherit=True)
-    assert len(_pickling.dumps(shared, collector)) < 200
+    collector = pickling.FdCollector(inherit=True)
+    assert len(pickling.dumps(shared, collector)) < 200
     assert collector.fds == [shared._fileno()]

@@ -257,7 +257,7 @@ def test_native_frames_come_from_py_spy_and_its_absence_is_no_error(
         alone = ctx.stacks(native=True)[0]
         assert frame("sleep") in alone and "Native stack" not in alone
         monkeypatch.delenv("TETHER_PY_SPY")
-        if tether._stacks.py_spy() is not None:
+        if tether.common.stacks.py_spy() is not None:
             # The real py-spy: native frames, or (without ptrace rights) a line saying so.
             real = ctx.stacks(native=True)[0].split("Native stack (py-spy dump --native):\n")
             assert "time_sleep" in real[1] or "needs ptrace rights" in real[1], real[1]

@@ -18,7 +18,8 @@ import adversary
 import pytest
 
 import tether
-from tether import _native, _stacks
+from tether import _native
+from tether.common import stacks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,7 +42,7 @@ def ask(ctx: tether.ProcessContext, times: int, limit: float) -> List[Dict[int, 
     answers = []
     for _ in range(times):
         assert time.monotonic() < end, f"only {len(answers)} requests within {limit} s"
-        got = _stacks.ask(targets, 5, native=False, dump_after=0.002)
+        got = stacks.ask(targets, 5, native=False, dump_after=0.002)
         answers.append({rank: answer.text for rank, answer in enumerate(got)})
         assert all(p.is_alive() for p in ctx.processes), answers[-1]
     return answers

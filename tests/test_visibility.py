@@ -17,7 +17,7 @@ import pytest
 
 import tether
 from conftest import cmdline
-from tether import _zygote
+from tether.zygote import client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,7 +80,7 @@ def test_a_spawn_rank_is_named_while_its_interpreter_starts():
 
 def test_the_zygote_and_its_blanks_say_what_they_are(running):
     running("forkserver")
-    zygote = _zygote.get()
+    zygote = client.get()
     deadline = time.monotonic() + 10
     while len(zygote.pids()) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)  # the zygote forks children ahead once it is idle
@@ -97,7 +97,7 @@ def test_status_lists_zygotes_and_groups(running):
     ctx = running("forkserver")
     found = tether.status()
     assert found.pid == os.getpid()
-    zygote = _zygote.get()
+    zygote = client.get()
     assert any(z.pid == zygote.pid and z.blanks == zygote.pids()[1:] for z in found.zygotes)
     group = next(g for g in found.groups if [r.pid for r in g.ranks] == ctx.pids())
     assert group.what == "wait_for_release" and group.start_method == "forkserver"

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from tether import _warm_scan
+from tether.run.warm import scan as warm_scan
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -133,7 +133,7 @@ def test_a_scripts_imports_are_read_without_running_it(
         """,
     )
     search = [str(tmp_path), str(site), *sys.path]
-    scan = _warm_scan.Scan(_warm_scan.Places(), search)
+    scan = warm_scan.Scan(warm_scan.Places(), search)
     scan.file(str(script), None)
     found = scan.found
     for name in ("os", "typing", "json", "clean", "torch.utils", "torch.utils.data"):
@@ -150,13 +150,13 @@ def test_a_scripts_imports_are_read_without_running_it(
 
 def test_relative_imports_of_a_module_resolve_against_its_package() -> None:
     tree = ast.parse("from . import a\nfrom ..b import c\nfrom .d.e import f\nimport g.h")
-    assert _warm_scan.imports(tree, "pkg.sub") == [
+    assert warm_scan.imports(tree, "pkg.sub") == [
         ("pkg.sub", ["a"]),
         ("pkg.b", ["c"]),
         ("pkg.sub.d.e", ["f"]),
         ("g.h", []),
     ]
-    assert _warm_scan.imports(ast.parse("from . import a"), None) == []
+    assert warm_scan.imports(ast.parse("from . import a"), None) == []
 
 
 @pytest.mark.parametrize(
@@ -192,7 +192,7 @@ def test_no_import_after_code_that_may_change_what_imports_read_is_in_the_prefix
         tmp_path / "train.py",
         "import json\nimport mine\nimport numpy\nimport torch\n",
     )
-    scan = _warm_scan.Scan(_warm_scan.Places(), [str(tmp_path), *sys.path])
+    scan = warm_scan.Scan(warm_scan.Places(), [str(tmp_path), *sys.path])
     scan.file(str(script), None)
     assert {"json", "numpy", "torch"} <= set(scan.found)
     assert "json" in scan.prefix and not {"numpy", "torch"} & scan.prefix, scan.prefix
@@ -218,7 +218,7 @@ def test_harmless_code_before_an_import_keeps_it_in_the_prefix(
         tmp_path / "train.py",
         f"import os, sys, argparse, logging\nfrom pathlib import Path\n{harmless}\nimport torch\n",
     )
-    scan = _warm_scan.Scan(_warm_scan.Places(), [str(tmp_path), *sys.path])
+    scan = warm_scan.Scan(warm_scan.Places(), [str(tmp_path), *sys.path])
     scan.file(str(script), None)
     assert "torch" in scan.prefix, scan.prefix
 
@@ -259,7 +259,7 @@ def test_the_prefix_is_what_runs_before_any_code_that_may_change_what_imports_re
             main()
         """,
     )
-    scan = _warm_scan.Scan(_warm_scan.Places(), [str(tmp_path), *sys.path])
+    scan = warm_scan.Scan(warm_scan.Places(), [str(tmp_path), *sys.path])
     scan.file(str(script), None)
     assert scan.prefix == {"os", "warnings", "typing", "numpy", "decimal"}, scan.prefix
     assert {"csv", "json", "torch", "fractions"} <= set(scan.found) - scan.prefix

@@ -18,7 +18,7 @@ import pytest
 
 import tether
 from conftest import stray_children, wait_gone
-from tether import _zygote
+from tether.zygote import client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,7 +31,7 @@ def own_zygote():
     made = []
 
     def make(preload=("json",)):
-        made.append(_zygote.get(preload))
+        made.append(client.get(preload))
         return list(preload)
 
     yield make
@@ -194,7 +194,7 @@ def test_a_preloaded_module_that_starts_a_thread_is_left_out_and_children_do_not
     ), said
     assert not any("forking such a process is unsafe" in s for s in said), said
     # The zygote is single-threaded again, and has the rest of its preload.
-    zygote = _zygote.get(preload)
+    zygote = client.get(preload)
     assert len(os.listdir(f"/proc/{zygote.pid}/task")) == 1
     # Later starts reuse it without another warning.
     with warnings.catch_warnings():
@@ -209,7 +209,7 @@ def test_set_preload_chooses_the_zygote(own_zygote):
     tether.set_preload(preload)
     try:
         tether.start_processes(success, nprocs=1)
-        assert _zygote.get().preload == ("json", "csv")
+        assert client.get().preload == ("json", "csv")
     finally:
         tether.set_preload(None)
 
@@ -217,7 +217,7 @@ def test_set_preload_chooses_the_zygote(own_zygote):
 def test_a_killed_zygote_is_restarted_with_a_warning(own_zygote):
     preload = own_zygote()
     tether.start_processes(success, nprocs=1, preload=preload)
-    zygote = _zygote.get(preload)
+    zygote = client.get(preload)
     old = zygote.pid
     os.kill(old, signal.SIGKILL)
     assert wait_gone([old], 5.0) == []
@@ -228,7 +228,7 @@ def test_a_killed_zygote_is_restarted_with_a_warning(own_zygote):
 
 def test_a_zygote_dying_during_a_spawn_fails_clearly(own_zygote):
     preload = own_zygote()
-    zygote = _zygote.get(preload)
+    zygote = client.get(preload)
     tether.start_processes(success, nprocs=1, preload=preload)
     # The first child kills the zygote while it may still be forking the others: either the
     # call fails with a clear error, or (if every fork was done) the children run and the
@@ -301,10 +301,10 @@ def print_hello(i):
 
 def test_the_zygote_does_not_import_the_users_modules():
     # This test module was imported by the parent, but is not an installed package.
-    assert "test_zygote" not in _zygote.get().preload
+    assert "test_zygote" not in client.get().preload
     assert all(
         "/tests/" not in (getattr(sys.modules.get(m), "__file__", "") or "")
-        for m in _zygote.get().preload
+        for m in client.get().preload
     )
 
 
@@ -383,7 +383,7 @@ def test_a_preloaded_package_that_prints_or_warns_at_import_stays_off_the_users_
     preload = own_zygote(("json", name))
     capfd.readouterr()
     tether.start_processes(print_hello, nprocs=2, preload=preload)
-    assert _zygote.get(preload).pids()  # the zygote preloaded it and runs
+    assert client.get(preload).pids()  # the zygote preloaded it and runs
     out, err = capfd.readouterr()
     assert "noisy" not in out + err, (out, err)
     assert out.count("hello from the zygote child") == 2, out
@@ -408,7 +408,7 @@ def test_the_zygote_never_takes_tethers_command_line_entry_for_a_module_to_impor
     # Importing tether.__main__ would run the command line in the zygote.
     monkeypatch.setitem(sys.modules, "tether.__main__", sys.modules["tether"])
     monkeypatch.setitem(sys.modules, "tether.not_a_module", None)
-    own = _zygote.own_modules()
-    assert "tether._zygote" in own and "tether.spawn" in own
+    own = client.own_modules()
+    assert "tether.zygote.client" in own and "tether.spawn" in own
     assert "tether.__main__" not in own and "tether.not_a_module" not in own
     assert all(name.startswith("tether.") for name in own)

@@ -34,13 +34,13 @@ _LAZY = {
     "ProcessPoolExecutor": ".pool",
     "RemoteError": ".pool",
     "WorkerCrashedError": ".pool",
-    "SharedDict": "._shared",
-    "SharedList": "._shared",
-    "set_preload": "._zygote",
-    "share": "._share",
-    "warm_up": "._zygote",
-    "status": "._status",
-    "ZygoteError": "._zygote",
+    "SharedDict": ".shared.items",
+    "SharedList": ".shared.items",
+    "set_preload": ".zygote.client",
+    "share": ".shared.meeting",
+    "warm_up": ".zygote.client",
+    "status": ".spawn.status",
+    "ZygoteError": ".zygote.client",
 }
 
 #: torch.multiprocessing's names that the standard library has no counterpart of.

@@ -1,6 +1,6 @@
 """``python -m tether ...``: the ``tether`` command line."""
 
-from tether._cli import main
+from tether.run.cli import main
 
 if __name__ == "__main__":
     main()

@@ -42,7 +42,7 @@ def own_fds():
     """This process's fds, less the pidfds that watch the zygote and its ready children
     (those come and go). The helpers are read after the fds: a child registered meanwhile
     is among them."""
-    from tether import _zygote
+    from tether.zygote import client
 
     pids = {}
     for fd in os.listdir("/proc/self/fd"):
@@ -52,7 +52,7 @@ def own_fds():
         except OSError:
             continue
         pids[fd] = info.get("Pid", "").strip()
-    helpers = {str(p) for p in _zygote.pids()}
+    helpers = {str(p) for p in client.pids()}
     return sorted(fd for fd, pid in pids.items() if pid not in helpers)
 
 
@@ -71,11 +71,11 @@ def settled_fds(expected):
 def stray():
     """Children that are neither the zygote nor its ready children. One the zygote has just
     forked ahead is given a moment to be announced."""
-    from tether import _zygote
+    from tether.zygote import client
 
     deadline = time.monotonic() + 2
     while True:
-        found = sorted(set(children()) - set(_zygote.pids()))
+        found = sorted(set(children()) - set(client.pids()))
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.05)

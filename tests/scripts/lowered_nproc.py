@@ -25,9 +25,9 @@ def rank(i: int) -> None:
 
 
 def blanks() -> int:
-    from tether import _zygote
+    from tether.zygote import client
 
-    return len(_zygote.pids()) - len(_zygote.running())
+    return len(client.pids()) - len(client.running())
 
 
 def thread_starts() -> str:

@@ -5,7 +5,8 @@
 import sys
 
 import tether
-from tether import Pool, _zygote  # noqa: F401 - imported for the children to find
+from tether import Pool  # noqa: F401 - imported for the children to find
+from tether.zygote import client  # noqa: F401 - imported for the children to find
 
 
 def nothing(i):

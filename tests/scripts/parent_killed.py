@@ -36,7 +36,7 @@ if __name__ == "__main__":
     queue = multiprocessing.get_context("spawn").SimpleQueue()
     tether.start_processes(child, args=(queue, method), nprocs=2, join=False, start_method=method)
     pids = [queue.get() for _ in range(6)]
-    from tether import _zygote
+    from tether.zygote import client
 
-    print(json.dumps(pids + _zygote.pids()), flush=True)
+    print(json.dumps(pids + client.pids()), flush=True)
     time.sleep(120)

@@ -11,7 +11,8 @@ import sys
 import time
 
 import tether
-from tether import _native, _share
+from tether import _native
+from tether.shared import meeting
 
 mode, log = sys.argv[1], sys.argv[2]
 key = sys.argv[3] if len(sys.argv) > 3 else "imagenet"
@@ -20,7 +21,7 @@ rank = os.environ.get("RANK", "-1")
 
 def build():
     with open(log, "a") as f:
-        f.write(f"{rank} {os.getpid()} {_share._job()}\n")
+        f.write(f"{rank} {os.getpid()} {meeting._job()}\n")
     if mode != "quick":
         time.sleep(0.5)  # the other ranks come meanwhile, and wait
     if mode == "raise":
@@ -38,7 +39,7 @@ def _first(marker):
     return True
 
 
-name = _native.share_names(_share._job(), key)[0].decode()
+name = _native.share_names(meeting._job(), key)[0].decode()
 try:
     shared = tether.share(build, key=key)
 except ValueError as exc:

@@ -44,7 +44,7 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
     become(uid)
     import tether
-    from tether import _zygote
+    from tether.zygote import client
 
     out = {}
     try:
@@ -61,7 +61,7 @@ def main() -> None:
     with tether.Pool(20, start_method=method) as pool:
         out["pool"] = pool.submit(square, 7).result()
     time.sleep(0.5)  # the zygote replenishes once idle
-    blanks = len(_zygote.pids()) - len(_zygote.running())
+    blanks = len(client.pids()) - len(client.running())
     out["blanks"] = blanks
     out["room_for_blanks"] = limit - (user_tasks(uid) - blanks)
     print(json.dumps(out))

@@ -6,7 +6,7 @@ import json
 import time
 
 import tether
-from tether import _zygote
+from tether.zygote import client
 
 
 def sleeper(i):
@@ -17,5 +17,5 @@ if __name__ == "__main__":
     tether.warm_up(processes=2)
     ctx = tether.start_processes(sleeper, nprocs=3, join=False)
     time.sleep(0.5)  # the zygote forks its ready children again
-    print(json.dumps(ctx.pids() + _zygote.pids()), flush=True)
+    print(json.dumps(ctx.pids() + client.pids()), flush=True)
     time.sleep(60)

@@ -97,7 +97,7 @@ fn is_tethers(process: &Process) -> bool {
 /// zygote of warm ranks, the rendezvous helper (forked from the zygote, or a new
 /// interpreter).
 fn is_helper(process: &Process) -> bool {
-    process.comm.starts_with("tether") || process.args.contains(" -m tether._rendezvous ")
+    process.comm.starts_with("tether") || process.args.contains(" -m tether.run.rendezvous ")
 }
 
 /// `rank N (local L)` from a rank's environment, as `tether run` set it.

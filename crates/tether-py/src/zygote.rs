@@ -66,7 +66,7 @@ impl SharedFd {
     }
 }
 
-/// The parent's handle on a zygote process (see `tether._zygote`).
+/// The parent's handle on a zygote process (see `tether.zygote.client`).
 #[pyclass(module = "tether._native", frozen)]
 pub struct Zygote {
     inner: Mutex<zygote::Zygote>,
@@ -254,7 +254,7 @@ impl Job {
     }
 }
 
-/// The zygote's loop (see `tether._zygote.main`): tells the parent `ready`, then serves
+/// The zygote's loop (see `tether.zygote.server.main`): tells the parent `ready`, then serves
 /// requests, keeping `blanks` children forked ahead; its idle work waits until no request
 /// has come for `quiet` seconds. Returns a `Job` in each child it makes, and an exit code
 /// when the zygote (or a blank whose zygote went away) should exit.

@@ -6,7 +6,7 @@ interpreter start-up by ``tether_stacks.pth`` only when ``TETHER_STACKS_FD`` or
 ``tether run`` starts a rank as ``python -u SCRIPT`` or ``python -u -m MODULE``, as torchrun
 does, and leaves that command line as it is. It passes its stacks channel instead: an fd and
 its socket's inode, ``FD:INODE`` in ``TETHER_STACKS_FD``, on which this module registers the
-handler that answers the launcher's requests for the rank's stacks, as ``tether._child``
+handler that answers the launcher's requests for the rank's stacks, as ``tether.spawn.bootstrap``
 does in tether's own children. A value that names no such socket (a stray variable in some
 other program) installs nothing and changes no fd. The variable is removed, so that the
 rank's own Python children do not take an fd they do not hold; so is the job's id

@@ -11,7 +11,7 @@ on the event that comes right before an interpreter runs its main program:
   so that the zygote's command line, ``sys.argv``, ``sys.path[0]``, flags and standard
   streams are those of a rank started cold;
 - in that interpreter (``cpython.run_file``, ``cpython.run_module``), it makes the process
-  the zygote (``tether._warm``), which returns only in the ranks it forks: each rank then
+  the zygote (``tether.run.warm.start``), which returns only in the ranks it forks: each rank then
   goes on from this very point, and the interpreter runs the script as it would have.
 
 Without this hook (tether is not installed for that interpreter) the bootstrap's own code
@@ -127,7 +127,7 @@ def _enter(event: str, target: str) -> None:
     atexit.register = note
     sys.modules["atexit"] = atexit  # (tether's own imports register through this one)
     try:
-        from tether import _warm
+        from tether.run.warm import start
     finally:
         atexit.register = register
         if first is not None:
@@ -141,7 +141,7 @@ def _enter(event: str, target: str) -> None:
     _warnings._filters_mutated()
     before.discard("atexit")
     private = {name: sys.modules.pop(name) for name in set(sys.modules) - before}
-    _warm.serve(_config, event, target, _set_watcher, private)
+    start.serve(_config, event, target, _set_watcher, private)
 
 
 def _report_and_exit(exc: BaseException) -> None:
@@ -149,7 +149,7 @@ def _report_and_exit(exc: BaseException) -> None:
     exits; never writes on the user's streams."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).encode()
     name = f"{type(exc).__module__}.{type(exc).__qualname__}".encode()
-    if type(exc).__name__ == "DeclinedError":  # (tether._warm's: a reason, not a failure)
+    if type(exc).__name__ == "DeclinedError":  # (tether.run.warm.start's: a reason, not a failure)
         text, name = str(exc).encode(), b"tether.ZygoteDeclined"
     body = struct.pack("<I", len(name)) + name + struct.pack("<Q", len(text)) + text
     try:

@@ -25,7 +25,8 @@ The package's modules, by concern (each states its contract):
 from typing import TYPE_CHECKING, Any, Dict, List
 
 if TYPE_CHECKING:
-    from ..errors import NoFreeWorkerError, RemoteError
+    from tether.errors import NoFreeWorkerError, RemoteError
+
     from .errors import BrokenPool, WorkerCrashedError
     from .executor import ProcessPoolExecutor
     from .facade import Pool

@@ -4,7 +4,7 @@ A ``Queue`` is a ``SOCK_SEQPACKET`` socket pair (``_native.Endpoint``): ``put`` 
 message on one end, ``get`` receives one whole message from the other, so any number of
 processes and threads may put and get at once, with no feeder thread and no manager
 process. An ``Event`` is a flag in a shared memfd page (``_native.SharedFlag``). A message
-is pickled by ``_pickling`` (its fds travel with it as ``SCM_RIGHTS`` ancillary data).
+is pickled by ``common.pickling`` (its fds travel with it as ``SCM_RIGHTS`` ancillary data).
 
 Queues and events travel to other processes only this way: as arguments of a process the
 pool starts, or inside a message of another tether channel."""
@@ -18,8 +18,8 @@ from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd
 from typing import Any, List, Optional, Protocol, Tuple
 
-from .. import _native
-from .._pickling import FdCollector, dumps, loads
+from tether import _native
+from tether.common.pickling import FdCollector, dumps, loads
 
 __all__ = ["Event", "Queue", "Watched"]
 

@@ -27,8 +27,11 @@ import time
 import weakref
 from typing import Any, Callable, List, Literal, Optional, Sequence
 
-from .. import _launch, _native, _report, _stacks, _status, _words
-from .._log import logger
+from tether import _native
+from tether.common import reports, stacks, words
+from tether.common.log import logger
+from tether.spawn import launch, status
+
 from . import guard, worker
 from .errors import BrokenPool
 from .leases import Leases, worker_state
@@ -64,7 +67,7 @@ class Core:
         initargs: Sequence[Any],
         max_tasks_per_child: Optional[int] = None,
         start: Optional[int] = None,
-        name: str = _words.POOL,
+        name: str = words.POOL,
     ) -> None:
         if start is None or start:
             guard.check(name)  # a worker importing an unguarded script stops here
@@ -154,7 +157,7 @@ class Core:
         # A fork child closes what it inherits of the pool: every worker's socket.
         inherited = self.workers.parent_fds() + [link.parent_fd() for link in links]
         logger.info("pool %d: starting worker(s) %s", self.number, slots)
-        group = _launch.start(
+        group = launch.start(
             worker.serve,
             (fds, self.config),
             slots,
@@ -194,11 +197,11 @@ class Core:
         except Exception as exc:  # noqa: BLE001 - said in the tasks' BrokenPool
             self._break(f"could not start a worker: {exc!r}")
 
-    def describe(self) -> _status.Pool:
+    def describe(self) -> status.Pool:
         """This pool and its workers, for ``tether.status()``."""
         leased = dict(self.leases.running)
         workers = [
-            _status.Child(
+            status.Child(
                 w.pid,
                 f"worker {w.slot}",
                 worker_state(
@@ -207,7 +210,7 @@ class Core:
             )
             for w in self.workers.workers()
         ]
-        return _status.Pool(self.number, self.start_method, workers)
+        return status.Pool(self.number, self.start_method, workers)
 
     # -- what the tasks and the leases ask (``tasks.TaskHost``, ``leases.LeaseHost``) --------
 
@@ -264,12 +267,12 @@ class Core:
             self.leases.running.pop(death.lease.id, None)
         self.tasks.on_death(death)
         if not death.ready and self.state != "closed" and self.broken is None:
-            report = _report.decode(death.report)
+            report = reports.decode(death.report)
             text = None if report is None else report[0]
             if report is not None and isinstance(report[1], guard.MainNotGuardedError):
-                self._break(_words.main_not_guarded_in_worker(death, str(report[1]), self.name))
+                self._break(words.main_not_guarded_in_worker(death, str(report[1]), self.name))
             else:
-                self._break(_words.worker_not_started(death, text, self.name))
+                self._break(words.worker_not_started(death, text, self.name))
         elif self.state != "closed" and self.broken is None:
             thread = threading.Thread(
                 target=self._replace, args=(slot,), name="tether-pool-replace", daemon=True
@@ -362,7 +365,7 @@ def track(core: Core) -> None:
     _live.add(core)
 
 
-def describe_pools() -> List[_status.Pool]:
+def describe_pools() -> List[status.Pool]:
     """The pools of this process and their workers (see ``tether.status()``)."""
     return [core.describe() for core in sorted(_live, key=lambda c: c.number)]
 
@@ -375,7 +378,7 @@ def worker_stacks(timeout: float) -> List[Any]:
     targets = [m for core in list(_live) if core.pid == os.getpid() for m in core.workers.members()]
     if not targets:
         return []
-    return [(a.pid, a.text) for a in _stacks.ask(targets, timeout, False)]
+    return [(a.pid, a.text) for a in stacks.ask(targets, timeout, False)]
 
 
 def _python_exit() -> None:
@@ -387,7 +390,7 @@ def _python_exit() -> None:
             core.stop(wait=True, cancel_futures=False)
 
 
-_status.add_pools(describe_pools)
+status.add_pools(describe_pools)
 
 try:
     # What concurrent.futures registers its own exit hook with (private to threading, not in

@@ -30,7 +30,8 @@ import types
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from .. import _pickling
+from tether.common import pickling
+
 from . import shipment
 from .snapshot import Snapshot, reaches
 
@@ -96,7 +97,7 @@ class _Element:
 def _by_reference(obj: Any) -> bool:
     """Whether pickle saves ``obj`` as its name (then nothing of it is worth keeping)."""
     if type(obj) is types.FunctionType or isinstance(obj, type):
-        return not _pickling.travels_by_value(obj, as_fork=True)
+        return not pickling.travels_by_value(obj, as_fork=True)
     return False
 
 

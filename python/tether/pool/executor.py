@@ -2,7 +2,7 @@
 errors and the attributes code reads of it, over tether's pool (``core``, as ``tether.Pool``),
 for code written for the standard library's executor. A task whose worker died fails with
 CPython's sentence for the event, followed by the worker's pid and end, named as this
-executor's (``_words.worker_crashed``).
+executor's (``words.worker_crashed``).
 
 What it takes and says is CPython 3.11's: ``max_workers`` (default: the CPU count; 0 or
 less is "max_workers must be greater than 0"), ``mp_context``, ``initializer`` ("initializer
@@ -47,7 +47,10 @@ import weakref
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
-from .. import _launch, _native, _words
+from tether import _native
+from tether.common import words
+from tether.spawn import launch
+
 from . import guard
 from .core import Core, track
 
@@ -63,7 +66,7 @@ def _start_method(
     """tether's start method for ``mp_context``, and the multiprocessing context that
     ``_mp_context`` shows (see the module's documentation)."""
     if mp_context is None:
-        method = "spawn" if max_tasks_per_child is not None else _launch.DEFAULT_START_METHOD
+        method = "spawn" if max_tasks_per_child is not None else launch.DEFAULT_START_METHOD
         return method, multiprocessing.get_context(method)
     if isinstance(mp_context, str):
         _check_method(mp_context)
@@ -80,10 +83,10 @@ def _start_method(
 
 
 def _check_method(method: Any) -> None:
-    if method not in _launch.START_METHODS:
+    if method not in launch.START_METHODS:
         raise ValueError(
             f"cannot find context for {method!r}: tether.ProcessPoolExecutor supports "
-            + _launch.named(_launch.START_METHODS, quote="'")
+            + launch.named(launch.START_METHODS, quote="'")
         )
 
 
@@ -109,7 +112,7 @@ def _resolve(
             raise TypeError("max_tasks_per_child must be an integer")
         if max_tasks_per_child <= 0:
             raise ValueError("max_tasks_per_child must be >= 1")
-        if not _launch.STARTERS[method].fresh:
+        if not launch.STARTERS[method].fresh:
             raise ValueError(
                 f"max_tasks_per_child is incompatible with the {method!r} multiprocessing "
                 "start method; supply a different mp_context."
@@ -146,7 +149,7 @@ class WorkerProcess:
     @property
     def exitcode(self) -> Optional[int]:
         status = self._group.exit(self._index)
-        return None if status is None else _words.exitcode_of(status)
+        return None if status is None else words.exitcode_of(status)
 
     def is_alive(self) -> bool:
         return self._group.exit(self._index) is None
@@ -222,7 +225,7 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
         self._max_tasks_per_child = max_tasks_per_child
         # A copy of this process cannot be made once the hub thread runs: "fork" starts
         # every worker now (as CPython's pool does), the others as tasks come.
-        self._on_demand = _launch.STARTERS[method].fresh
+        self._on_demand = launch.STARTERS[method].fresh
         #: As CPython's: released for each task a worker answered, taken by a submit that
         #: an idle worker can serve (any other starts a worker, up to ``max_workers``).
         self._idle_worker_semaphore = threading.Semaphore(0)
@@ -235,7 +238,7 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
             initargs,
             max_tasks_per_child,
             start=0 if self._on_demand else self._max_workers,
-            name=_words.EXECUTOR,
+            name=words.EXECUTOR,
         )
         self._core = core
         core.tasks.unread = _unread
@@ -287,7 +290,7 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
         """A worker importing an unguarded main script stops at the call that would start
         workers (see ``guard``), before anything is queued: its exit would wait for it."""
         if self._on_demand and self._core.started < self._core.size:
-            guard.check(_words.EXECUTOR)
+            guard.check(words.EXECUTOR)
 
     def _check_exiting(self) -> None:
         if _exiting and self._core.broken is None:

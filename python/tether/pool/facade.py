@@ -21,8 +21,10 @@ import os
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
-from .. import _launch, _stacks
-from ..errors import NoFreeWorkerError, RemoteError
+from tether.common import stacks
+from tether.errors import NoFreeWorkerError, RemoteError
+from tether.spawn import launch
+
 from .core import Core, track
 from .errors import BrokenPool, WorkerCrashedError
 from .loader import PoolContext
@@ -30,7 +32,7 @@ from .loader import PoolContext
 __all__ = ["BrokenPool", "NoFreeWorkerError", "Pool", "RemoteError", "WorkerCrashedError"]
 
 
-@_launch.with_start_methods
+@launch.with_start_methods
 class Pool(concurrent.futures.Executor):
     """Long-lived worker processes for DataLoaders and for ``concurrent.futures`` work.
 
@@ -61,8 +63,8 @@ class Pool(concurrent.futures.Executor):
             processes = os.cpu_count() or 1
         if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
             raise ValueError(f"processes must be a positive int, got {processes!r}")
-        method = _launch.DEFAULT_START_METHOD if start_method is None else start_method
-        _launch.check_start_method(method, "tether.Pool")
+        method = launch.DEFAULT_START_METHOD if start_method is None else start_method
+        launch.check_start_method(method, "tether.Pool")
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be callable")
         if max_tasks_per_child is not None and (
@@ -71,12 +73,12 @@ class Pool(concurrent.futures.Executor):
             or max_tasks_per_child < 1
         ):
             raise ValueError("max_tasks_per_child must be >= 1")
-        if max_tasks_per_child is not None and not _launch.STARTERS[method].fresh:
+        if max_tasks_per_child is not None and not launch.STARTERS[method].fresh:
             # Each replacement would fork this process, which has threads by then (the hub's).
             raise ValueError(
                 f"max_tasks_per_child is incompatible with the {method!r} start method: every "
                 "replacement would fork this process, which has threads; use "
-                + _launch.named(_launch.FRESH_START_METHODS, quote="'")
+                + launch.named(launch.FRESH_START_METHODS, quote="'")
             )
         self._core = Core(
             processes, method, list(preload or ()), initializer, initargs, max_tasks_per_child
@@ -137,7 +139,7 @@ class Pool(concurrent.futures.Executor):
         """Where every worker is: ``{pid: text}``, the Python stack of each of its threads
         (see ``ProcessContext.stacks``); a worker that cannot answer says why."""
         targets = self._core.workers.members()
-        return {a.pid: a.text for a in _stacks.ask(targets, timeout, native)}
+        return {a.pid: a.text for a in stacks.ask(targets, timeout, native)}
 
     def submit(
         self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any

@@ -24,8 +24,9 @@ from typing import (
     Union,
 )
 
-from .. import _report
-from ..errors import RemoteError
+from tether.common import reports
+from tether.errors import RemoteError
+
 from . import worker
 
 _LOGGER = logging.getLogger("concurrent.futures")
@@ -41,7 +42,7 @@ def _remote_traceback(text: str) -> BaseException:
 def rebuild(info: worker.ErrorInfo) -> BaseException:
     """The exception a worker described (see ``worker.describe``)."""
     type_name, message, text, pickled = info
-    exc = _report.unpickle_exception(pickled)
+    exc = reports.unpickle_exception(pickled)
     if exc is None:
         exc = RemoteError(type_name, message, text)
     exc.__cause__ = _remote_traceback(text)

@@ -8,7 +8,7 @@ for workers that never become ready. Instead, a worker whose import of the main 
 reaches the start of a pool (``tether.Pool(...)``, or the first ``submit`` or ``map`` that
 starts a ``tether.ProcessPoolExecutor``'s workers) raises ``MainNotGuardedError`` there,
 naming the line of the script that did it; the worker's report carries it to the parent,
-which raises ``BrokenPool`` with the same words (see ``_words.main_not_guarded``) as soon as
+which raises ``BrokenPool`` with the same words (see ``words.main_not_guarded``) as soon as
 the worker has exited.
 
 A process that is not importing a main script (the parent; a worker running a task; a
@@ -55,10 +55,10 @@ def check(owner: str) -> None:
     script (see the module's documentation); ``owner`` names the pool being started."""
     if not importing_main():
         return
-    from .. import _words
+    from tether.common import words
 
     where, line = _user_line(sys._getframe(1))
-    raise MainNotGuardedError(_words.main_not_guarded(owner, where, line), owner, where, line)
+    raise MainNotGuardedError(words.main_not_guarded(owner, where, line), owner, where, line)
 
 
 def _user_line(frame: Optional[FrameType]) -> Tuple[str, str]:

@@ -18,8 +18,10 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
-from .. import _native, _pickling
-from ..errors import NoFreeWorkerError
+from tether import _native
+from tether.common import pickling
+from tether.errors import NoFreeWorkerError
+
 from . import channel, datasets, runs, shipment
 from .errors import BrokenPool
 from .loader import Leased
@@ -159,9 +161,9 @@ class Leases:
                     loader, slot, self._pid_in(slot), keep_datasets
                 )
                 args = ()
-            collector = _pickling.FdCollector()
+            collector = pickling.FdCollector()
             # torch's worker loop seeds the random generators itself (see worker._run_lease).
-            blob = _pickling.dumps((forget, target, args, kwargs, loader is not None), collector)
+            blob = pickling.dumps((forget, target, args, kwargs, loader is not None), collector)
             lease = self.workers.lease(slot, lease_id, blob, collector.fds)
         except BaseException:
             self.workers.unreserve([slot])

@@ -26,7 +26,9 @@ import signal
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence
 
-from .. import _native, _words
+from tether import _native
+from tether.common import words
+
 from . import channel
 from .runs import Run
 
@@ -217,8 +219,8 @@ class PoolProcess:
             return None
         pid = self._lease.pid
         if self._dataloader:
-            return RuntimeError(_words.dataloader_worker_ended(pid, end.code))
-        return RuntimeError(_words.pool_process_ended(self.name, pid, end.code))
+            return RuntimeError(words.dataloader_worker_ended(pid, end.code))
+        return RuntimeError(words.pool_process_ended(self.name, pid, end.code))
 
     def __repr__(self) -> str:
         if self._lease is None:

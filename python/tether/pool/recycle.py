@@ -325,7 +325,7 @@ def _start_receiving() -> None:
 
     import torch
 
-    from .. import _pickling
+    from tether.common import pickling
 
     reducers = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     reduce_storage = reducers[torch.UntypedStorage]
@@ -334,7 +334,7 @@ def _start_receiving() -> None:
         unwatch(storage)
         return reduce_storage(storage)
 
-    _pickling.register(torch.UntypedStorage, reduce)
+    pickling.register(torch.UntypedStorage, reduce)
 
 
 os.register_at_fork(

@@ -28,7 +28,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-from .. import _native
+from tether import _native
 
 __all__ = ["GRACE", "Run", "install_pid_tracking", "untrack"]
 

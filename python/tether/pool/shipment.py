@@ -11,7 +11,7 @@ at the same time as the others; the buffers are not copied into any worker (a wo
 maps them copy-on-write, as a fork would share them; so does a tensor's storage: see
 ``storages``). Functions and classes that an import by name would not give as the parent
 has them (``__main__``'s, lambdas, local ones) travel by value, with the values of the
-globals their code reads (``_pickling``'s ``as_fork``). An object a worker holds already
+globals their code reads (``pickling``'s ``as_fork``). An object a worker holds already
 travels as a ``Held`` reference of a few bytes.
 
 A worker keeps the bytes it was sent with its copy (``_Copy``): each lease starts from the
@@ -32,7 +32,8 @@ import weakref
 from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from .. import _pickling
+from tether.common import pickling
+
 from . import shm, storages
 from .snapshot import Snapshot, watch
 
@@ -199,7 +200,7 @@ def _unpickle(
         del whole, mapping
     try:
         with storages.mapping():
-            bundle: Tuple[Any, ...] = _pickling.loads(data, owned, views)
+            bundle: Tuple[Any, ...] = pickling.loads(data, owned, views)
     finally:
         if mapped is not None:
             data.release()
@@ -274,8 +275,8 @@ class Shipment:
         self, bundle: Tuple[Any, ...], keys: Sequence[Tuple[Optional[int], Optional[str]]]
     ) -> None:
         self.keys = list(keys)
-        collector = _pickling.FdCollector(dup=True)
-        self._closer = weakref.finalize(self, _pickling.close_all, collector.fds)
+        collector = pickling.FdCollector(dup=True)
+        self._closer = weakref.finalize(self, pickling.close_all, collector.fds)
         views: List[memoryview] = []
 
         def out_of_band(buffer: pickle.PickleBuffer) -> bool:
@@ -290,7 +291,7 @@ class Shipment:
 
         what = f"a {type(bundle[0]).__name__}"
         stream = io.BytesIO()
-        _pickling.dump(
+        pickling.dump(
             bundle, collector, stream, out_of_band, as_fork=True, overrides=storages.overrides()
         )
         self.fds = collector.fds

@@ -25,7 +25,8 @@ import sys
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any, Callable, Tuple
 
-from .. import _pickling
+from tether.common import pickling
+
 from . import recycle
 
 __all__ = ["install", "memfd", "memfd_storage", "move_to_memfd"]
@@ -102,7 +103,7 @@ def install() -> None:
     registered = ForkingPickler._extra_reducers.get(  # type: ignore[attr-defined]
         storage, reductions.reduce_storage
     )
-    _pickling.register(storage, _worker_reducer(torch, registered, reductions.rebuild_storage_fd))
+    pickling.register(storage, _worker_reducer(torch, registered, reductions.rebuild_storage_fd))
 
 
 def _worker_reducer(

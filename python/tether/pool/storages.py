@@ -25,7 +25,7 @@ from .snapshot import watch
 
 __all__ = ["mapping", "overrides"]
 
-#: The mapping of this module's reductions (the same dict each time: see ``_pickling.dump``).
+#: The mapping of this module's reductions (the same dict each time: see ``common.pickling.dump``).
 _overrides: Dict[Any, Any] = {}
 #: The storages this unpickling mapped, by their memfd's ``(inode, device)``.
 _mapped: Optional[Dict[Tuple[int, int], Any]] = None

@@ -23,7 +23,9 @@ from typing import (
     Tuple,
 )
 
-from .. import _native, _pickling, _words
+from tether import _native
+from tether.common import pickling, words
+
 from . import worker
 from .errors import WorkerCrashedError
 from .futures import (
@@ -45,10 +47,10 @@ Task = _native.Task
 
 
 def crash_error(death: _native.WorkerDied, lost: bool, owner: str) -> WorkerCrashedError:
-    """The error of a task whose worker died (see ``_words.worker_crashed``)."""
-    exitcode = _words.exitcode_of(death.status)
+    """The error of a task whose worker died (see ``words.worker_crashed``)."""
+    exitcode = words.exitcode_of(death.status)
     name = _native.signal_name(-exitcode) if exitcode < 0 else None
-    message = _words.worker_crashed(death, lost, owner)
+    message = words.worker_crashed(death, lost, owner)
     return WorkerCrashedError(message, death.pid, exitcode, name)
 
 
@@ -56,11 +58,11 @@ def _as_it_is(error: BaseException, where: str) -> BaseException:
     return error
 
 
-def _dumps(obj: Any, collector: _pickling.FdCollector) -> Tuple[Optional[bytes], Any]:
+def _dumps(obj: Any, collector: pickling.FdCollector) -> Tuple[Optional[bytes], Any]:
     """``(bytes, None)``, or ``(None, the error)`` when ``obj`` does not pickle (a
     ``KeyboardInterrupt`` is raised, not returned)."""
     try:
-        return _pickling.dumps(obj, collector), None
+        return pickling.dumps(obj, collector), None
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - SystemExit in a __reduce__ included
@@ -98,7 +100,7 @@ class Tasks:
         #: Frees the workers that garbage or failed DataLoader iterators hold, if any (the
         #: pool's ``leases.Leases.free_held_workers``): called when a task waits for one.
         self.free_held_workers = free_held_workers
-        #: The pool's name in a crashed task's error (``_words.POOL`` or ``EXECUTOR``).
+        #: The pool's name in a crashed task's error (``words.POOL`` or ``EXECUTOR``).
         self.owner = owner
         self.sinks: Dict[int, Sink] = {}
         #: The error a task fails with when it could not be unpickled ``where`` ("in the
@@ -116,7 +118,7 @@ class Tasks:
         at once with the pickling error when the call does not pickle)."""
         self.host.check_open()
         future = TaskFuture()
-        collector = _pickling.FdCollector(dup=True)
+        collector = pickling.FdCollector(dup=True)
         blob, error = _dumps((worker.CALL, fn, args, kwargs), collector)
         if blob is None:
             collector.close()
@@ -180,7 +182,7 @@ class Tasks:
         self, fn: Callable[..., Any], calls: List[Any], size: int, run: MapRun
     ) -> List[int]:
         """Queues ``calls`` as chunks of ``size``; returns their task ids."""
-        fn_blob, fn_error = _dumps(fn, _pickling.FdCollector())
+        fn_blob, fn_error = _dumps(fn, pickling.FdCollector())
         if fn_blob is None:
             run.deliver((i, False, fn_error) for i in range(len(calls)))
             return []
@@ -203,7 +205,7 @@ class Tasks:
     ) -> None:
         """Pickles one chunk; when it does not pickle, the items that do not get their
         error and the others travel together."""
-        collector = _pickling.FdCollector(dup=True)
+        collector = pickling.FdCollector(dup=True)
         blob, error = _dumps((worker.CHUNK, fn, calls), collector)
         if blob is None:
             collector.close()
@@ -212,7 +214,7 @@ class Tasks:
                 return
             good = []
             for index, args in zip(indices, calls):
-                single, error = _dumps(args, _pickling.FdCollector())
+                single, error = _dumps(args, pickling.FdCollector())
                 if single is None:
                     run.deliver([(index, False, error)])
                 else:
@@ -246,7 +248,7 @@ class Tasks:
             return
         sink = self.sinks.pop(future._tether_id, None)
         if sink is None:
-            _pickling.close_all(got.fds)
+            pickling.close_all(got.fds)
             return
         was = getattr(delivery, "active", False)
         delivery.active = True
@@ -260,7 +262,7 @@ class Tasks:
         for result in results:
             sink = self.sinks.pop(result.id, None)
             if sink is None:
-                _pickling.close_all(result.fds)
+                pickling.close_all(result.fds)
             else:
                 self._deliver(sink, result.ok, result.data, result.fds)
 
@@ -269,7 +271,7 @@ class Tasks:
         if self.answered is not None:
             self.answered()
         try:
-            value = _pickling.loads(data, fds)
+            value = pickling.loads(data, fds)
         except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling too
             self._fail(sink, self.unread(exc, "here"))
             return

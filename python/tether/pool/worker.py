@@ -14,7 +14,7 @@ A task's bytes unpickle to one of:
 - ``(CALL, fn, args, kwargs)``: its result is ``fn(*args, **kwargs)``;
 - ``(CHUNK, fn, calls)``: items of a ``map``; its result is a list with one entry per item,
   ``(True, value)`` or ``(False, error)``; when that list does not pickle whole, each entry
-  is pickled on its own (``_pickling.Nested``, with the message's fds): an entry that does
+  is pickled on its own (``pickling.Nested``, with the message's fds): an entry that does
   not pickle becomes its pickling error, the others keep their results.
 
 An error (an exception raised by the task, or met while unpickling the task or pickling
@@ -40,7 +40,10 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Final, List, NamedTuple, Optional, Sequence, Tuple
 
-from .. import _child, _native, _pickling
+from tether import _native
+from tether.common import pickling
+from tether.spawn import bootstrap
+
 from . import channel, recycle, shipment, shm
 
 #: What a task's bytes hold (see the module's documentation).
@@ -76,7 +79,7 @@ def describe(exc: BaseException) -> ErrorInfo:
     except Exception:  # noqa: BLE001 - a broken __str__ must not lose the error
         message = "<message unavailable>"
     try:
-        pickled: Optional[bytes] = _pickling.dumps(exc, _pickling.FdCollector())
+        pickled: Optional[bytes] = pickling.dumps(exc, pickling.FdCollector())
     except BaseException:  # noqa: BLE001 - SystemExit in a __reduce__ included
         pickled = None
     return type(exc).__qualname__, message, text, pickled
@@ -98,26 +101,26 @@ def _run_chunk(end: _native.WorkerEnd, fn: Callable[..., Any], calls: Sequence[A
     return out
 
 
-def _dump(value: Any, collector: _pickling.FdCollector) -> bytes:
-    return _pickling.dumps(value, collector)
+def _dump(value: Any, collector: pickling.FdCollector) -> bytes:
+    return pickling.dumps(value, collector)
 
 
-def _dump_entries(entries: List[Any]) -> Tuple[bytes, _pickling.FdCollector]:
+def _dump_entries(entries: List[Any]) -> Tuple[bytes, pickling.FdCollector]:
     """A chunk's entries, pickled whole, or else one by one, each with the fds it names (an
     entry that does not pickle becomes its pickling error)."""
-    collector = _pickling.FdCollector()
+    collector = pickling.FdCollector()
     try:
         return _dump(entries, collector), collector
     except BaseException:  # noqa: BLE001 - SystemExit in a __reduce__ included
         pass
-    collector = _pickling.FdCollector()
+    collector = pickling.FdCollector()
     single = []
     for ok, value in entries:
         try:
             data = _dump((ok, value), collector)
         except BaseException as exc:  # noqa: BLE001
             data = _dump((False, describe(exc)), collector)
-        single.append(_pickling.Nested(data))
+        single.append(pickling.Nested(data))
     return _dump(single, collector), collector
 
 
@@ -129,20 +132,20 @@ def _run_task(
     before anything of the task is freed (a finalizer that kills the worker loses no
     result)."""
     try:
-        task = _pickling.loads(blob, fds)
+        task = pickling.loads(blob, fds)
     except BaseException as exc:  # noqa: BLE001 - SystemExit while unpickling included
-        return ERROR, _dump(Unread(describe(exc)), _pickling.FdCollector()), [], None
+        return ERROR, _dump(Unread(describe(exc)), pickling.FdCollector()), [], None
     shm.install()
     if task[0] == CHUNK:
         entries = _run_chunk(end, task[1], task[2])
         data, collector = _dump_entries(entries)
         return OK, data, collector.fds, (task, entries)
     ok, value = _call(task[1], task[2], task[3])
-    collector = _pickling.FdCollector()
+    collector = pickling.FdCollector()
     try:
         data = _dump(value, collector)
     except BaseException as exc:  # noqa: BLE001 - SystemExit in a __reduce__ included
-        return ERROR, _dump(describe(exc), _pickling.FdCollector()), [], (task, value)
+        return ERROR, _dump(describe(exc), pickling.FdCollector()), [], (task, value)
     return (OK if ok else ERROR), data, collector.fds, (task, value)
 
 
@@ -161,7 +164,7 @@ def _run_batch(
             task_id, seq, blob, fds = task.id, task.seq, task.data, task.fds
             del task
             if not end.start(seq, task_id):
-                _pickling.close_all(fds)
+                pickling.close_all(fds)
                 end.send_results([_native.Outcome(task_id, SKIPPED, b"")])
                 continue
             ran += 1
@@ -173,7 +176,7 @@ def _run_batch(
         end.idle()
         channel.end_task_scope()
     for left_over in tasks:
-        _pickling.close_all(left_over.fds)
+        pickling.close_all(left_over.fds)
     return ran
 
 
@@ -188,7 +191,7 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
     code = 0
     try:
         call: Optional[Tuple[None, Callable[..., Any], Tuple[Any, ...], Dict[str, Any], bool]]
-        call = _pickling.loads(blob, fds)
+        call = pickling.loads(blob, fds)
         del blob
         _, target, args, kwargs, seeds = call
         call = None
@@ -201,7 +204,7 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
         finally:
             del target, args, kwargs
     except SystemExit as exc:
-        code = _child.exit_code(exc)
+        code = bootstrap.exit_code(exc)
     except BaseException:  # noqa: BLE001 - as multiprocessing's Process._bootstrap does
         sys.stderr.write(f"Process tether-pool-worker (pid {os.getpid()}):\n")
         traceback.print_exc()
@@ -277,7 +280,7 @@ def serve(rank: int, links: Dict[int, _native.WorkerFds], config: Dict[str, Any]
     gc.freeze()
     for slot, fds in links.items():
         if slot != rank:
-            _pickling.close_all([fds.ctl, fds.gate])
+            pickling.close_all([fds.ctl, fds.gate])
     end = _native.WorkerEnd(links[rank].ctl, links[rank].gate, config.get("spin", 0.0))
     _initialize(config)
     end.hello(os.getpid())

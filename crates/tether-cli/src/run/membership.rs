@@ -67,7 +67,7 @@ impl Membership {
             Ok(helper) => helper,
             Err(err) => {
                 output::message(&format!(
-                    "tether: cannot start the rendezvous helper ({} -m tether._rendezvous): {}",
+                    "tether: cannot start the rendezvous helper ({} -m tether.run.rendezvous): {}",
                     cfg.rendezvous_python.to_string_lossy(),
                     tether_core::strerror(&err)
                 ));
@@ -337,7 +337,7 @@ impl Membership {
 }
 
 /// The node's rendezvous helper: a fork of the zygote while it serves and has imported what
-/// the helper needs, else a new interpreter (`python -m tether._rendezvous`).
+/// the helper needs, else a new interpreter (`python -m tether.run.rendezvous`).
 fn start_helper(node: &Node, rdzv: &Rendezvous, warm: &mut Warm) -> std::io::Result<Helper> {
     if let Some(zygote) = warm.helper_host() {
         match Helper::fork(zygote, rdzv) {

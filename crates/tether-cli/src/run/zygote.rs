@@ -1,7 +1,7 @@
 //! A node's zygote, for warm ranks: one Python process per node, started with the ranks'
 //! common environment as soon as the supervisor starts, which imports once the installed
 //! packages the script imports (torch, ...); every rank of every attempt, and the node's
-//! rendezvous helper, is a fork of it. What a rank sees is `tether._warm`'s to make equal to
+//! rendezvous helper, is a fork of it. What a rank sees is `tether.run.warm`'s to make equal to
 //! `python -u SCRIPT ARGS` (see there); this side starts the zygote, reads what it
 //! preloaded, and asks it for each process.
 //!
@@ -44,7 +44,7 @@ pub const HELPER_MODULES: [&str; 5] = [
     "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
     "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
     "torch.distributed.elastic.rendezvous.utils",
-    "tether._rendezvous",
+    "tether.run.rendezvous.helper",
 ];
 
 /// The launcher's handle on its node's zygote.

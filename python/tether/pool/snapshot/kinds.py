@@ -3,7 +3,7 @@ stand for it and the values to walk after it, following the order in which pickl
 decides how to save an object:
 
 - a function or class of ``__main__``, a lambda, or one defined inside a function travels
-  by value (cloudpickle; see ``_pickling``'s ``as_fork``): its code, defaults, closure,
+  by value (cloudpickle; see ``pickling``'s ``as_fork``): its code, defaults, closure,
   attributes and the globals its code names are walked; a class's members likewise;
 - any other class, function or module travels by reference: compared by identity;
 - a torch tensor or a numpy array: see ``data``;
@@ -29,7 +29,8 @@ import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ... import _pickling
+from tether.common import pickling
+
 from . import data
 from .tokens import (
     CLASS,
@@ -46,7 +47,7 @@ def visit(walk: Walk, value: Any, push: Callable[[Any], None]) -> None:
     """An object that is no builtin container or atom (see the module's documentation)."""
     kind = type(value)
     if kind is types.FunctionType or isinstance(value, type):
-        if _pickling.travels_by_value(value, as_fork=True):
+        if pickling.travels_by_value(value, as_fork=True):
             if kind is types.FunctionType:
                 return _function(walk, value, push)
             return _class(walk, value, push)
@@ -85,10 +86,10 @@ def _find_special(kind: type) -> Optional[Callable[..., None]]:
     numpy = sys.modules.get("numpy")
     if numpy is not None and kind is numpy.ndarray:
         return data.array
-    shared = sys.modules.get("tether._shared")
+    shared = sys.modules.get("tether.shared.items")
     if shared is not None and issubclass(kind, shared.SHARED):
         return _shared_copy
-    table = _pickling.dispatch_table()
+    table = pickling.dispatch_table()
     reducer = table.get(kind)
     if reducer is None:
         return None

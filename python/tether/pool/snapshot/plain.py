@@ -22,7 +22,8 @@ import itertools
 import operator
 from typing import Any, Optional, Tuple
 
-from ... import _native
+from tether import _native
+
 from . import data
 
 __all__ = ["ATOMS", "WATCH_MIN", "ItemsWatch", "is_plain", "plain_items", "same_items"]

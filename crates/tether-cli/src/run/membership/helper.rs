@@ -1,6 +1,6 @@
 //! The rendezvous helper of torchrun's dynamic forms (`--rdzv-backend c10d`, `etcd`, `etcd-v2`
 //! on several nodes, or an elastic `--nnodes MIN:MAX`): torch's own rendezvous handler runs
-//! in a helper process, `python -m tether._rendezvous` (or a fork of the node's zygote), one
+//! in a helper process, `python -m tether.run.rendezvous` (or a fork of the node's zygote), one
 //! per node, and tells the membership this node's place in each round. The launcher keeps
 //! the ranks, their output and the reports.
 //!
@@ -140,12 +140,12 @@ pub struct Helper {
 }
 
 impl Helper {
-    /// Starts `python -m tether._rendezvous`; it gets SIGTERM (and leaves the job) when the
+    /// Starts `python -m tether.run.rendezvous`; it gets SIGTERM (and leaves the job) when the
     /// launcher dies.
     pub fn spawn(python: &OsString, rdzv: &Rendezvous) -> io::Result<Helper> {
         let mut command = Command::new(python);
         command
-            .args(["-m", "tether._rendezvous"])
+            .args(["-m", "tether.run.rendezvous"])
             .arg(rdzv.options().to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
