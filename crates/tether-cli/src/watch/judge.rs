@@ -552,7 +552,9 @@ mod tests {
         let mut judge = Judge::new(&[0, 1]);
         let mut runs = [0; 2];
         let (nap, reduce) = (place(10, None), place(20, Some("all_reduce")));
-        let at_reduce = [true, false, false, true, true, false, true, false, true, true];
+        let at_reduce = [
+            true, false, false, true, true, false, true, false, true, true,
+        ];
         let mut steps = Vec::new();
         for (k, &here) in at_reduce.iter().cycle().take(30).enumerate() {
             let spot = match here {
@@ -562,8 +564,16 @@ mod tests {
             judge.look(&look(200 * k as u64, &[spot.clone(), spot], &mut runs));
             steps.push(judge.step());
         }
-        assert_eq!(steps[..5], [None; 5], "too few passes say nothing of the step");
-        let last = steps.last().copied().flatten().expect("a step once passes are many");
+        assert_eq!(
+            steps[..5],
+            [None; 5],
+            "too few passes say nothing of the step"
+        );
+        let last = steps
+            .last()
+            .copied()
+            .flatten()
+            .expect("a step once passes are many");
         assert_eq!(last, Duration::from_millis(200));
         assert_eq!(judge.hang_after(), MIN_HANG);
     }

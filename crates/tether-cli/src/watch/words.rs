@@ -208,8 +208,14 @@ mod tests {
     #[test]
     fn ranks_whose_place_is_not_known_yet_say_so() {
         let block = picture(vec![0], Some(Doing::Waiting)).block();
-        assert!(block.contains("tether:   rank 0 waits (no Python frame seen yet)\n"), "{block}");
+        assert!(
+            block.contains("tether:   rank 0 waits (no Python frame seen yet)\n"),
+            "{block}"
+        );
         let block = picture(vec![0, 1], Some(Doing::Asleep)).block();
-        assert!(block.contains("ranks 0-1 wait asleep (no Python frame seen yet)"), "{block}");
+        assert!(
+            block.contains("ranks 0-1 wait asleep (no Python frame seen yet)"),
+            "{block}"
+        );
     }
 }
