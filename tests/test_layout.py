@@ -165,3 +165,22 @@ def test_the_docs_list_the_start_methods_of_the_one_table():
         row for row in table if f'`"{launch.DEFAULT_START_METHOD}"`' in row
     ]
     assert all(f'"{method}"' in tether.start_processes.__doc__ for method in names)
+
+
+def test_the_package_is_one_folder_per_room_and_the_public_names_stay_the_functions():
+    package = ROOT / "python" / "tether"
+    rooms = {p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == {"common", "pool", "run", "share", "spawn", "zygote"}
+    flat = {p.name for p in package.glob("*.py")}
+    assert flat == {"__init__.py", "__main__.py", "errors.py"}
+    code = (
+        "import types, tether, tether.share.items, tether.spawn.status\n"
+        "from tether.share import meeting\n"
+        "assert isinstance(tether.share, types.FunctionType), tether.share\n"
+        "assert isinstance(tether.spawn, types.FunctionType), tether.spawn\n"
+        "assert tether.share is meeting.share\n"
+        "print(tether.share([1, 2]), tether.share.__module__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["tether.SharedList([1,", "2])", "tether.share.meeting"]

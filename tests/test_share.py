@@ -191,7 +191,8 @@ def test_lookups_do_not_depend_on_the_hash_seed():
         source[f"key {i}"] = i
     shared = tether.share(source)
     code = (
-        "import sys, tether.shared.items as s, tether._native as n\n"
+        "import sys, tether._native as n\n"
+        "from tether.share import items as s\n"
         "d = s.from_fd(int(sys.argv[1]))\n"
         "keys = [frozenset(f'k{i}' for i in range(20)), 'text', b'b', ('t', 1)]\n"
         "keys += [f'key {i}' for i in range(200)]\n"

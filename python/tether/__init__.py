@@ -16,6 +16,10 @@ from typing import Any
 # Binds the compiled module as an attribute of the package even when it was loaded first
 # on its own (see _tether_stacks).
 from . import _native
+
+# The names ``tether.share`` and ``tether.spawn`` are the functions', not their folders'
+# (below).
+from . import share as _share_folder  # noqa: F401
 from .errors import (
     ProcessException,
     ProcessExitedException,
@@ -23,6 +27,12 @@ from .errors import (
     ProcessTimeoutError,
 )
 from .spawn import ProcessContext, SpawnContext, spawn, start_processes
+
+# ``spawn`` is bound by the import above, after its folder was. ``share``'s folder (its
+# docstring alone) is loaded first and its name dropped here, so that the function takes
+# the name on first use (``__getattr__``) and a later import of ``tether.share.items``
+# leaves it alone.
+del globals()["share"]
 
 __version__ = _native.__version__
 
@@ -34,10 +44,10 @@ _LAZY = {
     "ProcessPoolExecutor": ".pool",
     "RemoteError": ".pool",
     "WorkerCrashedError": ".pool",
-    "SharedDict": ".shared.items",
-    "SharedList": ".shared.items",
+    "SharedDict": ".share.items",
+    "SharedList": ".share.items",
     "set_preload": ".zygote.client",
-    "share": ".shared.meeting",
+    "share": ".share.meeting",
     "warm_up": ".zygote.client",
     "status": ".spawn.status",
     "ZygoteError": ".zygote.client",

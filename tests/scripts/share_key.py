@@ -12,7 +12,7 @@ import time
 
 import tether
 from tether import _native
-from tether.shared import meeting
+from tether.share import meeting
 
 mode, log = sys.argv[1], sys.argv[2]
 key = sys.argv[3] if len(sys.argv) > 3 else "imagenet"

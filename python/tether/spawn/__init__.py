@@ -317,7 +317,7 @@ def start_processes(
             "of its parent. Start processes only under the usual guard in the main script:\n\n"
             "    if __name__ == '__main__':\n        ...\n"
         )
-    from tether.shared import meeting
+    from tether.share import meeting
 
     job = launch.new_job_id()
     try:

@@ -86,7 +86,7 @@ def _find_special(kind: type) -> Optional[Callable[..., None]]:
     numpy = sys.modules.get("numpy")
     if numpy is not None and kind is numpy.ndarray:
         return data.array
-    shared = sys.modules.get("tether.shared.items")
+    shared = sys.modules.get("tether.share.items")
     if shared is not None and issubclass(kind, shared.SHARED):
         return _shared_copy
     table = pickling.dispatch_table()

@@ -17,7 +17,7 @@ multiprocessing's ``ForkingPickler`` (a process start, a queue), it is the memfd
 travels (``DupFd``), and the receiver maps the same pages. Plain ``pickle`` (and
 ``torch.save``) writes the items, which load as a new shared copy, equal to this one.
 
-``tether.share`` (``shared.meeting``) makes them, also once for the ranks of a job on a machine."""
+``tether.share`` (``share.meeting``) makes them, also once for the ranks of a job on a machine."""
 
 from __future__ import annotations
 
