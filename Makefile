@@ -17,9 +17,11 @@ all: build
 # The versions the tests and linters were last run with (torch and numpy are test
 # dependencies only: tether itself never imports them; cloudpickle is tether's one
 # dependency, pinned here to the version the tests ran with; IPython runs notebook-like
-# cells; mkdocs builds the documentation site; pyte renders a terminal for the tests).
+# cells; mkdocs builds the documentation site, mkdocstrings its API reference from the
+# docstrings; pyte renders a terminal for the tests).
 TEST_DEPS := torch==2.15.0 numpy==2.4.6 pytest==9.2.0 pytest-timeout==2.4.0 loky==3.7.0 py-spy==0.4.3 \
-             cloudpickle==3.1.3 ipython==9.18.1 mkdocs==1.6.1 pyte==0.8.2
+             cloudpickle==3.1.3 ipython==9.18.1 mkdocs==1.6.1 mkdocstrings==1.0.8 \
+             mkdocstrings-python==2.0.11 pyte==0.8.2
 TOOLS     := maturin==1.16.0 ruff==0.17.6 mypy==2.4.1
 
 $(DEPS): pyproject.toml Makefile

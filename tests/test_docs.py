@@ -121,6 +121,31 @@ def test_the_site_lists_every_page_in_its_navigation() -> None:
         assert f": {page.name}\n" in config, f"mkdocs.yml's nav leaves out {page.name}"
 
 
+def test_the_api_reference_draws_every_public_name_from_its_docstring() -> None:
+    """Each ``::: path`` of docs/api.md names an object (a module stands for its public
+    names); together they cover ``tether.__all__``, and each is the object ``tether`` gives."""
+    import importlib
+
+    import tether
+
+    found = {}
+    for path in re.findall(r"^::: ([\w.]+)$", (DOCS / "api.md").read_text(), re.M):
+        try:
+            module = importlib.import_module(path)
+        except ImportError:
+            owner, _, name = path.rpartition(".")
+            found[name] = getattr(importlib.import_module(owner), name)
+            continue
+        own = [n for n, v in vars(module).items() if getattr(v, "__module__", "") == path]
+        names = getattr(module, "__all__", None) or [n for n in own if not n.startswith("_")]
+        found.update({n: getattr(module, n) for n in names})
+    public = set(tether.__all__) - {"__version__"}
+    assert public <= set(found), sorted(public - set(found))
+    for name in public:
+        assert found[name] is getattr(tether, name), name
+        assert (found[name].__doc__ or "").strip(), f"{name} has no docstring"
+
+
 def test_make_test_builds_the_site_strictly_and_leaves_nothing() -> None:
     dry = subprocess.run(
         ["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, timeout=60
