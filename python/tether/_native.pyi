@@ -1,6 +1,6 @@
 """Type stubs for ``tether._native``, the compiled glue over tether-core."""
 
-from typing import Any, Callable, ClassVar, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 from typing_extensions import Self, disjoint_base, final
 
@@ -59,6 +59,11 @@ __all__ = [
     "share_is_dict",
     "ShareMeeting",
     "ShareWaiter",
+    "SharedTable",
+    "ShareReady",
+    "ShareFailed",
+    "ShareBuilderDied",
+    "ShareLost",
     "ShareVault",
     "share_claim",
     "share_names",
@@ -372,12 +377,24 @@ def cli_main(
 
 SHARE_JOB_ENV: str
 
+@final
+class SharedTable:
+    """The items of a shared list or dict, built or opened, before a shared object takes
+    them (``SharedItems(table)``): one constructor per kind."""
+
+    @staticmethod
+    def of_list(items: Any, name: str = "") -> SharedTable: ...
+    @staticmethod
+    def of_dict(items: Dict[Any, Any], name: str = "") -> SharedTable: ...
+    @staticmethod
+    def of_fd(fd: int) -> SharedTable: ...
+
 @disjoint_base
 class SharedItems:
     """The items of a shared list or dict, in their sealed memfd, mapped read-only (the
     compiled base of ``tether.SharedList`` and ``tether.SharedDict``)."""
 
-    def __new__(cls, kind: str, source: Any, name: str = "") -> Self: ...
+    def __new__(cls, table: SharedTable) -> Self: ...
     def _fileno(self) -> int: ...
     @property
     def _is_dict(self) -> bool: ...
@@ -419,7 +436,49 @@ class ShareWaiter:
 
     @property
     def builder(self) -> Optional[Tuple[int, int]]: ...
-    def wait(self, timeout: Optional[float] = None) -> Any: ...
+    def wait(
+        self, timeout: Optional[float] = None
+    ) -> Optional[Union[ShareReady, ShareFailed, ShareBuilderDied, ShareLost]]: ...
+
+@final
+class ShareReady:
+    """The data is built: ``memfd`` holds it, ``listener`` answers later askers (both the
+    receiver's to own), from the builder ``rank`` (pid ``pid``)."""
+
+    @property
+    def memfd(self) -> int: ...
+    @property
+    def listener(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def pid(self) -> int: ...
+
+@final
+class ShareFailed:
+    """The build failed in ``rank`` (pid ``pid``); ``report`` is its failure report."""
+
+    @property
+    def report(self) -> bytes: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def pid(self) -> int: ...
+
+@final
+class ShareBuilderDied:
+    """The builder hung up before it was done; ``exitcode`` as multiprocessing's, or None."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def exitcode(self) -> Optional[int]: ...
+
+@final
+class ShareLost:
+    """The holder that accepted hung up first: ask again."""
 
 @final
 class ShareVault:

@@ -80,7 +80,9 @@ class SharedList(_native.SharedItems, Sequence):
         if type(items) is cls:
             return items
         values = items if isinstance(items, (list, tuple)) else list(items)
-        return super().__new__(cls, "list", values, _memfd_name("a list", values))
+        return super().__new__(
+            cls, _native.SharedTable.of_list(values, _memfd_name("a list", values))
+        )
 
     if TYPE_CHECKING:
 
@@ -179,7 +181,9 @@ class SharedDict(_native.SharedItems, Mapping):
         if type(items) is cls and not kwargs:
             return items
         values = dict(items, **kwargs)
-        return super().__new__(cls, "dict", values, _memfd_name("a dict", values))
+        return super().__new__(
+            cls, _native.SharedTable.of_dict(values, _memfd_name("a dict", values))
+        )
 
     def get(self, key: Any, default: Any = None) -> Any:
         return self._get(key, default)
@@ -258,7 +262,8 @@ def from_fd(fd: int) -> Union[SharedList, SharedDict]:
     except BaseException:
         os.close(fd)
         raise
-    return cast("Union[SharedList, SharedDict]", _native.SharedItems.__new__(kind, "fd", fd))
+    table = _native.SharedTable.of_fd(fd)
+    return cast("Union[SharedList, SharedDict]", _native.SharedItems.__new__(kind, table))
 
 
 def _rebuild(is_dict: bool, fd: Any) -> Union[SharedList, SharedDict]:

@@ -183,14 +183,13 @@ def _meet(job: str, key: str, build: Callable[[], Any]) -> Tuple[Shared, _native
                 )
             return _build_here(claimed, build, job, key), claimed
         outcome = claimed.wait()
-        if outcome[0] == "ready":
-            _, memfd, listener, _, _ = outcome
-            return _hold(name, memfd, listener, rank)
-        if outcome[0] == "failed":
-            _, report, from_rank, from_pid = outcome
-            raise _builder_error(report, key, from_rank, from_pid)
-        if outcome[0] == "died":
-            died = outcome[1:]
+        if isinstance(outcome, _native.ShareReady):
+            return _hold(name, outcome.memfd, outcome.listener, rank)
+        if isinstance(outcome, _native.ShareFailed):
+            raise _builder_error(outcome.report, key, outcome.rank, outcome.pid)
+        if isinstance(outcome, _native.ShareBuilderDied):
+            died = (outcome.rank, outcome.pid, outcome.exitcode)
+        # ShareLost: the holder that accepted hung up first; ask again.
 
 
 def _build_here(

@@ -5,6 +5,7 @@
 //! the pages (they are mapped read-only).
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::Mutex;
 
 use pyo3::exceptions::{PyIndexError, PyKeyError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -50,6 +51,46 @@ fn load_item(py: Python<'_>, bytes: &[u8]) -> PyResult<PyObject> {
     match bytes.first() {
         Some(&codec::PICKLE) => load(py, bytes),
         _ => Ok(codec::decode(py, bytes)?.unbind()),
+    }
+}
+
+/// The items of a shared list or dict, built or opened, before a shared object takes them:
+/// one constructor per kind.
+#[pyclass(module = "tether._native", frozen)]
+pub struct SharedTable {
+    inner: Mutex<Option<SharedItems>>,
+}
+
+impl SharedTable {
+    fn of(items: SharedItems) -> SharedTable {
+        SharedTable {
+            inner: Mutex::new(Some(items)),
+        }
+    }
+}
+
+#[pymethods]
+impl SharedTable {
+    /// The items of a list or tuple, written one by one into a new sealed memfd `name`.
+    #[staticmethod]
+    #[pyo3(signature = (items, name = ""))]
+    fn of_list(py: Python<'_>, items: &Bound<'_, PyAny>, name: &str) -> PyResult<SharedTable> {
+        SharedItems::from_sequence(py, items, name).map(SharedTable::of)
+    }
+
+    /// The pairs of a dict, in its order, with each key's canonical bytes, into a new
+    /// sealed memfd `name`.
+    #[staticmethod]
+    #[pyo3(signature = (items, name = ""))]
+    fn of_dict(py: Python<'_>, items: &Bound<'_, PyDict>, name: &str) -> PyResult<SharedTable> {
+        SharedItems::from_dict(py, items, name).map(SharedTable::of)
+    }
+
+    /// The items in the memfd `fd` made so in any process (handed over: it is closed with
+    /// the shared object).
+    #[staticmethod]
+    fn of_fd(fd: Fd) -> PyResult<SharedTable> {
+        SharedItems::open(fd.take()).map(SharedTable::of)
     }
 }
 
@@ -144,20 +185,13 @@ impl SharedItems {
 
 #[pymethods]
 impl SharedItems {
-    /// `SharedItems(kind, source, name)`: the items of a list or tuple (`kind` "list"),
-    /// written one by one into a new sealed memfd `name`; the pairs of a dict ("dict"), in
-    /// its order, with each key's canonical bytes; or the items in a memfd made so in any
-    /// process ("fd": `source` is the fd, handed over: it is closed with this object).
-    /// Python subclasses it (`tether.SharedList`, `tether.SharedDict`).
+    /// `SharedItems(table)`: the items that `table` (a [`SharedTable`], made by one of its
+    /// constructors, one per kind) holds; a table makes one shared object. Python subclasses
+    /// it (`tether.SharedList`, `tether.SharedDict`).
     #[new]
-    #[pyo3(signature = (kind, source, name = ""))]
-    fn new(py: Python<'_>, kind: &str, source: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
-        match kind {
-            "list" => SharedItems::from_sequence(py, source, name),
-            "dict" => SharedItems::from_dict(py, source.downcast::<PyDict>()?, name),
-            "fd" => SharedItems::open(source.extract::<Fd>()?.take()),
-            _ => Err(PyValueError::new_err(format!("unknown kind {kind:?}"))),
-        }
+    fn new(table: &SharedTable) -> PyResult<Self> {
+        let taken = table.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        taken.ok_or_else(|| PyValueError::new_err("this SharedTable has made its shared object"))
     }
 
     /// The memfd (still this object's).

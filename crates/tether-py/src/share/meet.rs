@@ -91,38 +91,77 @@ impl ShareWaiter {
     }
 
     /// Waits up to `timeout` seconds (for ever when None) for the outcome; None when it has
-    /// not come. The outcome is a tuple: `("ready", memfd, listener, rank, pid)` (fds handed
-    /// over), `("failed", report, rank, pid)`, `("died", rank, pid, exitcode)` (the builder
-    /// hung up before it was done; exitcode in multiprocessing's convention, None when
-    /// unknown) or `("lost",)` (the holder that accepted hung up first).
+    /// not come. The outcome is one of [`ShareReady`], [`ShareFailed`], [`ShareBuilderDied`]
+    /// and [`ShareLost`].
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<Option<PyObject>> {
         let outcome = wait::until(py, Timeout::of(timeout), |slice| self.waiter().wait(slice))?;
         let Some(outcome) = outcome else {
             return Ok(None);
         };
-        let tuple = match outcome {
+        let object = match outcome {
             Outcome::Ready {
                 memfd,
                 listener,
                 from,
-            } => {
-                let (memfd, listener) = (memfd.into_raw_fd(), listener.into_raw_fd());
-                ("ready", memfd, listener, from.rank, from.pid).into_pyobject(py)?
+            } => ShareReady {
+                memfd: memfd.into_raw_fd(),
+                listener: listener.into_raw_fd(),
+                rank: from.rank,
+                pid: from.pid,
             }
-            Outcome::Failed { report, from } => {
-                let report = PyBytes::new(py, &report);
-                ("failed", report, from.rank, from.pid).into_pyobject(py)?
+            .into_pyobject(py)?
+            .into_any(),
+            Outcome::Failed { report, from } => ShareFailed {
+                report: PyBytes::new(py, &report).unbind(),
+                rank: from.rank,
+                pid: from.pid,
             }
-            Outcome::BuilderDied { builder, status } => {
-                let code = status.and_then(|s| s.as_exitcode());
-                ("died", builder.rank, builder.pid, code).into_pyobject(py)?
+            .into_pyobject(py)?
+            .into_any(),
+            Outcome::BuilderDied { builder, status } => ShareBuilderDied {
+                rank: builder.rank,
+                pid: builder.pid,
+                exitcode: status.and_then(|s| s.as_exitcode()),
             }
-            Outcome::Lost => ("lost",).into_pyobject(py)?,
+            .into_pyobject(py)?
+            .into_any(),
+            Outcome::Lost => ShareLost.into_pyobject(py)?.into_any(),
         };
-        Ok(Some(tuple.into_any().unbind()))
+        Ok(Some(object.unbind()))
     }
 }
+
+/// The data is built: `memfd` holds it and `listener` answers later askers (both handed
+/// over: the receiver owns them), from the builder `rank` (pid `pid`).
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct ShareReady {
+    memfd: i32,
+    listener: i32,
+    rank: i64,
+    pid: u32,
+}
+
+/// The build failed in `rank` (pid `pid`): `report` is its failure report.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct ShareFailed {
+    report: Py<PyBytes>,
+    rank: i64,
+    pid: u32,
+}
+
+/// The builder `rank` (pid `pid`) hung up before it was done; `exitcode` in
+/// multiprocessing's convention, None when unknown.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct ShareBuilderDied {
+    rank: i64,
+    pid: u32,
+    exitcode: Option<i32>,
+}
+
+/// The holder that accepted hung up first: ask again.
+#[pyclass(module = "tether._native", frozen)]
+pub struct ShareLost;
 
 /// The vault of a job's shared copies (see tether-core's `share::vault`): started for the
 /// job `job`, it holds what the job's ranks hand over until it is dropped.

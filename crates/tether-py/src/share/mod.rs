@@ -11,9 +11,14 @@ mod pickle;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<items::SharedItems>()?;
+    m.add_class::<items::SharedTable>()?;
     m.add_class::<items::SharedIter>()?;
     m.add_class::<meet::ShareMeeting>()?;
     m.add_class::<meet::ShareWaiter>()?;
+    m.add_class::<meet::ShareReady>()?;
+    m.add_class::<meet::ShareFailed>()?;
+    m.add_class::<meet::ShareBuilderDied>()?;
+    m.add_class::<meet::ShareLost>()?;
     m.add_class::<meet::ShareVault>()?;
     m.add_function(wrap_pyfunction!(items::share_is_dict, m)?)?;
     m.add_function(wrap_pyfunction!(meet::share_claim, m)?)?;
