@@ -11,19 +11,64 @@ from __future__ import annotations
 import os
 import pickle
 import traceback
-from types import TracebackType
-from typing import Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 from tether import _native
 
 from . import pickling
 
 
-def _user_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:
-    """The traceback without tether's own bootstrap frames on top."""
-    while tb is not None and tb.tb_frame.f_globals.get("__name__") == "tether.spawn.bootstrap":
+class Described(NamedTuple):
+    """An exception as it crosses to another process (a spawn child's report, a pool task's
+    error, a failed ``tether.share`` build): its type's name, its message, its traceback's
+    text, and the exception pickled (None when it does not pickle). ``describe`` makes it,
+    ``rebuild`` turns it back into an exception on the other side."""
+
+    type_name: str
+    message: str
+    text: str
+    pickled: Optional[bytes]
+
+
+def describe(
+    exc: BaseException, dumps: Optional[Callable[[BaseException], bytes]] = None
+) -> Described:
+    """``exc`` described to cross to another process, its traceback from the first frame
+    that is not tether's own (the bootstrap of a child, the loop of a worker, the call of a
+    build); ``dumps`` pickles it (by default: ``pickle``, then tether's own pickler for a
+    ``__main__`` without a file). A broken ``__str__`` or ``__repr__`` loses nothing else."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_globals.get("__name__", "").startswith("tether."):
         tb = tb.tb_next
-    return tb
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    except BaseException as error:  # noqa: BLE001 - a broken __str__ or __repr__
+        text = f"{type(exc).__qualname__}: <cannot format the exception: {error!r}>\n"
+    try:
+        message = str(exc)
+    except BaseException:  # noqa: BLE001 - the text must get through whatever happens here
+        message = "<the exception's message cannot be shown>"
+    try:
+        pickled_exc: Optional[bytes] = (dumps or pickled)(exc) or None
+    except BaseException:  # noqa: BLE001 - SystemExit in a __reduce__ included
+        pickled_exc = None
+    return Described(type(exc).__qualname__, message, text, pickled_exc)
+
+
+def rebuild(described: Described, where: str = "") -> BaseException:
+    """The exception ``described``, rebuilt here with the other side's traceback as its
+    cause (as ``concurrent.futures`` gives a worker's; ``where`` opens it), or
+    ``tether.RemoteError`` with its type's name, message and traceback when it cannot be
+    rebuilt."""
+    from concurrent.futures.process import _RemoteTraceback
+
+    from tether.errors import RemoteError
+
+    type_name, message, text, pickled_exc = described
+    exc = unpickle_exception(pickled_exc) or RemoteError(type_name, message, text)
+    # It takes the traceback's text (its type stubs say a traceback object).
+    exc.__cause__ = _RemoteTraceback(f'\n"""\n{where}{text}"""')  # type: ignore[arg-type]
+    return exc
 
 
 def pickled(exc: BaseException) -> bytes:
@@ -44,13 +89,10 @@ def pickled(exc: BaseException) -> bytes:
 
 
 def encode(exc: BaseException) -> bytes:
-    tb = _user_frames(exc.__traceback__)
-    try:
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
-    except BaseException as error:  # noqa: BLE001 - a broken __str__ or __repr__
-        text = f"{type(exc).__qualname__}: <cannot format the exception: {error!r}>\n"
-    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return bytes(_native.encode_report(type_name, text.encode(errors="replace"), pickled(exc)))
+    """The report frame of ``exc`` (see the module's docstring)."""
+    described = describe(exc)
+    text = described.text.encode(errors="replace")
+    return bytes(_native.encode_report(described.type_name, text, described.pickled or b""))
 
 
 def write(fd: int, exc: BaseException) -> None:

@@ -65,8 +65,7 @@ POOL = "tether.Pool"
 EXECUTOR = "tether.ProcessPoolExecutor"
 #: CPython's ``ProcessPoolExecutor``, when a worker died with a task in hand.
 _CPYTHON_CRASHED = (
-    "A process in the process pool was terminated abruptly while the future was running or "
-    "pending"
+    "A process in the process pool was terminated abruptly while the future was running or pending"
 )
 #: CPython's ``ProcessPoolExecutor``, when a worker died (its initializer failed).
 _CPYTHON_BROKEN = "A child process terminated abruptly, the process pool is not usable anymore"
@@ -91,9 +90,7 @@ def worker_crashed(death: _native.WorkerDied, lost: bool, owner: str = POOL) -> 
     return f"{_CPYTHON_CRASHED}: {said}" if owner == EXECUTOR else said
 
 
-def worker_not_started(
-    death: _native.WorkerDied, report: Optional[str], owner: str = POOL
-) -> str:
+def worker_not_started(death: _native.WorkerDied, report: Optional[str], owner: str = POOL) -> str:
     """A worker of the pool ``owner`` died before it was ready; ``report`` is the error it
     wrote."""
     pid, exitcode = death.pid, exitcode_of(death.status)

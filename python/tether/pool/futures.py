@@ -10,7 +10,6 @@ import concurrent.futures
 import logging
 import threading
 import time
-from concurrent.futures.process import _RemoteTraceback as _CFRemoteTraceback
 from typing import (
     Any,
     Callable,
@@ -25,28 +24,13 @@ from typing import (
 )
 
 from tether.common import reports
-from tether.errors import RemoteError
-
-from . import worker
 
 _LOGGER = logging.getLogger("concurrent.futures")
 
 
-def _remote_traceback(text: str) -> BaseException:
-    """The ``__cause__`` of an exception raised in a worker, as ``concurrent.futures``
-    makes it (``.tb`` is the worker's traceback)."""
-    # It takes the traceback's text (its type stubs say a traceback object).
-    return _CFRemoteTraceback(f'\n"""\n{text}"""')  # type: ignore[arg-type]
-
-
-def rebuild(info: worker.ErrorInfo) -> BaseException:
+def rebuild(info: reports.Described) -> BaseException:
     """The exception a worker described (see ``worker.describe``)."""
-    type_name, message, text, pickled = info
-    exc = reports.unpickle_exception(pickled)
-    if exc is None:
-        exc = RemoteError(type_name, message, text)
-    exc.__cause__ = _remote_traceback(text)
-    return exc
+    return reports.rebuild(reports.Described(*info))
 
 
 # -- delivery ---------------------------------------------------------------------------------

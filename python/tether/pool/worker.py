@@ -18,9 +18,10 @@ A task's bytes unpickle to one of:
   not pickle becomes its pickling error, the others keep their results.
 
 An error (an exception raised by the task, or met while unpickling the task or pickling
-its result) travels as ``(type name, message, traceback text, pickled exception or None)``,
-so that the pool can rebuild the exception, or describe it when it cannot cross; one met
-while unpickling the task travels in an ``Unread``: that task never ran.
+its result) travels as a ``reports.Described`` (type name, message, traceback text,
+pickled exception), so that the pool can rebuild the exception, or describe it when it
+cannot cross; one met while unpickling the task travels in an ``Unread``: that task never
+ran.
 
 Whatever a task leaves is cleaned up before the next: the channels it received are closed,
 torch's DataLoader worker info is reset, and after a short idle time the garbage collector
@@ -41,7 +42,7 @@ import traceback
 from typing import Any, Callable, Dict, Final, List, NamedTuple, Optional, Sequence, Tuple
 
 from tether import _native
-from tether.common import pickling
+from tether.common import pickling, reports
 from tether.spawn import bootstrap
 
 from . import channel, recycle, shipment, shm
@@ -60,29 +61,17 @@ IDLE_GC = 0.2
 #: Whether a leased process left the random generators seeded as it chose.
 _seeded_by_lease = False
 
-#: An exception as it travels: type name, message, traceback text, pickled exception.
-ErrorInfo = Tuple[str, str, str, Optional[bytes]]
-
 
 class Unread(NamedTuple):
     """The outcome of a task this worker could not unpickle (it never ran): the error."""
 
-    error: ErrorInfo
+    error: reports.Described
 
 
-def describe(exc: BaseException) -> ErrorInfo:
-    """``exc`` as it travels to the pool (its frames are dropped here)."""
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    exc.__traceback__ = None
-    try:
-        message = str(exc)
-    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the error
-        message = "<message unavailable>"
-    try:
-        pickled: Optional[bytes] = pickling.dumps(exc, pickling.FdCollector())
-    except BaseException:  # noqa: BLE001 - SystemExit in a __reduce__ included
-        pickled = None
-    return type(exc).__qualname__, message, text, pickled
+def describe(exc: BaseException) -> reports.Described:
+    """``exc`` as it travels to the pool (``reports.describe``, pickled by tether's own
+    pickler, as the task's result would be)."""
+    return reports.describe(exc, lambda e: pickling.dumps(e, pickling.FdCollector()))
 
 
 def _call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[bool, Any]:

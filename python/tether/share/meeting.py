@@ -31,14 +31,12 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-import traceback
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from tether import _native
 from tether.common import reports, words
-from tether.errors import RemoteError
 
 from . import items
 
@@ -221,29 +219,11 @@ def _hold(name: bytes, memfd: int, listener: int, rank: int) -> Tuple[Shared, _n
 
 
 def _describe(exc: BaseException) -> bytes:
-    """What waiting ranks get of a build's error: its type's name, message, traceback
-    text, and the exception pickled (empty when it does not pickle)."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_globals.get("__name__", "").startswith("tether."):
-        tb = tb.tb_next  # from the call of build() on
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    try:
-        message = str(exc)
-    except Exception:  # noqa: BLE001 - a broken __str__ still leaves the traceback
-        message = "<the exception's message cannot be shown>"
-    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return pickle.dumps((name, message, text, reports.pickled(exc)))
+    """What waiting ranks get of a build's error (see ``reports.describe``)."""
+    return pickle.dumps(tuple(reports.describe(exc)))
 
 
 def _builder_error(report: bytes, key: str, rank: int, pid: int) -> BaseException:
-    """The builder's exception, rebuilt here, with its traceback as the cause (as
-    ``concurrent.futures`` gives a worker's); ``tether.RemoteError`` with its type's name
-    and message when it cannot be rebuilt."""
-    from concurrent.futures.process import _RemoteTraceback
-
-    type_name, message, text, pickled = pickle.loads(report)
-    exc = reports.unpickle_exception(pickled) or RemoteError(type_name, message, text)
+    """The builder's exception, rebuilt here (see ``reports.rebuild``)."""
     where = f"build() of tether.share(key={key!r}) in {words.who(rank, pid)} raised:\n"
-    # It takes the traceback's text (its type stubs say a traceback object).
-    exc.__cause__ = _RemoteTraceback(f'\n"""\n{where}{text}"""')  # type: ignore[arg-type]
-    return exc
+    return reports.rebuild(reports.Described(*pickle.loads(report)), where)

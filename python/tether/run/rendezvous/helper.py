@@ -393,4 +393,3 @@ def main(argv: List[str]) -> None:
     serve(node, sys.stdin)
     sys.stdout.flush()
     os._exit(0)
-

@@ -78,9 +78,7 @@ def reads_only(mode: Any, flags: Any) -> bool:
     return False
 
 
-def reader(
-    frame: Any, places: scan.Places, through: bool = True
-) -> Tuple[Optional[str], bool]:
+def reader(frame: Any, places: scan.Places, through: bool = True) -> Tuple[Optional[str], bool]:
     """The module whose code made the read in progress at ``frame`` (relays skipped), and
     whether it is the standard library's; (None, ...) for tether's own code. ``through``:
     a standard-library function called by a package reads for that package (a clock, a

@@ -306,9 +306,7 @@ class Recorder:
         self.settings = settings
         fds = probes.fds()
         for fd in sorted(fds - self.fds - self.watch.output.fds()):
-            node.problems.append(
-                f"its import opened {probes.describe_fd(fd)} and keeps it open"
-            )
+            node.problems.append(f"its import opened {probes.describe_fd(fd)} and keeps it open")
         self.fds = fds
 
     # -- a root: one package the script imports ----------------------------------------

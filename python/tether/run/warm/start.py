@@ -111,9 +111,7 @@ def serve(
         _start_again(config, environment, found, list(fds))
     _single_threaded()
     environ = {k: v for k, v in os.environ.items() if k not in varying}
-    preloaded = Preloaded(
-        owner, sys.modules["__main__"], path, directories, environ, varying
-    )
+    preloaded = Preloaded(owner, sys.modules["__main__"], path, directories, environ, varying)
     parent = os.getppid()
     zygote = Zygote(
         arguments, comm, parent, event, target, plan, preloaded, _native_files(owner), private
