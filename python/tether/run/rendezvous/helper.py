@@ -14,7 +14,8 @@ publishes a rank's failure the moment the launcher sees it; ``{"cmd": "failed", 
 restart is left, the job ends); ``{"cmd": "done"}`` says this node's ranks succeeded;
 ``{"cmd": "leave"}`` (or the end of stdin, or SIGTERM) leaves the job.
 
-Answers and events: ``round`` (this node's place in the round that formed), ``restart``
+Answers and events (one method of ``say.Say`` each): ``round`` (this node's place in the
+round that formed), ``restart``
 (the membership moved on: nodes wait to join, a node left or stopped answering), ``ended``
 (another node ended the job; its root cause), ``cause`` (the job's root cause, after a final
 failure), ``away`` (the job moved on while this node was away: a sentence, and the root cause
@@ -28,6 +29,7 @@ so only round 0 is torch's exactly; each later round gets a store of its own.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -35,11 +37,12 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from . import end, torch_rdzv
 from .end import ALIVE, FINISHED, LEFT, declare_lost, lost
 from .say import (
+    Place,
     Say,
     announce_run_id,
     call_with_deadline,
@@ -135,19 +138,11 @@ class Node:
             self.handler, info, self.group_rank, self.round_number(), self.opts.get("local_addr")
         )
         self.store.set(f"{ALIVE}{self.group_rank}", json.dumps([0, self.host]))
-        self.say(
-            "round",
-            round=self.round_number(),
-            group_rank=self.group_rank,
-            group_world_size=self.nodes,
-            rank_base=ranks[0],
-            world_size=ranks[1],
-            role_rank_base=ranks[2],
-            role_world_size=ranks[3],
-            master_addr=addr,
-            master_port=port,
-            agent_store=agent,
+        base, world, role_base, role_world = ranks
+        place = Place(
+            self.group_rank, self.nodes, base, world, role_base, role_world, addr, port, agent
         )
+        self.say.round(self.round_number(), place)
         self.start_watch()
 
     def joining_failed(self, exc: BaseException) -> None:
@@ -159,7 +154,7 @@ class Node:
         if isinstance(exc, RendezvousClosedError):
             cause = self.take_end(self.store)
             if cause is not None:
-                self.say("ended", cause=cause)
+                self.say.ended(cause)
                 self.hold_the_end()
                 os._exit(0)
             fail(self.say, f"the rendezvous of run {self.run_id!r} at {self.endpoint} is closed")
@@ -168,7 +163,7 @@ class Node:
             message = join_timed_out(
                 self.run_id, self.endpoint, self.join_timeout, self.opts["min_nodes"], others
             )
-            self.say("error", message=message)
+            self.say.error(message)
             # The node hosting the store keeps it a while, so that the others reach their
             # own join timeout and can say which run ids they met.
             if hosts(self.endpoint):
@@ -219,7 +214,7 @@ class Node:
                 silent = time.monotonic() - failing_since
                 if away > self.dead_after and silent > min(self.dead_after, self.read_timeout):
                     gone = end.store_gone(failing_since - last, self.endpoint)
-                    self.say("away", round=self.round_number(), why=gone, cause=None)
+                    self.say.away(self.round_number(), gone, None)
                     return
                 if silent < self.read_timeout:
                     continue
@@ -232,26 +227,30 @@ class Node:
                 return
             if why is None:
                 continue
-            self.say(why[0], round=self.round_number(), **why[1])
+            why()
             return
 
     def moved_on(
         self, store: Any, count: int, beats: Dict[int, Any], seen: Dict[int, float], away: float
-    ) -> Optional["tuple[str, Dict[str, Any]]"]:
+    ) -> Optional[Callable[[], None]]:
+        """What to say if the round moved on (a message of ``say``, ready to send)."""
         store.set(f"{ALIVE}{self.group_rank}", json.dumps([count, self.host]))
-        cause = self.take_end(store)
+        cause, round = self.take_end(store), self.round_number()
         missed = self.missed(store, away if away > self.dead_after else None, cause)
         if missed is not None:
-            return "away", missed
+            return functools.partial(self.say.away, round, **missed)
         if cause is not None:
-            return "ended", {"cause": cause}
+            return functools.partial(self.say.ended, cause)
         now = time.monotonic()
         for node in range(self.nodes):
             if node == self.group_rank or store.check([f"{FINISHED}{node}"]):
                 continue
             if store.check([f"{LEFT}{node}"]):
                 host = json.loads(store.get(f"{LEFT}{node}"))
-                return "restart", lost(f"node {node} ({host}) left the job", self.nodes, self.opts)
+                why = f"node {node} ({host}) left the job"
+                return functools.partial(
+                    self.say.restart, round, **lost(why, self.nodes, self.opts)
+                )
             if not store.check([f"{ALIVE}{node}"]):
                 continue
             beat = store.get(f"{ALIVE}{node}")
@@ -261,11 +260,13 @@ class Node:
                 host = json.loads(beat)[1]
                 why = f"node {node} ({host}) stopped answering for {self.dead_after:g} s"
                 declare_lost(store, node, self.group_rank, self.host, self.dead_after)
-                return "restart", lost(why, self.nodes, self.opts)
+                return functools.partial(
+                    self.say.restart, round, **lost(why, self.nodes, self.opts)
+                )
         waiting = self.handler.num_nodes_waiting()
         if waiting:
             why = f"{waiting} node(s) wait for a new round (joining, or restarting after a failure)"
-            return "restart", {"why": why}
+            return functools.partial(self.say.restart, round, why)
         return None
 
     def take_end(self, store: Any) -> Any:
@@ -300,14 +301,14 @@ class Node:
                 return
             missed = self.missed(store, None, self.take_end(store))
             if missed is not None:
-                self.say("away", round=self.round_number(), **missed)
+                self.say.away(self.round_number(), **missed)
                 return
             cause = end.decide(store, me, self.nodes, record)
             cause = end.with_consequences(store, self.nodes, cause)
             self.handler.set_closed()
         except Exception:  # noqa: BLE001 - the store is gone: this node's record
             cause = record
-        self.say("cause", cause=cause)
+        self.say.cause(cause)
 
     def done(self) -> None:
         """Waits for every node's ranks to end (the node hosting the store keeps it for the
@@ -332,15 +333,15 @@ class Node:
                 cause = self.take_end(self.store)
                 missed = self.missed(self.store, None, None)
                 if missed is not None:
-                    self.say("away", round=self.round_number(), **missed)
+                    self.say.away(self.round_number(), **missed)
                     return
                 if cause is not None:
-                    self.say("ended", cause=cause)
+                    self.say.ended(cause)
                     self.hold_the_end()
                     return
         except Exception:  # noqa: BLE001 - the store's host finished and went: nothing to wait for
             pass
-        self.say("bye")
+        self.say.bye()
 
     def leave(self) -> None:
         self.watch_stop.set()

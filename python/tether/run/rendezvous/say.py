@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 import threading
-from typing import Any, Dict, List, TextIO
+from typing import Any, Dict, List, NamedTuple, TextIO
 
 NO_HOST = (
     ": no node hosts the store there (the node whose address is the endpoint's host hosts "
@@ -18,21 +18,66 @@ NO_HOST = (
 
 
 class Say:
-    """The launcher's end of the conversation: one JSON object per line."""
+    """The launcher's end of the conversation: one JSON object per line, tagged by its
+    ``kind``, one method per message (the launcher reads them as one typed enum,
+    ``Said`` in ``helper.rs``)."""
 
     def __init__(self, out: TextIO) -> None:
         self._out = out
         self._lock = threading.Lock()
 
-    def __call__(self, kind: str, **fields: Any) -> None:
+    def _line(self, kind: str, **fields: Any) -> None:
         line = json.dumps({"kind": kind, **fields})
         with self._lock:
             self._out.write(line + "\n")
             self._out.flush()
 
+    def round(self, round: int, place: Place) -> None:
+        """Round ``round`` formed: this node's place in it."""
+        self._line("round", round=round, **place._asdict())
+
+    def restart(self, round: int, why: str, short: bool = False) -> None:
+        """The membership of round ``round`` moved on (``why``); ``short`` when a node is
+        gone and the nodes left are fewer than MIN."""
+        self._line("restart", round=round, why=why, short=short)
+
+    def ended(self, cause: Any) -> None:
+        """Another node ended the job, with this root cause."""
+        self._line("ended", cause=cause)
+
+    def cause(self, cause: Any) -> None:
+        """The job's root cause, after this node's final failure."""
+        self._line("cause", cause=cause)
+
+    def away(self, round: int, why: str, cause: Any) -> None:
+        """The job moved on while this node was away (``why``); its root cause if it ended."""
+        self._line("away", round=round, why=why, cause=cause)
+
+    def bye(self) -> None:
+        """Every node's ranks ended: the helper leaves."""
+        self._line("bye")
+
+    def error(self, message: str) -> None:
+        """The rendezvous failed: a sentence naming the endpoint, the option or the node."""
+        self._line("error", message=message)
+
+
+class Place(NamedTuple):
+    """A node's place in a round, as ``round`` says it."""
+
+    group_rank: int
+    group_world_size: int
+    rank_base: int
+    world_size: int
+    role_rank_base: int
+    role_world_size: int
+    master_addr: str
+    master_port: int
+    agent_store: bool
+
 
 def fail(say: Say, message: str) -> None:
-    say("error", message=message)
+    say.error(message)
     sys.stderr.flush()
     os._exit(1)
 

@@ -16,7 +16,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use tether_core::{Group, WaitFor};
 
@@ -50,57 +51,110 @@ pub enum Message {
     Error(String),
 }
 
-impl Message {
-    fn parse(line: &str) -> Message {
-        let Ok(v) = serde_json::from_str::<Value>(line) else {
-            return Message::Error(format!("the rendezvous helper said {line:?}"));
-        };
-        let round = v["round"].as_u64().unwrap_or(0);
-        match v["kind"].as_str() {
-            Some("round") => match place_of_round(&v) {
-                Some(place) => Message::Round(place, round),
-                None => Message::Error(format!("the rendezvous helper said {line:?}")),
-            },
-            Some("restart") => Message::Restart {
+/// What the helper writes, one JSON object per line tagged by its `kind` (in the helper,
+/// `say.Say` has one method per message).
+#[derive(Debug, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+enum Said {
+    Round {
+        round: u64,
+        group_rank: usize,
+        group_world_size: usize,
+        rank_base: usize,
+        world_size: usize,
+        role_rank_base: usize,
+        role_world_size: usize,
+        master_addr: String,
+        master_port: u16,
+        agent_store: bool,
+    },
+    Restart {
+        round: u64,
+        why: String,
+        #[serde(default)]
+        short: bool,
+    },
+    Ended {
+        cause: Value,
+    },
+    Cause {
+        cause: Value,
+    },
+    Away {
+        why: String,
+        cause: Value,
+    },
+    Bye,
+    Error {
+        message: String,
+    },
+}
+
+impl From<Said> for Message {
+    fn from(said: Said) -> Message {
+        match said {
+            Said::Round {
                 round,
-                why: v["why"]
-                    .as_str()
-                    .unwrap_or("the membership changed")
-                    .to_string(),
-                short: v["short"].as_bool().unwrap_or(false),
-            },
-            Some("ended") => Message::Ended(v["cause"].clone()),
-            Some("cause") => Message::Cause(v["cause"].clone()),
-            Some("away") => Message::Away {
-                why: v["why"]
-                    .as_str()
-                    .unwrap_or("the job moved on while this node was away")
-                    .to_string(),
-                cause: v["cause"].clone(),
-            },
-            Some("bye") => Message::Bye,
-            _ => Message::Error(v["message"].as_str().map_or_else(
-                || format!("the rendezvous helper said {line:?}"),
-                str::to_string,
-            )),
+                group_rank,
+                group_world_size,
+                rank_base,
+                world_size,
+                role_rank_base,
+                role_world_size,
+                master_addr,
+                master_port,
+                agent_store,
+            } => Message::Round(
+                Place {
+                    node_rank: group_rank,
+                    nnodes: group_world_size,
+                    rank_base,
+                    world_size,
+                    role_rank_base,
+                    role_world_size,
+                    master_addr,
+                    master_port,
+                    agent_store,
+                },
+                round,
+            ),
+            Said::Restart { round, why, short } => Message::Restart { round, why, short },
+            Said::Ended { cause } => Message::Ended(cause),
+            Said::Cause { cause } => Message::Cause(cause),
+            Said::Away { why, cause } => Message::Away { why, cause },
+            Said::Bye => Message::Bye,
+            Said::Error { message } => Message::Error(message),
         }
     }
 }
 
-/// A place as the helper gives it for a round.
-fn place_of_round(v: &Value) -> Option<Place> {
-    let n = |key: &str| v[key].as_u64().map(|x| x as usize);
-    Some(Place {
-        node_rank: n("group_rank")?,
-        nnodes: n("group_world_size")?,
-        rank_base: n("rank_base")?,
-        world_size: n("world_size")?,
-        role_rank_base: n("role_rank_base")?,
-        role_world_size: n("role_world_size")?,
-        master_addr: v["master_addr"].as_str()?.to_string(),
-        master_port: u16::try_from(v["master_port"].as_u64()?).ok()?,
-        agent_store: v["agent_store"].as_bool()?,
-    })
+impl Message {
+    fn parse(line: &str) -> Message {
+        match serde_json::from_str::<Said>(line) {
+            Ok(said) => said.into(),
+            Err(err) => Message::Error(format!("the rendezvous helper said {line:?} ({err})")),
+        }
+    }
+}
+
+/// What the launcher tells the helper, one JSON object per line tagged by its `cmd`.
+#[derive(Debug, Serialize)]
+#[serde(tag = "cmd", rename_all = "lowercase")]
+enum Told {
+    /// Join the next round.
+    Next,
+    /// A rank of this node failed: publish its record at once.
+    Failing { record: Value },
+    /// This node's ranks stopped after a failure (`final`: no restart is left).
+    Failed {
+        record: Value,
+        #[serde(rename = "final")]
+        last: bool,
+    },
+    /// This node's ranks succeeded.
+    Done,
+    /// Leave the job.
+    Leave,
 }
 
 /// The helper's pid, for [`let_the_helper_leave`] (0 when there is none).
@@ -206,10 +260,13 @@ impl Helper {
         self.stdout.buffer().contains(&b'\n')
     }
 
-    fn send(&mut self, message: Value) {
+    fn send(&mut self, told: Told) {
         if let Some(stdin) = &mut self.stdin {
+            let Ok(line) = serde_json::to_string(&told) else {
+                return; // (a Value and plain fields always serialize)
+            };
             // A helper that is gone says so at the next read.
-            let _ = writeln!(stdin, "{message}").and_then(|()| stdin.flush());
+            let _ = writeln!(stdin, "{line}").and_then(|()| stdin.flush());
         }
     }
 
@@ -218,27 +275,27 @@ impl Helper {
     }
 
     pub fn next_round(&mut self) {
-        self.send(json!({"cmd": "next"}));
+        self.send(Told::Next);
     }
 
     /// A rank of this node failed: its record goes to the other nodes at once, before the
     /// node's other ranks are stopped.
     pub fn failing(&mut self, record: Value) {
-        self.send(json!({"cmd": "failing", "record": record}));
+        self.send(Told::Failing { record });
     }
 
     pub fn failed(&mut self, record: Value, last: bool) {
-        self.send(json!({"cmd": "failed", "record": record, "final": last}));
+        self.send(Told::Failed { record, last });
     }
 
     pub fn done(&mut self) {
-        self.send(json!({"cmd": "done"}));
+        self.send(Told::Done);
     }
 
     /// Leaves the job (the other nodes start a new round without this one) and waits for the
     /// helper to end.
     pub fn leave(&mut self) {
-        self.send(json!({"cmd": "leave"}));
+        self.send(Told::Leave);
         self.stdin = None;
         self.wait();
     }
@@ -291,5 +348,47 @@ impl Drop for Helper {
                 group.wait(None, WaitFor::AllExited, None);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_message_of_the_helper_is_read_as_its_kind() {
+        let round = r#"{"kind": "round", "round": 2, "group_rank": 1, "group_world_size": 2,
+            "rank_base": 4, "world_size": 8, "role_rank_base": 4, "role_world_size": 8,
+            "master_addr": "node0", "master_port": 29500, "agent_store": true}"#;
+        match Message::parse(&round.replace('\n', " ")) {
+            Message::Round(place, 2) => {
+                assert_eq!((place.node_rank, place.nnodes, place.rank_base), (1, 2, 4));
+                assert_eq!((place.master_addr.as_str(), place.master_port), ("node0", 29500));
+            }
+            other => panic!("{other:?}"),
+        }
+        let restart = r#"{"kind": "restart", "round": 3, "why": "node 1 left", "short": true}"#;
+        assert!(matches!(
+            Message::parse(restart),
+            Message::Restart { round: 3, short: true, .. }
+        ));
+        let away = r#"{"kind": "away", "round": 1, "why": "gone", "cause": null}"#;
+        assert!(matches!(Message::parse(away), Message::Away { cause: Value::Null, .. }));
+        assert!(matches!(Message::parse(r#"{"kind": "bye"}"#), Message::Bye));
+        let error = r#"{"kind": "error", "message": "no store at x:1"}"#;
+        assert!(matches!(Message::parse(error), Message::Error(m) if m == "no store at x:1"));
+        let unknown = Message::parse(r#"{"kind": "what"}"#);
+        assert!(matches!(unknown, Message::Error(m) if m.contains("the rendezvous helper said")));
+    }
+
+    #[test]
+    fn each_command_is_written_tagged_by_cmd() {
+        let record = serde_json::json!({"rank": 0});
+        let failed = Told::Failed { record, last: true };
+        assert_eq!(
+            serde_json::to_string(&failed).unwrap(),
+            r#"{"cmd":"failed","record":{"rank":0},"final":true}"#
+        );
+        assert_eq!(serde_json::to_string(&Told::Next).unwrap(), r#"{"cmd":"next"}"#);
     }
 }
