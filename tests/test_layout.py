@@ -184,3 +184,17 @@ def test_the_package_is_one_folder_per_room_and_the_public_names_stay_the_functi
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["tether.SharedList([1,", "2])", "tether.share.meeting"]
+
+
+def test_a_type_checker_sees_the_public_functions_not_their_folders(tmp_path):
+    code = "import tether\nreveal_type(tether.share)\nreveal_type(tether.spawn)\n"
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-incremental", "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    revealed = [line for line in done.stdout.splitlines() if "Revealed type" in line]
+    assert len(revealed) == 2 and all('"def (' in line for line in revealed), done.stdout

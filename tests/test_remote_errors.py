@@ -73,3 +73,13 @@ def test_tethers_own_frames_on_top_are_left_out() -> None:
         text = reports.describe(exc).text
     frames = [line for line in text.splitlines() if line.startswith("  File ")]
     assert len(frames) == 1 and "test_remote_errors.py" in frames[0] and "in user" in frames[0]
+
+
+def test_an_exception_raised_in_tethers_own_code_keeps_its_whole_traceback() -> None:
+    space: dict = {"__name__": "tether.somewhere"}
+    exec("def inner():\n    raise OSError('no fd')\ndef outer():\n    inner()\n", space)
+    try:
+        space["outer"]()
+    except OSError as exc:
+        text = reports.describe(exc).text
+    assert text.count('  File "<string>"') == 2 and "in inner" in text, text

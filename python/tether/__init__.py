@@ -11,7 +11,7 @@ the rest of torch.multiprocessing's public names (``Process``, ``Queue``,
 use. ``tether.Pool`` is tether's own pool (a ``concurrent.futures.Executor``), and
 ``tether.ProcessPoolExecutor`` is ``concurrent.futures.ProcessPoolExecutor`` over it."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Binds the compiled module as an attribute of the package even when it was loaded first
 # on its own (see _tether_stacks).
@@ -33,6 +33,9 @@ from .spawn import ProcessContext, SpawnContext, spawn, start_processes
 # the name on first use (``__getattr__``) and a later import of ``tether.share.items``
 # leaves it alone.
 del globals()["share"]
+
+if TYPE_CHECKING:  # what a type checker sees of the lazy names: the function, not the folder
+    from .share.meeting import share as share
 
 __version__ = _native.__version__
 

@@ -35,11 +35,14 @@ def describe(
 ) -> Described:
     """``exc`` described to cross to another process, its traceback from the first frame
     that is not tether's own (the bootstrap of a child, the loop of a worker, the call of a
-    build); ``dumps`` pickles it (by default: ``pickle``, then tether's own pickler for a
-    ``__main__`` without a file). A broken ``__str__`` or ``__repr__`` loses nothing else."""
+    build; the whole traceback when every frame is tether's); ``dumps`` pickles it (by
+    default: ``pickle``, then tether's own pickler for a ``__main__`` without a file). A
+    broken ``__str__`` or ``__repr__`` loses nothing else."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_globals.get("__name__", "").startswith("tether."):
         tb = tb.tb_next
+    if tb is None:  # raised in tether's own code: all of it is worth showing
+        tb = exc.__traceback__
     try:
         text = "".join(traceback.format_exception(type(exc), exc, tb))
     except BaseException as error:  # noqa: BLE001 - a broken __str__ or __repr__

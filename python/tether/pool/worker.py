@@ -70,8 +70,11 @@ class Unread(NamedTuple):
 
 def describe(exc: BaseException) -> reports.Described:
     """``exc`` as it travels to the pool (``reports.describe``, pickled by tether's own
-    pickler, as the task's result would be)."""
-    return reports.describe(exc, lambda e: pickling.dumps(e, pickling.FdCollector()))
+    pickler, as the task's result would be); its frames are let go here, and what their
+    locals hold with them."""
+    described = reports.describe(exc, lambda e: pickling.dumps(e, pickling.FdCollector()))
+    exc.__traceback__ = None
+    return described
 
 
 def _call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[bool, Any]:

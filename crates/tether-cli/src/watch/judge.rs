@@ -8,8 +8,8 @@
 //!   first clean interval in which it did not; a stopped rank is still.
 //! - The *step*: each rank passes its most frequent place when it is seen there after being
 //!   elsewhere or after moving; the step is the median, over the ranks, of the lower
-//!   quartile of the times between passes over the last [`HISTORY`] (unknown until each
-//!   rank has [`LEAST_GAPS`] of them).
+//!   quartile of the times between passes over the last [`HISTORY`], over the ranks that
+//!   have [`LEAST_GAPS`] of them (unknown until one has).
 //! - A *hang*: some rank has been still for `max(2 s, 3 x step)`, other than in
 //!   torch.distributed's start (`init_process_group`). The ranks still for [`GROUPED`] in
 //!   the same place doing the same thing (the most of them; a collective first when as
@@ -546,7 +546,7 @@ mod tests {
     }
 
     #[test]
-    fn the_step_is_unknown_at_first_and_not_a_multiple_of_the_time_between_looks() {
+    fn the_step_is_unknown_at_first_then_read_from_the_shortest_gaps_not_the_median() {
         // Two ranks step faster than the looks come: a look finds each in the collective
         // (its most frequent place) at some looks only, one, two or three looks apart.
         let mut judge = Judge::new(&[0, 1]);
