@@ -177,10 +177,12 @@ def test_a_node_frozen_while_the_job_ended_reports_the_jobs_root_cause_when_it_r
     )
     for node in nodes:
         node.wait_for("place RANK=")
-    frozen = freeze(guest)
+    frozen, since = freeze(guest), time.monotonic()
     try:
         trigger.touch()
         host.wait_for("failed first", limit=30)
+        # Away for longer than the heartbeats' window (2 s), however soon the host ended.
+        time.sleep(max(0.0, 3.0 - (time.monotonic() - since)))
     finally:
         signal_each(frozen, signal.SIGCONT)
     assert [guest.end(limit=60), host.end(limit=60)] == [3, 3], guest.err + host.err

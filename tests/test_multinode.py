@@ -308,7 +308,9 @@ def test_the_node_hosting_the_store_keeps_it_until_every_node_has_read_the_end_o
         node.wait_for("place RANK=")
     # The guest's helper is frozen while the job ends: it cannot read the end before the
     # host's launcher has reported it, and a host that went at once would take the store.
-    helper = [p for p in descendants(guest.proc.pid) if "tether.run.rendezvous" in cmdline(p)]
+    # The helper: `python -m tether.run.rendezvous`, or a fork of the node's zygote (warm).
+    forms = ("tether.run.rendezvous", "tether rendezvous helper of pid")
+    helper = [p for p in descendants(guest.proc.pid) if any(f in cmdline(p) for f in forms)]
     assert len(helper) == 1, helper
     signal_each(helper, signal.SIGSTOP)
     try:

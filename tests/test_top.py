@@ -220,7 +220,7 @@ def test_a_spawn_job_is_shown_from_the_process_that_called_spawn(spawn_job: Any)
     proc, ranks, helper = spawn_job
     rows = json.loads(top(proc.pid, "--json"))
     assert [(row["rank"], row["pid"]) for row in rows] == [(0, ranks[0]), (1, ranks[1])], rows
-    check_against_ps(rows)
+    check_against_ps(rows, lambda: json.loads(top(proc.pid, "--json")))
     spinner, napper = rows
     assert spinner["place"].endswith("in spin"), rows
     assert napper["place"].endswith("in nap"), rows

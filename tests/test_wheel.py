@@ -74,7 +74,7 @@ def test_one_abi3_wheel_per_platform_with_the_launcher_inside(wheels: Dict[str, 
             entry_points = next(n for n in names if n.endswith("entry_points.txt"))
             scripts = archive.read(entry_points).decode()
         assert "tether/_native.abi3.so" in names
-        assert {"tether/run.cli.py", "tether/__main__.py"} <= set(names)
+        assert {"tether/run/cli.py", "tether/__main__.py"} <= set(names)
         assert "tether=tether.run.cli:main" in scripts.replace(" ", "")
         assert not any(n.startswith("tether/bin/") for n in names), names
         # Installed at site-packages' root: the hooks that let tether run's ranks answer for

@@ -29,7 +29,7 @@ BEHAVIOURS: Dict[str, Tuple[str, str]] = {
     "reads_env": ("MODE = os.environ.get('PKG_MODE', 'default')", "{'mode': MODE}"),
     "keeps_log": (
         "LOG = open(os.path.join(os.environ['PKG_DIR'], f'log.{os.getpid()}'), 'a')",
-        "{'logged': common.log()}",
+        "{'logged': _log()}",
     ),
     "uuid": ("import uuid\nID = uuid.uuid4().hex", "{'unique_id': ID}"),
     "rng": ("import random\nRNG = random.Random()", "{'unique_draw': RNG.random()}"),
@@ -169,7 +169,7 @@ import os, sys, warnings
 {code}
 
 
-def common.log():
+def _log():
     try:
         LOG.write("logged\\n")
         LOG.flush()

@@ -363,17 +363,30 @@ mod tests {
         match Message::parse(&round.replace('\n', " ")) {
             Message::Round(place, 2) => {
                 assert_eq!((place.node_rank, place.nnodes, place.rank_base), (1, 2, 4));
-                assert_eq!((place.master_addr.as_str(), place.master_port), ("node0", 29500));
+                assert_eq!(
+                    (place.master_addr.as_str(), place.master_port),
+                    ("node0", 29500)
+                );
             }
             other => panic!("{other:?}"),
         }
         let restart = r#"{"kind": "restart", "round": 3, "why": "node 1 left", "short": true}"#;
         assert!(matches!(
             Message::parse(restart),
-            Message::Restart { round: 3, short: true, .. }
+            Message::Restart {
+                round: 3,
+                short: true,
+                ..
+            }
         ));
         let away = r#"{"kind": "away", "round": 1, "why": "gone", "cause": null}"#;
-        assert!(matches!(Message::parse(away), Message::Away { cause: Value::Null, .. }));
+        assert!(matches!(
+            Message::parse(away),
+            Message::Away {
+                cause: Value::Null,
+                ..
+            }
+        ));
         assert!(matches!(Message::parse(r#"{"kind": "bye"}"#), Message::Bye));
         let error = r#"{"kind": "error", "message": "no store at x:1"}"#;
         assert!(matches!(Message::parse(error), Message::Error(m) if m == "no store at x:1"));
@@ -389,6 +402,9 @@ mod tests {
             serde_json::to_string(&failed).unwrap(),
             r#"{"cmd":"failed","record":{"rank":0},"final":true}"#
         );
-        assert_eq!(serde_json::to_string(&Told::Next).unwrap(), r#"{"cmd":"next"}"#);
+        assert_eq!(
+            serde_json::to_string(&Told::Next).unwrap(),
+            r#"{"cmd":"next"}"#
+        );
     }
 }
