@@ -96,19 +96,26 @@ def freeze(node: Node) -> List[int]:
     return frozen
 
 
+def two_sleeping_nodes(
+    tmp_path: Path, nodes: List[Node], run_id: str, join_timeout: int, restarts: int
+) -> Tuple[Node, Node]:
+    """A host and a guest node of one rank each, their ranks asleep, both in place."""
+    port, conf = free_port(), f"{QUICK},join_timeout={join_timeout}"
+    script = ["--nproc-per-node=1", f"--max-restarts={restarts}", ELASTIC, "--sleep", "60"]
+    host, guest = (
+        start(nodes, tmp_path, tether(*c10d(port, run_id, conf=f"{conf},is_host={h}"), *script))
+        for h in ("true", "false")
+    )
+    for node in (host, guest):
+        node.wait_for("place RANK=")
+    return host, guest
+
+
 def test_a_node_frozen_past_the_heartbeat_window_learns_on_resuming_that_the_job_went_on_without_it(
     tmp_path: Path, nodes: List[Node]
 ) -> None:
-    port = free_port()
-    conf = QUICK + ",join_timeout=8"
     # A restart left: the host waits for a node to join, up to join_timeout.
-    script = ["--nproc-per-node=1", "--max-restarts=1", ELASTIC, "--sleep", "60"]
-    host = start(nodes, tmp_path, tether(*c10d(port, "away", conf=conf + ",is_host=true"), *script))
-    guest = start(
-        nodes, tmp_path, tether(*c10d(port, "away", conf=conf + ",is_host=false"), *script)
-    )
-    for node in nodes:
-        node.wait_for("place RANK=")
+    host, guest = two_sleeping_nodes(tmp_path, nodes, "away", join_timeout=8, restarts=1)
     frozen = freeze(guest)
     try:
         host.wait_for("stopped answering for 3 s", limit=30)
@@ -131,15 +138,7 @@ def test_a_node_frozen_past_the_heartbeat_window_learns_on_resuming_that_the_job
 def test_a_node_lost_with_no_restart_left_ends_the_job_at_once_naming_the_lost_node(
     tmp_path: Path, nodes: List[Node]
 ) -> None:
-    port = free_port()
-    conf = QUICK + ",join_timeout=60"
-    script = ["--nproc-per-node=1", "--max-restarts=0", ELASTIC, "--sleep", "60"]
-    host = start(nodes, tmp_path, tether(*c10d(port, "lost", conf=conf + ",is_host=true"), *script))
-    guest = start(
-        nodes, tmp_path, tether(*c10d(port, "lost", conf=conf + ",is_host=false"), *script)
-    )
-    for node in nodes:
-        node.wait_for("place RANK=")
+    host, guest = two_sleeping_nodes(tmp_path, nodes, "lost", join_timeout=60, restarts=0)
     frozen = freeze(guest)
     try:
         started = time.monotonic()

@@ -16,10 +16,13 @@ const LOCAL_MASTER: &str = "localhost";
 /// torchrun's `--rdzv-id` when none is given.
 const DEFAULT_RUN_ID: &str = "none";
 
-/// This node's place in the job for one attempt: what its ranks' environment says.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// This node's place in the job for one attempt: what its ranks' environment says (read
+/// from the rendezvous helper's `round` message as it writes it, torch's names).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
 pub struct Place {
+    #[serde(rename = "group_rank")]
     pub node_rank: usize,
+    #[serde(rename = "group_world_size")]
     pub nnodes: usize,
     /// The global rank of local rank 0.
     pub rank_base: usize,

@@ -58,15 +58,8 @@ pub enum Message {
 enum Said {
     Round {
         round: u64,
-        group_rank: usize,
-        group_world_size: usize,
-        rank_base: usize,
-        world_size: usize,
-        role_rank_base: usize,
-        role_world_size: usize,
-        master_addr: String,
-        master_port: u16,
-        agent_store: bool,
+        #[serde(flatten)]
+        place: Place,
     },
     Restart {
         round: u64,
@@ -93,31 +86,7 @@ enum Said {
 impl From<Said> for Message {
     fn from(said: Said) -> Message {
         match said {
-            Said::Round {
-                round,
-                group_rank,
-                group_world_size,
-                rank_base,
-                world_size,
-                role_rank_base,
-                role_world_size,
-                master_addr,
-                master_port,
-                agent_store,
-            } => Message::Round(
-                Place {
-                    node_rank: group_rank,
-                    nnodes: group_world_size,
-                    rank_base,
-                    world_size,
-                    role_rank_base,
-                    role_world_size,
-                    master_addr,
-                    master_port,
-                    agent_store,
-                },
-                round,
-            ),
+            Said::Round { round, place } => Message::Round(place, round),
             Said::Restart { round, why, short } => Message::Restart { round, why, short },
             Said::Ended { cause } => Message::Ended(cause),
             Said::Cause { cause } => Message::Cause(cause),
