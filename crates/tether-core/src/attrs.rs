@@ -2,8 +2,8 @@
 //! would have them: read in the caller when the request is made, applied in the child.
 //!
 //! A child started with `exec` inherits the process-wide ones (umask, resource limits,
-//! working directory, environment) from the supervisor, but its CPU affinity and nice
-//! value are per thread on Linux and would be the supervisor thread's: [`ThreadAttributes`]
+//! working directory, environment) from the warden, but its CPU affinity and nice
+//! value are per thread on Linux and would be the warden thread's: [`ThreadAttributes`]
 //! carries the calling thread's. A fork of the zygote inherits nothing from the caller:
 //! [`Attributes`] carries everything.
 

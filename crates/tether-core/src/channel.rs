@@ -8,7 +8,7 @@
 //!   sealed memfd; more fds than fit one control message travel through a private bundle
 //!   socket. A pair is also a duplex link (a worker's control socket).
 //! - [`SharedFlag`]: a flag in a shared memfd page with futex waits (an `Event`).
-//! - [`Poller`]: epoll over many fds, with a wake-up (the supervisor thread, a worker set).
+//! - [`Poller`]: epoll over many fds, with a wake-up (the warden thread, a worker set).
 //!
 //! Nothing here lives in `/dev/shm`: every segment is a memfd (see `memfd.rs`), freed
 //! with its last fd or mapping.
@@ -27,8 +27,8 @@ use rustix::net::{
     SocketType,
 };
 
+use crate::codec::{Fixed, Reader, Writer};
 use crate::memfd::{payload_memfd, read_memfd, SharedPages};
-use crate::wire::{Fixed, Reader, Writer};
 
 /// Messages up to this size (header included) travel inline; larger ones in a memfd.
 pub const INLINE_MAX: usize = 64 * 1024;
@@ -274,17 +274,17 @@ impl Endpoint {
         wait_ready(self.fd.as_fd(), PollFlags::IN, deadline_of(Some(timeout)))
     }
 
-    /// Waits up to `timeout` (for ever when `None`) until this endpoint or one of `watch`
-    /// is readable; returns the index in `watch` of a readable fd, or `None` (the endpoint
+    /// Waits up to `timeout` (for ever when `None`) until this endpoint or one of `sentinels`
+    /// is readable; returns the index in `sentinels` of a readable fd, or `None` (the endpoint
     /// is readable, or the timeout passed).
-    pub fn wait_watching(
+    pub fn wait_or_sentinel(
         &self,
-        watch: &[BorrowedFd<'_>],
+        sentinels: &[BorrowedFd<'_>],
         timeout: Option<Duration>,
     ) -> io::Result<Option<usize>> {
-        let mut fds = Vec::with_capacity(watch.len() + 1);
+        let mut fds = Vec::with_capacity(sentinels.len() + 1);
         fds.push(PollFd::new(&self.fd, PollFlags::IN));
-        fds.extend(watch.iter().map(|fd| PollFd::new(fd, PollFlags::IN)));
+        fds.extend(sentinels.iter().map(|fd| PollFd::new(fd, PollFlags::IN)));
         let timeout = timeout.map(|t| Timespec {
             tv_sec: t.as_secs() as i64,
             tv_nsec: t.subsec_nanos() as i64,
@@ -428,7 +428,7 @@ impl AsFd for SharedFlag {
 }
 
 /// Epoll over many fds (each with a `u64` token) and a wake-up eventfd: the one poller of
-/// tether-core (the supervisor thread's, a worker set's).
+/// tether-core (the warden thread's, a worker set's).
 #[derive(Debug)]
 pub struct Poller {
     epoll: OwnedFd,
@@ -568,22 +568,22 @@ mod tests {
     }
 
     #[test]
-    fn a_wait_watches_other_fds_too() -> io::Result<()> {
+    fn a_wait_heeds_sentinels_too() -> io::Result<()> {
         let (a, b) = Endpoint::pair()?;
         let (c, d) = Endpoint::pair()?;
-        let watch = [d.as_fd()];
+        let sentinels = [d.as_fd()];
         assert_eq!(
-            b.wait_watching(&watch, Some(Duration::from_millis(5)))?,
+            b.wait_or_sentinel(&sentinels, Some(Duration::from_millis(5)))?,
             None
         );
         c.send(b"x", &[], None)?;
         assert_eq!(
-            b.wait_watching(&watch, Some(Duration::from_secs(1)))?,
+            b.wait_or_sentinel(&sentinels, Some(Duration::from_secs(1)))?,
             Some(0)
         );
         a.send(b"y", &[], None)?;
         let _ = d.recv(None)?;
-        assert_eq!(b.wait_watching(&watch, None)?, None);
+        assert_eq!(b.wait_or_sentinel(&sentinels, None)?, None);
         Ok(())
     }
 

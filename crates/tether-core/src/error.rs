@@ -24,8 +24,8 @@ pub enum Error {
     /// The zygote died, stopped answering, or broke its protocol.
     #[error("{0}")]
     Zygote(String),
-    #[error("the tether supervisor thread is gone")]
-    SupervisorGone,
+    #[error("the tether warden thread is gone")]
+    WardenGone,
     #[error("{}{}", strerror(source), limit_hint(source))]
     Io {
         #[from]
@@ -40,7 +40,7 @@ impl Error {
             Error::Launch { source, .. }
             | Error::Resource { source, .. }
             | Error::Io { source } => source.raw_os_error(),
-            Error::Zygote(_) | Error::SupervisorGone => None,
+            Error::Zygote(_) | Error::WardenGone => None,
         }
     }
 

@@ -2,7 +2,7 @@
 //! worker, a launcher's ranks), and what is asked of them: wait, signal, the first failure
 //! in time, and termination with a grace period.
 //!
-//! The supervisor thread ([`crate::supervisor`]) starts the members ([`Group::launch`] and
+//! The warden thread ([`crate::warden`]) starts the members ([`Group::launch`] and
 //! [`Group::adopt_all`] are its) and fills in each member's exit and report; everything here
 //! only reads that state under the group's lock and waits on its condvar. Their stacks are
 //! asked for by [`crate::stacks`] ([`Group::stacks`]).
@@ -19,7 +19,7 @@ use crate::status::ExitStatus;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Exit {
     pub status: ExitStatus,
-    /// `CLOCK_MONOTONIC` time at which the supervisor saw the exit (comparable with
+    /// `CLOCK_MONOTONIC` time at which the warden saw the exit (comparable with
     /// Python's `time.monotonic()` and across processes).
     pub at: Duration,
 }
@@ -203,7 +203,7 @@ impl Group {
             return Ok(false);
         }
         let name = crate::status::signal_name(signal);
-        log::info!(target: "tether::supervisor", "sent {name} to pid {}", member.pid);
+        log::info!(target: "tether::warden", "sent {name} to pid {}", member.pid);
         Ok(signal_tree(member.pid, signal))
     }
 
@@ -217,7 +217,7 @@ impl Group {
             .collect();
         if !sent.is_empty() {
             let name = crate::status::signal_name(signal);
-            log::info!(target: "tether::supervisor", "sent {name} to pids {sent:?}");
+            log::info!(target: "tether::warden", "sent {name} to pids {sent:?}");
         }
         sent.len()
     }
@@ -313,7 +313,7 @@ impl Group {
         if !graceful {
             let killed = self.signal_all(libc::SIGKILL);
             if killed > 0 && timed_out {
-                log::warn!(target: "tether::supervisor", "escalated to SIGKILL after {grace:?}");
+                log::warn!(target: "tether::warden", "escalated to SIGKILL after {grace:?}");
                 sent(libc::SIGKILL, killed);
             }
         }

@@ -38,7 +38,7 @@ pub struct LaunchSpec {
     /// environment variable `TETHER_PAYLOAD_FD`; the socket is closed once all is written.
     pub payload: Option<Vec<u8>>,
     /// Open a report pipe: the child writes to the fd named by `TETHER_REPORT_FD`, and the
-    /// supervisor collects everything written while the child runs. A failure report is one
+    /// warden collects everything written while the child runs. A failure report is one
     /// frame (a little-endian u64 length, then the body); once it is whole, the child counts
     /// as failed (see `Member::failed_at`).
     pub report: bool,
@@ -51,7 +51,7 @@ pub struct LaunchSpec {
     /// Replaces stdin with /dev/null.
     pub null_stdin: bool,
     /// The CPU affinity and nice value the child takes (those of the thread that asked for
-    /// it); the supervisor thread's when `None`.
+    /// it); the warden thread's when `None`.
     pub thread: Option<ThreadAttributes>,
 }
 

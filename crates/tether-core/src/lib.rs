@@ -4,21 +4,21 @@
 //! - [`launch`]: what each child does to itself before it runs (own process group,
 //!   parent-death signal, clean signal state, only the fds asked for).
 //! - [`attrs`]: the caller's process attributes (umask, limits, affinity, ...) a child takes.
-//! - [`supervisor`]: the long-lived thread that launches children and waits on their pidfds
+//! - [`warden`]: the long-lived thread that launches children and waits on their pidfds
 //!   with epoll, drains their reports, records their exits and reaps them.
 //! - [`group`]: [`Group`], the handle to a set of children (wait, signal, first failure,
 //!   terminate).
 //! - [`zygote`]: the fork server's protocol, both sides: the warm process that forks
 //!   children on request, and its client in the parent.
 //! - [`blanks`]: the children a zygote forks ahead: the zygote's set, the notices about
-//!   them, the parent's record; the one owner the zygote and the supervisor share.
+//!   them, the parent's record; the one owner the zygote and the warden share.
 //! - [`limits`]: how many more processes the user's and the cgroup's limits leave.
 //! - [`report`]: a child's failure report as it arrives.
 //! - [`stacks`]: every Python child's stacks on demand, through one channel per process.
 //! - [`status`]: exit statuses and signal names.
 //! - [`proc`]: the one reader of `/proc`.
 //! - [`channel`]: message channels with fds between running processes.
-//! - `wire`: the one byte-level codec of every message and frame above.
+//! - `codec`: the one byte-level codec of every message and frame above.
 //! - [`title`]: a process's title in `ps` and its name in `/proc/PID/comm`.
 //! - [`error`]: [`Error`], and the words that explain an errno.
 //! - `memfd`: sealed memfds and shared mappings, the memory shared between processes.
@@ -30,6 +30,7 @@
 pub mod attrs;
 pub mod blanks;
 pub mod channel;
+mod codec;
 pub mod error;
 pub mod group;
 pub mod launch;
@@ -41,9 +42,8 @@ pub mod report;
 pub mod share;
 pub mod stacks;
 pub mod status;
-pub mod supervisor;
 pub mod title;
-mod wire;
+pub mod warden;
 pub mod workers;
 pub mod zygote;
 
@@ -52,4 +52,4 @@ pub use error::{limit_hint, strerror, Error};
 pub use group::{Escalation, Exit, Group, Member, WaitFor};
 pub use launch::LaunchSpec;
 pub use status::{signal_name, ExitStatus};
-pub use supervisor::Adoption;
+pub use warden::Adoption;

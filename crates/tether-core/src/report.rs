@@ -1,4 +1,4 @@
-//! A child's failure report as the supervisor collects it from the report pipe.
+//! A child's failure report as the warden collects it from the report pipe.
 //!
 //! A report is one frame: a little-endian u64 length, then that many bytes. The moment the
 //! whole frame has arrived the child counts as failed, even while it is still shutting down
@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use crate::wire::{Reader, Writer};
+use crate::codec::{Reader, Writer};
 
 /// The most report bytes kept per child (the frame header included).
 pub const REPORT_LIMIT: usize = 512 << 20;

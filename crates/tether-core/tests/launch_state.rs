@@ -11,8 +11,8 @@ use tether_core::{Group, LaunchSpec, WaitFor};
 #[test]
 fn child_starts_clean_in_its_own_group() {
     // The parent ignores SIGINT (as a background job of a non-interactive shell does) and
-    // blocks SIGTERM and SIGUSR1 in the thread that first starts the supervisor, so that the
-    // supervisor thread inherits that mask.
+    // blocks SIGTERM and SIGUSR1 in the thread that first starts the warden, so that the
+    // warden thread inherits that mask.
     // SAFETY: plain signal-state calls on this test process.
     unsafe {
         libc::signal(libc::SIGINT, libc::SIG_IGN);

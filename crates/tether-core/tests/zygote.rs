@@ -28,8 +28,8 @@ fn main() {
         ),
         ("hundreds_of_ranks_in_batches", hundreds_of_ranks_in_batches),
         (
-            "blanks_are_watched_and_go_with_the_zygote",
-            blanks_are_watched_and_go_with_the_zygote,
+            "blanks_are_followed_and_go_with_the_zygote",
+            blanks_are_followed_and_go_with_the_zygote,
         ),
         (
             "a_stopped_zygote_fails_the_start",
@@ -173,7 +173,7 @@ fn hundreds_of_ranks_in_batches() {
     zygote.close(Duration::from_secs(5));
 }
 
-fn blanks_are_watched_and_go_with_the_zygote() {
+fn blanks_are_followed_and_go_with_the_zygote() {
     let mut zygote = start(3);
     assert!(common::eventually(Duration::from_secs(10), || zygote
         .blanks()

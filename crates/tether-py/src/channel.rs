@@ -177,30 +177,30 @@ impl Endpoint {
         self.inner.get()?.readable().map_err(os_error)
     }
 
-    /// As `recv`, but the same wait also watches `watch` (fds the caller keeps open):
-    /// returns a `Message`, or the index in `watch` of an fd that became readable, or None
+    /// As `recv`, but the same wait also heeds `sentinels` (fds the caller keeps open):
+    /// returns a `Message`, or the index in `sentinels` of an fd that became readable, or None
     /// on timeout. A message already waiting comes before any fd.
-    #[pyo3(signature = (timeout, watch))]
-    fn recv_watching(
+    #[pyo3(signature = (timeout, sentinels))]
+    fn recv_or_sentinel(
         &self,
         py: Python<'_>,
         timeout: Option<Timeout>,
-        watch: Vec<Fd>,
+        sentinels: Vec<Fd>,
     ) -> PyResult<Option<PyObject>> {
         let ep = self.inner.get()?;
-        let fds = borrowed(&watch);
+        let fds = borrowed(&sentinels);
         let got = wait::until(py, Timeout::of(timeout), |slice| {
             match ep.recv(Some(Duration::ZERO))? {
                 Recv::Timeout => {}
-                other => return Ok(Some(Watched::Got(other))),
+                other => return Ok(Some(Woke::Got(other))),
             }
-            Ok(ep.wait_watching(&fds, Some(slice))?.map(Watched::Ready))
+            Ok(ep.wait_or_sentinel(&fds, Some(slice))?.map(Woke::Ready))
         })?;
         match got {
             None => Ok(None),
-            Some(Watched::Ready(index)) => Ok(Some(index.into_pyobject(py)?.into_any().unbind())),
-            Some(Watched::Got(Recv::Message(msg))) => Ok(Some(Message::new(py, msg)?.into_any())),
-            Some(Watched::Got(_)) => Err(PyEOFError::new_err("the channel's peer is closed")),
+            Some(Woke::Ready(index)) => Ok(Some(index.into_pyobject(py)?.into_any().unbind())),
+            Some(Woke::Got(Recv::Message(msg))) => Ok(Some(Message::new(py, msg)?.into_any())),
+            Some(Woke::Got(_)) => Err(PyEOFError::new_err("the channel's peer is closed")),
         }
     }
 }
@@ -222,8 +222,8 @@ impl Message {
     }
 }
 
-/// What `Endpoint.recv_watching` found.
-enum Watched {
+/// What `Endpoint.recv_or_sentinel` found.
+enum Woke {
     Got(Recv),
     Ready(usize),
 }

@@ -20,11 +20,11 @@ pub fn os_error(err: std::io::Error) -> PyErr {
 
 /// The Python exception for an error of tether-core: an `OSError` subclass with its errno
 /// for system errors, `ZygoteError` for a zygote that failed, `RuntimeError` for a
-/// supervisor that is gone.
+/// warden that is gone.
 pub fn core_error(err: tether_core::Error) -> PyErr {
     match (&err, err.raw_os_error()) {
         (tether_core::Error::Zygote(_), _) => ZygoteError::new_err(err.to_string()),
-        (tether_core::Error::SupervisorGone, _) => PyRuntimeError::new_err(err.to_string()),
+        (tether_core::Error::WardenGone, _) => PyRuntimeError::new_err(err.to_string()),
         (_, Some(errno)) => PyOSError::new_err((errno, err.to_string())),
         (_, None) => PyOSError::new_err(err.to_string()),
     }

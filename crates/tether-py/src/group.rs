@@ -109,12 +109,12 @@ impl Member {
     }
 }
 
-/// How a child ended: the one typed exit status, from the supervisor.
+/// How a child ended: the one typed exit status, from the warden.
 #[pyclass(module = "tether._native", frozen, eq)]
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExitStatus {
     status: tether_core::ExitStatus,
-    /// When the supervisor saw the exit, on the `time.monotonic()` clock.
+    /// When the warden saw the exit, on the `time.monotonic()` clock.
     #[pyo3(get)]
     at: f64,
 }

@@ -22,7 +22,7 @@ use crate::group::{Group, Member};
 /// `tether_core::stacks::handler`). A ValueError, with nothing changed, when `fd` is no
 /// such channel.
 ///
-/// It also watches the program's own calls (`signal.signal`, `faulthandler.register`) for
+/// It also guards the program's own calls (`signal.signal`, `faulthandler.register`) for
 /// a handler of its own on tether's signals, which withdraws this process from requests,
 /// and `signal.set_wakeup_fd`, whose fd Python's handler would write to.
 #[pyfunction]
@@ -45,20 +45,20 @@ fn install_stack_handler(py: Python<'_>, fd: RawFd, inode: Option<u64>) -> PyRes
     original(&signal_module.getattr("signal")?)?.call1((core_stacks::signal(), answer))?;
     core_stacks::handler::wrap_request(core_stacks::signal()).map_err(os_error)?;
     note_wakeup_fd(py, &signal_module);
-    guard(py, &faulthandler, "register", Watch::Handler)?;
+    guard(py, &faulthandler, "register", Guarded::Handler)?;
     keep_on_import(py, &faulthandler)?;
-    guard(py, &signal_module, "signal", Watch::Handler)?;
-    guard(py, &signal_module, "set_wakeup_fd", Watch::Wakeup)?;
+    guard(py, &signal_module, "signal", Guarded::Handler)?;
+    guard(py, &signal_module, "set_wakeup_fd", Guarded::Wakeup)?;
     if let Ok(module) = py.import("sys")?.getattr("modules")?.get_item("signal") {
         // `signal` copied `set_wakeup_fd` from `_signal` when it was imported.
-        guard(py, &module, "set_wakeup_fd", Watch::Wakeup)?;
+        guard(py, &module, "set_wakeup_fd", Guarded::Wakeup)?;
     }
     Ok(fd)
 }
 
-/// What a [`SignalGuard`] watches for.
+/// What a [`SignalGuard`] stands guard over.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Watch {
+enum Guarded {
     /// A handler of the program's own for one of tether's signals.
     Handler,
     /// The interpreter's wakeup fd.
@@ -70,7 +70,7 @@ enum Watch {
 #[pyclass(module = "tether._native", frozen)]
 struct SignalGuard {
     original: PyObject,
-    watch: Watch,
+    guarded: Guarded,
 }
 
 #[pymethods]
@@ -84,13 +84,13 @@ impl SignalGuard {
     ) -> PyResult<PyObject> {
         let first: Option<i64> = args.get_item(0).ok().and_then(|a| a.extract().ok());
         let ours = [core_stacks::signal(), core_stacks::dump_signal()];
-        if self.watch == Watch::Handler
+        if self.guarded == Guarded::Handler
             && first.is_some_and(|n| ours.iter().any(|&s| n == s as i64))
         {
             core_stacks::handler::withdraw();
         }
         let result = self.original.bind(py).call(args, kwargs)?;
-        if let (Watch::Wakeup, Some(fd)) = (self.watch, first) {
+        if let (Guarded::Wakeup, Some(fd)) = (self.guarded, first) {
             core_stacks::handler::set_wakeup_fd(fd.try_into().unwrap_or(-1));
         }
         Ok(result.unbind())
@@ -111,7 +111,7 @@ impl SignalGuard {
     }
 }
 
-/// The function a guard watches, or `function` itself.
+/// The function a guard stands over, or `function` itself.
 fn original<'py>(function: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     match function.downcast::<SignalGuard>() {
         Ok(guard) => Ok(guard.get().original.bind(function.py()).clone()),
@@ -119,15 +119,15 @@ fn original<'py>(function: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     }
 }
 
-/// Puts a guard of `watch` on `module.name` (once).
-fn guard(py: Python<'_>, module: &Bound<'_, PyAny>, name: &str, watch: Watch) -> PyResult<()> {
+/// Puts a guard of `guarded` on `module.name` (once).
+fn guard(py: Python<'_>, module: &Bound<'_, PyAny>, name: &str, guarded: Guarded) -> PyResult<()> {
     let function = module.getattr(name)?;
     if function.downcast::<SignalGuard>().is_ok() {
         return Ok(());
     }
     let guard = SignalGuard {
         original: function.unbind(),
-        watch,
+        guarded,
     };
     module.setattr(name, Py::new(py, guard)?)
 }

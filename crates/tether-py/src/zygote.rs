@@ -298,7 +298,7 @@ pub fn zygote_serve(
 /// Forks the calling (single-threaded) zygote with `clone(CLONE_PARENT)`, so that the new
 /// process is a child of the zygote's parent: the process that started the zygote waits for
 /// it with a pidfd, sees its real exit status, and its parent-death signal follows that
-/// process's supervisor thread. Wrapped in `PyOS_BeforeFork` / `PyOS_AfterFork_*` like
+/// process's warden thread. Wrapped in `PyOS_BeforeFork` / `PyOS_AfterFork_*` like
 /// `os.fork()`. Returns 0 in the child and the child's pid in the zygote.
 fn python_fork(_py: Python<'_>) -> std::io::Result<i32> {
     // SAFETY: called with the GIL held, as these C-API calls require; the zygote has no

@@ -10,7 +10,7 @@
 //!   bar) fills the terminal with its prefix, and redraws in place as under torchrun, whose
 //!   ranks write to the terminal itself. Under `--no-prefix` the rank has the whole width.
 //!   On a resize the keeper forwards SIGWINCH to the supervisor, where a thread
-//!   ([`watch_resizes`]) sets every open pty to the new size (TIOCSWINSZ, the prefix's width
+//!   ([`follow_resizes`]) sets every open pty to the new size (TIOCSWINSZ, the prefix's width
 //!   taken off again) and then sends SIGWINCH to the ranks on a pty, as a terminal does to
 //!   its foreground process group.
 //! - What the launcher reads is what the rank wrote: the pty's `\n` to `\r\n` translation
@@ -54,7 +54,7 @@ struct Open {
 static OPEN: Mutex<Vec<Open>> = Mutex::new(Vec::new());
 /// The ranks of the running attempt (member n is local rank n).
 static RANKS: Mutex<Option<Group>> = Mutex::new(None);
-static WATCHING: OnceLock<()> = OnceLock::new();
+static FOLLOWING: OnceLock<()> = OnceLock::new();
 
 /// Whether the launcher's `stream` is a terminal (decided once: the launcher's standard
 /// streams do not change).
@@ -158,7 +158,7 @@ fn open_pty(local: usize, stream: Stream, narrower: u16) -> io::Result<Pty> {
         narrower,
     });
     drop(open);
-    watch_resizes();
+    follow_resizes();
     Ok(Pty { master, slave })
 }
 
@@ -174,8 +174,8 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Starts, once, the thread that forwards the launcher's terminal's resizes to every pty.
 /// SIGWINCH is blocked in every thread (the keeper blocks it before it forks the
 /// supervisor), so it waits for this thread's signalfd.
-fn watch_resizes() {
-    WATCHING.get_or_init(|| {
+fn follow_resizes() {
+    FOLLOWING.get_or_init(|| {
         let signals = match SignalFd::new(&[libc::SIGWINCH]) {
             Ok(fd) => fd,
             Err(err) => {

@@ -35,7 +35,7 @@ pub fn abandoned() -> bool {
 
 /// In the supervisor: starts the thread that, should the keeper die, kills every rank and
 /// everything re-parented here, removes `tmp` and ends the process.
-pub fn watch(keeper: i32, tmp: PathBuf) -> io::Result<()> {
+pub fn keep_vigil(keeper: i32, tmp: PathBuf) -> io::Result<()> {
     let pidfd = rustix::process::Pid::from_raw(keeper)
         .map(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()));
     // SAFETY: getppid cannot fail.
@@ -43,7 +43,7 @@ pub fn watch(keeper: i32, tmp: PathBuf) -> io::Result<()> {
         abandon(keeper, &tmp);
     }
     std::thread::Builder::new()
-        .name("tether-keeper-watch".into())
+        .name("tether-vigil".into())
         .spawn(move || {
             match pidfd {
                 Some(Ok(fd)) => {

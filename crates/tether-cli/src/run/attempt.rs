@@ -1,6 +1,6 @@
-//! One attempt: every local rank wired ([`wire`]) and started (forks of the warm zygote, or
+//! One attempt: every local rank plumbed ([`plumbing`]) and started (forks of the warm zygote, or
 //! new processes), their output pumped, their exits, the launcher's signals, the run's
-//! limits and the membership watched ([`supervise`]) until every rank has ended, whatever
+//! limits and the membership heeded ([`steer`]) until every rank has ended, whatever
 //! they left behind killed, and the outcome concluded: success, or the failure that came
 //! first in time, with what the report of it needs.
 
@@ -19,13 +19,13 @@ use super::warm::Warm;
 use crate::clock;
 use crate::output;
 use crate::stacks::hangs::Limit;
-use crate::watch::Watch as Looking;
+use crate::watch::Watch;
 
-mod supervise;
-mod wire;
+mod plumbing;
+mod steer;
 
-use supervise::{kill_all, Stop, Watch};
-use wire::{Sinks, Wired};
+use plumbing::{Plumbed, Sinks};
+use steer::{kill_all, Steering, Stop};
 
 /// How an attempt ended.
 pub enum AttemptEnd {
@@ -56,22 +56,22 @@ impl Attempt<'_> {
             .logs
             .as_ref()
             .map(|d| d.join(format!("attempt_{}", self.number)));
-        let (mut wired, done_rx) = wire_ranks(node, self.number, logs.as_deref())?;
-        let pumps = wired.iter().map(|w| w.pumps).sum();
-        let specs = wired
+        let (mut plumbed, done_rx) = plumb_ranks(node, self.number, logs.as_deref())?;
+        let pumps = plumbed.iter().map(|w| w.pumps).sum();
+        let specs = plumbed
             .iter_mut()
             .map(|w| std::mem::take(&mut w.spec))
             .collect();
         let oom_before = oom_kills();
-        node.watchdog.restart();
+        node.deadlines.restart();
         let group = Group::new();
         output::pty::attach(&group);
         let launched = self.warm.start_ranks(&group, specs, &node.cfg.place);
         // The ranks hold their own copies now; the pumps see EOF once the ranks (and what
         // they started) are gone.
-        wired.iter_mut().for_each(|w| w.write_ends.clear());
+        plumbed.iter_mut().for_each(|w| w.write_ends.clear());
         drop(launching);
-        let mut watch = Watch {
+        let mut steering = Steering {
             node,
             warm: self.warm,
             membership: self.membership,
@@ -79,7 +79,7 @@ impl Attempt<'_> {
         };
         if let Err(err) = launched {
             kill_all(&group);
-            watch.cleanup(&done_rx, pumps);
+            steering.cleanup(&done_rx, pumps);
             return Err(RunError::from_launch(err));
         }
         log::info!(
@@ -90,48 +90,45 @@ impl Attempt<'_> {
             (0..group.len()).filter_map(|i| group.pid(i)).collect::<Vec<_>>()
         );
         let number = self.number;
-        let record = |g: &Group| record(node, g, number, &wired, oom_before, &logs);
+        let record = |g: &Group| record(node, g, number, &plumbed, oom_before, &logs);
         let looking = watch_ranks(node, &group);
-        let supervised = watch.supervise(&record);
+        let steered = steering.steer(&record);
         drop(looking);
-        if supervised.is_err() {
+        if steered.is_err() {
             kill_all(&group);
         }
         let oom = oom_before.zip(oom_kills());
-        watch.cleanup(&done_rx, pumps);
-        let (stop_mono, stopped) = supervised?;
+        steering.cleanup(&done_rx, pumps);
+        let (stop_mono, stopped) = steered?;
         Ok(match stopped {
             Some(Stop::Signal(sig)) => AttemptEnd::Interrupted(sig),
             Some(Stop::Limit(limit)) => AttemptEnd::TimedOut(limit),
             Some(Stop::Moved(moved)) => AttemptEnd::Moved(moved),
-            None => conclude(node, &group, self.number, stop_mono, &wired, oom, logs),
+            None => conclude(node, &group, self.number, stop_mono, &plumbed, oom, logs),
         })
     }
 }
 
 /// The watch over the attempt's ranks, unless `--no-watch` (or the ranks do not run
 /// Python).
-fn watch_ranks(node: &Node, group: &Group) -> Option<Looking> {
+fn watch_ranks(node: &Node, group: &Group) -> Option<Watch> {
     let ranks = (0..group.len()).map(|i| node.cfg.global_rank(i)).collect();
-    node.cfg
-        .watch
-        .then(|| Looking::start(group, ranks))
-        .flatten()
+    node.cfg.watch.then(|| Watch::start(group, ranks)).flatten()
 }
 
-/// Every local rank wired for attempt `number`, and the channel on which each pump says
+/// Every local rank plumbed for attempt `number`, and the channel on which each pump says
 /// it is done.
-fn wire_ranks(
+fn plumb_ranks(
     node: &Node,
     number: u32,
     logs: Option<&Path>,
-) -> Result<(Vec<Wired>, mpsc::Receiver<()>), RunError> {
+) -> Result<(Vec<Plumbed>, mpsc::Receiver<()>), RunError> {
     let sinks = Sinks::open(&node.cfg, logs)?;
     let (done_tx, done_rx) = mpsc::channel();
-    let wired = (0..node.cfg.nproc)
-        .map(|local| Wired::new(node, local, number, logs, &sinks, &done_tx))
+    let plumbed = (0..node.cfg.nproc)
+        .map(|local| Plumbed::new(node, local, number, logs, &sinks, &done_tx))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok((wired, done_rx))
+    Ok((plumbed, done_rx))
 }
 
 /// The record of the attempt's first failure so far (`None` while none failed), which the
@@ -140,12 +137,12 @@ fn record(
     node: &Node,
     group: &Group,
     attempt: u32,
-    wired: &[Wired],
+    plumbed: &[Plumbed],
     oom_before: Option<u64>,
     logs: &Option<PathBuf>,
 ) -> Option<serde_json::Value> {
     let oom = oom_before.zip(oom_kills());
-    match conclude(node, group, attempt, None, wired, oom, logs.clone()) {
+    match conclude(node, group, attempt, None, plumbed, oom, logs.clone()) {
         AttemptEnd::Failed(failure) => Some(failure.record()),
         _ => None,
     }
@@ -174,7 +171,7 @@ fn conclude(
     group: &Group,
     attempt: u32,
     stop_mono: Option<Duration>,
-    wired: &[Wired],
+    plumbed: &[Plumbed],
     oom: Option<(u64, u64)>,
     logs: Option<PathBuf>,
 ) -> AttemptEnd {
@@ -187,7 +184,7 @@ fn conclude(
     else {
         return AttemptEnd::Success;
     };
-    let rank_io = wired.get(root.local_rank);
+    let rank_io = plumbed.get(root.local_rank);
     AttemptEnd::Failed(Box::new(Failure {
         node_rank: node.cfg.place.node_rank,
         host: node.hostname.clone(),

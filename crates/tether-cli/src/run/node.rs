@@ -1,6 +1,6 @@
 //! What every round and attempt of this node's run works with: the configuration (whose
 //! place the membership sets each round), the signalfd, the private and log directories,
-//! the watchdog of the run's limits, and what the ranks' prefixes and environment read.
+//! the deadlines of the run's limits, and what the ranks' prefixes and environment read.
 
 use std::cell::Cell;
 use std::collections::HashSet;
@@ -11,7 +11,7 @@ use crate::output::{self, Prefix, RankNames};
 use crate::reaper;
 use crate::signalfd::SignalFd;
 use crate::signals;
-use crate::stacks::hangs::{self, Watchdog};
+use crate::stacks::hangs::{self, Deadlines};
 
 pub struct Node {
     pub cfg: Config,
@@ -29,7 +29,7 @@ pub struct Node {
     /// Whether the console's stdout and stderr are one file.
     pub one_console: bool,
     pub hostname: String,
-    pub watchdog: Watchdog,
+    pub deadlines: Deadlines,
 }
 
 impl Node {
@@ -39,7 +39,7 @@ impl Node {
             omp_unset: std::env::var_os("OMP_NUM_THREADS").is_none(),
             one_console: output::console_is_one_file(),
             hostname: hostname(),
-            watchdog: Watchdog::new(&cfg),
+            deadlines: Deadlines::new(&cfg),
             stack_signals: hangs::stack_signals(&cfg),
             stop_pending: Cell::new(None),
             cfg,

@@ -1,5 +1,5 @@
 //! The supervisor process, forked by the keeper ([`crate::keeper`]): its title, its own
-//! process group, a child subreaper, its signalfd, the watch over the keeper, its private
+//! process group, a child subreaper, its signalfd, the vigil over the keeper, its private
 //! and log directories; then it launches the run ([`super::launch`]) and ends with its exit
 //! status.
 
@@ -53,9 +53,9 @@ fn supervisor(cfg: Config, tmp: PathBuf, keeper: i32) -> i32 {
     let Some(signals) = signals::set_up(&signals::handled(&cfg), "them") else {
         return 1;
     };
-    if let Err(err) = abandon::watch(keeper, tmp.clone()) {
+    if let Err(err) = abandon::keep_vigil(keeper, tmp.clone()) {
         output::message(&format!(
-            "tether: warning: cannot watch the launcher ({}{}); if it is killed with SIGKILL, \
+            "tether: warning: cannot follow the launcher ({}{}); if it is killed with SIGKILL, \
              what the ranks started may outlive it",
             tether_core::strerror(&err),
             tether_core::limit_hint(&err)

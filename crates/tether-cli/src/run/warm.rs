@@ -61,7 +61,7 @@ impl Warm {
             ];
             // A limit of the run (--timeout, --stall-timeout) holds meanwhile.
             let timeout = node
-                .watchdog
+                .deadlines
                 .next_check()
                 .map(|left| rustix::event::Timespec {
                     tv_sec: left.as_secs() as _,
@@ -69,7 +69,7 @@ impl Warm {
                 });
             let _ = rustix::event::poll(&mut fds, timeout.as_ref());
             let answered = !fds[1].revents().is_empty();
-            if let (false, Some(limit)) = (answered, node.watchdog.passed()) {
+            if let (false, Some(limit)) = (answered, node.deadlines.passed()) {
                 self.off(&format!("it was not ready when {}", limit.describe()));
                 return Ok(());
             }

@@ -68,17 +68,17 @@ fn secs(d: Duration) -> String {
 
 /// The run's limits: `--timeout` from the launcher's start, `--stall-timeout` from the
 /// last output of any rank (or the attempt's start).
-pub struct Watchdog {
+pub struct Deadlines {
     deadline: Option<(Instant, Duration)>,
     stall: Option<Duration>,
     pub activity: Activity,
 }
 
-impl Watchdog {
-    pub fn new(cfg: &Config) -> Watchdog {
+impl Deadlines {
+    pub fn new(cfg: &Config) -> Deadlines {
         let activity = Activity::default();
         touch(&activity);
-        Watchdog {
+        Deadlines {
             deadline: cfg.timeout.map(|t| (Instant::now() + t, t)),
             stall: cfg.stall_timeout,
             activity,

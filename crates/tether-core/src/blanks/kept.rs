@@ -14,7 +14,7 @@
 //! blanks first.
 //!
 //! Every blank is announced on the notice channel before it can be handed out, and every
-//! one given back is announced too, so that the parent's supervisor (which reaps them)
+//! one given back is announced too, so that the parent's warden (which reaps them)
 //! knows what it holds.
 
 use std::collections::VecDeque;
@@ -75,7 +75,7 @@ impl Kept {
         self.blanks.pop_front()
     }
 
-    /// Gives back a blank: it exits at the end of its channel, and the parent's supervisor
+    /// Gives back a blank: it exits at the end of its channel, and the parent's warden
     /// reaps it. No signal goes by pid: the blank may be dead and reaped already (given back
     /// by the parent itself), its pid free for another process.
     pub(crate) fn give_back(&self, pid: i32, channel: Endpoint) -> io::Result<()> {
@@ -84,7 +84,7 @@ impl Kept {
     }
 
     /// A blank taken that does not take its job (stopped, stuck): killed, never handed out;
-    /// the parent's supervisor reaps it.
+    /// the parent's warden reaps it.
     pub(crate) fn kill(&self, pid: i32, channel: Endpoint) -> io::Result<()> {
         signal_tree(pid, libc::SIGKILL);
         self.give_back(pid, channel)

@@ -1,7 +1,7 @@
-//! The notices a zygote sends its parent's supervisor about its blanks, on their own channel
-//! (see [`crate::blanks`]), written with [`crate::wire`].
+//! The notices a zygote sends its parent's warden about its blanks, on their own channel
+//! (see [`crate::blanks`]), written with [`crate::codec`].
 
-use crate::wire::{Reader, Writer};
+use crate::codec::{Reader, Writer};
 
 /// What the errors of this format call a message.
 const WHAT: &str = "blank notice";
@@ -9,10 +9,10 @@ const WHAT: &str = "blank notice";
 const BLANK: u8 = 7;
 const RETIRED: u8 = 8;
 
-/// A notice from the zygote to the parent's supervisor about its blank children.
+/// A notice from the zygote to the parent's warden about its blank children.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Notice {
-    /// A blank was forked: watch it.
+    /// A blank was forked: follow it.
     Blank(i32),
     /// A blank is given back, or was found dead: it will never be handed out.
     Retired(i32),

@@ -1,7 +1,7 @@
 //! The parent's record of a zygote's blanks: children forked ahead of time, announced on
-//! the zygote's notice channel. The supervisor thread watches each one from its
-//! announcement (see [`crate::supervisor::thread::watch_blanks`]), reaps it at once if it dies, and
-//! hands it to a group when a request takes it ([`crate::supervisor::Adoption::reserve`]);
+//! the zygote's notice channel. The warden thread follows each one from its
+//! announcement (see [`crate::warden::thread::follow_blanks`]), reaps it at once if it dies, and
+//! hands it to a group when a request takes it ([`crate::warden::Adoption::reserve`]);
 //! this file holds what it knows of each blank meanwhile.
 
 use std::collections::HashMap;
@@ -20,14 +20,14 @@ pub struct Reserve {
 #[derive(Debug, Default)]
 struct ReserveInner {
     blanks: Mutex<HashMap<i32, Blank>>,
-    /// The supervisor token of the notice channel, while it is watched.
+    /// The warden token of the notice channel, while it is followed.
     notices: Mutex<Option<u64>>,
 }
 
 /// What the parent knows of one blank.
 #[derive(Debug)]
 pub(crate) enum Blank {
-    /// Alive and watched under `token`; `retired`: the zygote found it dead and will never
+    /// Alive and followed under `token`; `retired`: the zygote found it dead and will never
     /// hand it out.
     Waiting {
         pidfd: OwnedFd,
@@ -48,7 +48,7 @@ impl Reserve {
         self.inner.blanks.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The supervisor token of the notice channel, while it is watched.
+    /// The warden token of the notice channel, while it is followed.
     pub(crate) fn notices(&self) -> MutexGuard<'_, Option<u64>> {
         self.inner.notices.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -76,11 +76,11 @@ impl Reserve {
     }
 
     /// Kills every blank child still waiting (its zygote is gone, or closing) and waits up
-    /// to `limit` for the supervisor to reap them.
+    /// to `limit` for the warden to reap them.
     pub fn stop_all(&self, limit: Duration) {
         {
             let blanks = self.blanks();
-            // Not reaped while the lock is held (the supervisor takes it to reap one): the
+            // Not reaped while the lock is held (the warden takes it to reap one): the
             // pids are theirs.
             for (&pid, blank) in blanks.iter() {
                 if matches!(blank, Blank::Waiting { .. }) {

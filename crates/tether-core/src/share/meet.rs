@@ -39,10 +39,10 @@ use rustix::net::{
 use rustix::process::{pidfd_open, PidfdFlags};
 
 use crate::channel::{Endpoint, Recv};
+use crate::codec::{Reader, Writer};
 use crate::proc::{stat, Of};
 use crate::share::table::key_hash;
 use crate::status::ExitStatus;
-use crate::wire::{Reader, Writer};
 
 /// The variable that names a job to its ranks (set by `tether run` and `tether.spawn`): the
 /// meeting points of a job are named after it.
@@ -491,10 +491,10 @@ impl Waiter {
                         listener,
                         from,
                     })),
-                    _ => Err(crate::wire::malformed("meeting point message")),
+                    _ => Err(crate::codec::malformed("meeting point message")),
                 }
             }
-            _ => Err(crate::wire::malformed("meeting point message")),
+            _ => Err(crate::codec::malformed("meeting point message")),
         }
     }
 }

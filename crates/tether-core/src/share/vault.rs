@@ -21,8 +21,8 @@ use rustix::net::{
 };
 
 use crate::channel::{Endpoint, Recv};
+use crate::codec::Reader;
 use crate::share::meet::{close_listener, same_user, vault_name, Meeting, Who, HOLD};
-use crate::wire::Reader;
 
 /// How long the vault waits for a holder's message once it connected.
 const RECV_LIMIT: Duration = Duration::from_secs(5);
@@ -165,7 +165,7 @@ fn take(inner: &Inner, conn: OwnedFd) -> io::Result<()> {
     let (HOLD, true, Some(listener), Some(memfd)) =
         (kind, name.starts_with(&inner.prefix), listener, memfd)
     else {
-        return Err(crate::wire::malformed("vault message"));
+        return Err(crate::codec::malformed("vault message"));
     };
     let me = Who {
         rank: -1,

@@ -1,4 +1,4 @@
-//! The parent's side: the stacks channel (one per process), drained by the supervisor
+//! The parent's side: the stacks channel (one per process), drained by the warden
 //! thread, and the dumps that requests wait for.
 
 use std::collections::HashMap;
@@ -38,7 +38,7 @@ struct Wanted {
     dumps: HashMap<u64, Dump>,
 }
 
-/// One `SOCK_DGRAM` socket pair per process: the supervisor drains the receiving end,
+/// One `SOCK_DGRAM` socket pair per process: the warden drains the receiving end,
 /// every child holds the sending end. The kernel tags each datagram with its sender's pid.
 #[derive(Debug)]
 pub(crate) struct Channel {
@@ -147,7 +147,7 @@ impl Channel {
         self.wanted.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Reads every datagram waiting (on the supervisor thread).
+    /// Reads every datagram waiting (on the warden thread).
     pub(crate) fn drain(&self) {
         let mut buf = vec![0u8; 1 << 16];
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmCredentials(1))];

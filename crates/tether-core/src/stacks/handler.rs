@@ -29,7 +29,7 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 
-use crate::wire::{Reader, Writer};
+use crate::codec::{Reader, Writer};
 
 /// The fd the answers go to (the sending end of the parent's stacks channel, moved to a
 /// private high number at registration), and its identity then: before every write the

@@ -19,7 +19,7 @@
 //!   take it) or waits in `pause()`/`sigsuspend()` (which any handler ends); the answer
 //!   says which.
 //! - The channel is one `SOCK_DGRAM` socket pair per parent process (one fd there, one in
-//!   each child, whatever the number of children). The supervisor thread drains the
+//!   each child, whatever the number of children). The warden thread drains the
 //!   receiving end; the kernel tags each datagram with its sender's pid (`SO_PASSCRED`),
 //!   so the dumps of many processes at once are told apart. Nothing goes through the
 //!   child's stdout or stderr, nor through a file.

@@ -15,9 +15,9 @@ use super::wire::{self, Kind};
 use crate::channel::{Message, Poller, Recv};
 use crate::group::{Group, WaitFor};
 use crate::status::ExitStatus;
-use crate::supervisor::waitid;
+use crate::warden::waitid;
 
-/// How long the burial of a worker that died before it was ready waits for the supervisor to
+/// How long the burial of a worker that died before it was ready waits for the warden to
 /// record its exit, and with it the whole report.
 const REPORT_WAIT: Duration = Duration::from_secs(2);
 
@@ -29,7 +29,7 @@ pub(super) fn lease_code(status: ExitStatus) -> i32 {
 }
 
 /// The status of an exited worker: its group's record, else a look without reaping it
-/// (the supervisor reaps it), else the record again (it reaped it meanwhile, under the
+/// (the warden reaps it), else the record again (it reaped it meanwhile, under the
 /// group's lock, so the record is there).
 pub(super) fn exit_status(pidfd: &OwnedFd, group: &Group, member: usize) -> ExitStatus {
     if let Some(exit) = group.exit(member) {
@@ -157,7 +157,7 @@ impl Worker {
             });
         }
         if !self.ready {
-            // Its report (why it could not start) is whole once the supervisor, which drains
+            // Its report (why it could not start) is whole once the warden, which drains
             // the report pipe before it records the exit, has recorded it: this pidfd may
             // have woken us first.
             let member = [self.member];

@@ -10,11 +10,11 @@
 //!   length, fd count per result; then the bytes.
 //! - `D` (worker to pool): a leased process ended: its lease id and exit code.
 //!
-//! Integers are little-endian, written and read with the crate's codec (`wire.rs`).
+//! Integers are little-endian, written and read with the crate's codec (`codec.rs`).
 
 use std::ops::Range;
 
-use crate::wire::{Reader, Writer};
+use crate::codec::{Reader, Writer};
 use crate::workers::error::WorkersError;
 
 pub const BATCH: u8 = b'B';

@@ -7,9 +7,9 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 
 use crate::channel::{Endpoint, Recv};
+use crate::codec::malformed;
 use crate::launch;
 use crate::memfd::read_memfd;
-use crate::wire::malformed;
 use crate::zygote::wire::{decode_job, Common};
 
 /// What a child of the zygote runs: handed to the embedding, in the child, by [`super::serve`].

@@ -16,8 +16,8 @@ use crate::group::{Exit, Group, WaitFor};
 use crate::launch::LaunchSpec;
 use crate::memfd::payload_memfd;
 use crate::proc::{describe_state, process_state};
-use crate::supervisor::request::Adoption;
-use crate::supervisor::thread::watch_blanks;
+use crate::warden::request::Adoption;
+use crate::warden::thread::follow_blanks;
 use crate::zygote::wire::{Common, Order, Reply};
 
 /// Ranks per message: the zygote holds at most this many report pipes at once.
@@ -90,7 +90,7 @@ impl Zygote {
             broken: None,
             vanished: false,
         };
-        watch_blanks(&zygote.reserve, notices)?;
+        follow_blanks(&zygote.reserve, notices)?;
         Ok(zygote)
     }
 

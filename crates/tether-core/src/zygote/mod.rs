@@ -18,7 +18,7 @@
 //! - `Started` / `Failed` (zygote): per batch, the children made (rank, pid, whether it was a
 //!   blank), or an errno and a message with those made before the error.
 //! - `Ready` (zygote, once): the embedding's bytes (what the preload did).
-//! - On the notice channel (zygote to parent's supervisor): the blanks' notices (see
+//! - On the notice channel (zygote to parent's warden): the blanks' notices (see
 //!   [`crate::blanks`]).
 //! - To a blank: `Job` with its rank and the raw [`Common`] part; fds: payload, shared fds,
 //!   its report pipe. A blank receives only its own part.
@@ -26,7 +26,7 @@
 //! One file per concern: `wire` (the messages above), `child` (what a new child does
 //! between its fork and its job), `server` (the zygote's loop), `collapse` (its memory in
 //! huge pages) and `client` (the parent's handle). The blanks, which both the zygote and
-//! the parent's supervisor handle, are [`crate::blanks`].
+//! the parent's warden handle, are [`crate::blanks`].
 
 mod child;
 mod client;

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use crate::blanks::kept::{Kept, ROOM_CHECK};
 use crate::channel::{Endpoint, Recv};
+use crate::codec::malformed;
 use crate::launch;
-use crate::wire::malformed;
 use crate::zygote::child::{blank_main, Parts, Served, SETUP_FAILED};
 use crate::zygote::collapse::Collapser;
 use crate::zygote::wire::{job_message, Common, Made, Order, Reply};

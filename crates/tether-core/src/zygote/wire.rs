@@ -1,11 +1,11 @@
 //! The zygote's wire format: the messages between the parent and the zygote ([`Order`],
 //! [`Reply`]) and a blank's job, all
-//! written with [`crate::wire`].
+//! written with [`crate::codec`].
 
 use std::io;
 
 use crate::attrs::{Attributes, ThreadAttributes};
-use crate::wire::{malformed, Reader, Writer};
+use crate::codec::{malformed, Reader, Writer};
 
 /// What the errors of this format call a message.
 const WHAT: &str = "zygote message";

@@ -1,4 +1,4 @@
-//! The supervisor: one long-lived thread per process that launches children, waits for
+//! The warden: one long-lived thread per process that launches children, waits for
 //! them with pidfds and epoll, drains their report pipes and feeds their payloads, records
 //! when each one exited, and reaps every one of them, the zygote's blank children included.
 //!
@@ -9,18 +9,18 @@
 //! the thread that forked: a child started from a short-lived thread would be killed when
 //! that thread ended.
 //!
-//! One file per part: `thread` (the per-process supervisor, its thread, and the calls that
+//! One file per part: `thread` (the per-process warden, its thread, and the calls that
 //! hand it requests: [`crate::Group::launch`], [`crate::Group::adopt_all`]), `request`
-//! (what a request carries), `watch` (the thread's loop over its poller), `take` (launching
+//! (what a request carries), `events` (the thread's loop over its poller), `take` (launching
 //! and adopting members), `blanks` (a zygote's blanks) and `reap` (observing and reaping a
 //! child).
 
 mod blanks;
+mod events;
 mod reap;
 pub(crate) mod request;
 mod take;
 pub(crate) mod thread;
-mod watch;
 
 pub(crate) use reap::waitid;
 pub use request::Adoption;

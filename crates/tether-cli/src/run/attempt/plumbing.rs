@@ -1,4 +1,4 @@
-//! The wiring of a rank before its launch: its launch spec, the pipes (or pseudo-terminals)
+//! The plumbing of a rank before its launch: its launch spec, the pipes (or pseudo-terminals)
 //! of its stdout and stderr, its log files, its error file and the pumps that read them.
 
 use std::fs::File;
@@ -49,7 +49,7 @@ impl Sinks {
 }
 
 /// The pipes and files of one rank, ready for its launch.
-pub struct Wired {
+pub struct Plumbed {
     pub spec: LaunchSpec,
     pub write_ends: Vec<OwnedFd>,
     pub pumps: usize,
@@ -59,7 +59,7 @@ pub struct Wired {
     pub error_file: PathBuf,
 }
 
-impl Wired {
+impl Plumbed {
     /// Makes local rank `local`'s launch spec, pipes, log files and pumps for attempt
     /// `attempt`. Its stdout and stderr share one pipe when both reach a console that is one
     /// file and neither goes to a log file, so that its lines keep their order. A stream that
@@ -72,7 +72,7 @@ impl Wired {
         logs: Option<&Path>,
         sinks: &Sinks,
         done: &mpsc::Sender<()>,
-    ) -> Result<Wired, RunError> {
+    ) -> Result<Plumbed, RunError> {
         let cfg = &node.cfg;
         let rank = cfg.global_rank(local);
         let error_file = error_file(node, attempt, rank)?;
@@ -86,7 +86,7 @@ impl Wired {
             stdout: tty.stdout && pty::is_terminal(Stream::Stdout),
             stderr: tty.stderr && pty::is_terminal(Stream::Stderr),
         };
-        let mut wired = Wired {
+        let mut plumbed = Plumbed {
             spec,
             write_ends: Vec::with_capacity(2),
             pumps: 0,
@@ -100,22 +100,22 @@ impl Wired {
                 console: Some(Stream::Stdout),
                 prefix,
                 file: None,
-                tail: Some(wired.tail.clone()),
+                tail: Some(plumbed.tail.clone()),
                 filter: None,
-                activity: Some(node.watchdog.activity.clone()),
+                activity: Some(node.deadlines.activity.clone()),
             };
             let shared = [Stream::Stdout, Stream::Stderr];
             let tty = (ttys == Streams::BOTH).then_some(local);
-            wired.plumb(pump, &shared, tty, done)?;
-            return Ok(wired);
+            plumbed.plumb(pump, &shared, tty, done)?;
+            return Ok(plumbed);
         }
         let files = match logs {
             Some(root) => open_logs(&root.join(format!("rank_{rank}")))?,
             None => (None, None),
         };
         let ptys = [ttys.stdout, ttys.stderr].map(|tty| tty.then_some(local));
-        wired.plumb_apart(node, (console, ptys), files, prefix, sinks, done)?;
-        Ok(wired)
+        plumbed.plumb_apart(node, (console, ptys), files, prefix, sinks, done)?;
+        Ok(plumbed)
     }
 
     /// Gives the rank's stdout and stderr a pipe and a pump each: its console streams, log
@@ -156,7 +156,7 @@ impl Wired {
                 file,
                 tail,
                 filter: filter.clone(),
-                activity: Some(node.watchdog.activity.clone()),
+                activity: Some(node.deadlines.activity.clone()),
             };
             self.plumb(pump, &[stream], tty, done)?;
         }

@@ -1,7 +1,7 @@
-//! How the supervisor thread takes children into a group: it launches them (the parent-death
+//! How the warden thread takes children into a group: it launches them (the parent-death
 //! signal is tied to the thread that forks), or adopts those started some other way, and
-//! watches each from then on. A child that cannot be watched is killed and reaped at once:
-//! unwatched, nobody would reap it.
+//! follows each from then on. A child that cannot be followed is killed and reaped at once:
+//! unfollowed, nobody would reap it.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -15,11 +15,11 @@ use crate::group::{signal_tree, Exit, GroupInner, Member};
 use crate::launch::{self, LaunchSpec, PAYLOAD_FD_ENV, REPORT_FD_ENV};
 use crate::report::Report;
 use crate::stacks;
-use crate::supervisor::reap::{
+use crate::warden::events::Loop;
+use crate::warden::reap::{
     drain_into, ended_sentinel, kill_and_reap, now_monotonic, open_pidfd, reap_now, unknown_exit,
 };
-use crate::supervisor::request::{Added, Adoption};
-use crate::supervisor::watch::Loop;
+use crate::warden::request::{Added, Adoption};
 
 impl Loop {
     /// Starts each spec; at the first error, kills those started (the caller waits for
@@ -87,7 +87,7 @@ impl Loop {
         })?;
         let pid = child.id() as i32;
         drop(child);
-        log::info!(target: "tether::supervisor", "started pid {pid}: {:?}", spec.argv);
+        log::info!(target: "tether::warden", "started pid {pid}: {:?}", spec.argv);
         let report = report.map(|(read, _write)| read);
         let payload = payload.map(|(ours, _theirs, data)| (ours, data));
         let found = self.find(pid, None)?;
@@ -109,7 +109,7 @@ impl Loop {
                 Err(err) => {
                     for rest in children {
                         match rest.reserve {
-                            // Still the reserve's: its watch reaps it.
+                            // Still the reserve's: its interest reaps it.
                             Some(_) => drop(signal_tree(rest.pid, libc::SIGKILL)),
                             None => kill_and_reap(rest.pid),
                         }
@@ -131,12 +131,12 @@ impl Loop {
         } else {
             "a fork"
         };
-        log::info!(target: "tether::supervisor", "adopted pid {} ({how})", child.pid);
+        log::info!(target: "tether::warden", "adopted pid {} ({how})", child.pid);
         self.take(group, child.pid, found, child.report, None)
     }
 
-    /// The pidfd of our child `pid` (from the reserve that watched it, or a new one) and its
-    /// exit if it has already been reaped; a child that cannot be watched is killed and
+    /// The pidfd of our child `pid` (from the reserve that followed it, or a new one) and its
+    /// exit if it has already been reaped; a child that cannot be followed is killed and
     /// reaped.
     fn find(
         &mut self,
@@ -145,7 +145,7 @@ impl Loop {
     ) -> Result<(OwnedFd, Option<Exit>), Error> {
         match reserve.and_then(|r| r.blanks().remove(&pid)) {
             Some(Blank::Waiting { pidfd, token, .. }) => {
-                self.watches.remove(&token);
+                self.interests.remove(&token);
                 let _ = self.poller().remove(pidfd.as_fd());
                 Ok((pidfd, None))
             }
@@ -154,12 +154,12 @@ impl Loop {
                 Ok(Some(fd)) => Ok((fd, None)),
                 // Gone already: something else reaped it (SIGCHLD ignored).
                 Ok(None) => Ok((ended_sentinel()?, Some(unknown_exit()))),
-                Err(err) => Err(unwatched(pid, err)),
+                Err(err) => Err(unfollowed(pid, err)),
             },
         }
     }
 
-    /// Makes our child a member of the group: watched from now on, or, when it has already
+    /// Makes our child a member of the group: followed from now on, or, when it has already
     /// been reaped, with its exit and what its report pipe holds.
     fn take(
         &mut self,
@@ -181,8 +181,8 @@ impl Loop {
         Ok(push_member(group, member))
     }
 
-    /// Adds the member to the group and watches its pidfd and pipes. A member that cannot be
-    /// watched is killed and reaped here: unwatched, nobody would reap it.
+    /// Adds the member to the group and interests its pidfd and pipes. A member that cannot be
+    /// followed is killed and reaped here: unfollowed, nobody would reap it.
     fn register(
         &mut self,
         group: &Arc<GroupInner>,
@@ -192,7 +192,7 @@ impl Loop {
     ) -> Result<usize, Error> {
         let (pid, pidfd) = (member.pid, member.sentinel.as_raw_fd());
         let index = push_member(group, member);
-        match self.watch_member(group, index, pidfd, report, payload) {
+        match self.follow_member(group, index, pidfd, report, payload) {
             Ok(()) => Ok(index),
             Err(err) => {
                 let mut state = group.lock();
@@ -241,11 +241,11 @@ fn kill_added(group: &Arc<GroupInner>, indices: Vec<usize>, error: Error) -> Add
     }
 }
 
-/// The error for a child that could not be watched (it has been killed and reaped).
-fn unwatched(pid: i32, err: Errno) -> Error {
+/// The error for a child that could not be followed (it has been killed and reaped).
+fn unfollowed(pid: i32, err: Errno) -> Error {
     kill_and_reap(pid);
     Error::Resource {
-        what: format!("cannot watch child process {pid}"),
+        what: format!("cannot follow child process {pid}"),
         source: io::Error::from(err),
     }
 }

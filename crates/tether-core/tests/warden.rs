@@ -1,4 +1,4 @@
-//! The supervisor: exit statuses, reports, payloads, exit times, reaping, termination.
+//! The warden: exit statuses, reports, payloads, exit times, reaping, termination.
 
 mod common;
 

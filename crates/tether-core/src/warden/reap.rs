@@ -1,5 +1,5 @@
 //! The system calls that observe and reap a child, and move the bytes of its pipes: what the
-//! supervisor thread does once an fd is ready.
+//! warden thread does once an fd is ready.
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::time::Duration;
@@ -19,7 +19,7 @@ pub(super) fn now_monotonic() -> Duration {
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
-/// Kills a child of ours that no watch holds, and reaps it.
+/// Kills a child of ours that no interest holds, and reaps it.
 pub(super) fn kill_and_reap(pid: i32) {
     // Our own child's pid stays reserved until it is reaped here.
     let Some(pid) = Pid::from_raw(pid) else {

@@ -1,4 +1,4 @@
-//! The supervision of an attempt's ranks: waiting for their exits, the launcher's signals,
+//! The steering of an attempt's ranks: waiting for their exits, the launcher's signals,
 //! the run's limits and the membership moving on; stopping them; and cleaning up what they
 //! leave.
 
@@ -19,7 +19,7 @@ use crate::run::node::Node;
 use crate::run::warm::Warm;
 use crate::stacks::hangs::{self, Limit, Ranks};
 
-/// How long the supervisor waits for output pipes to drain once every rank has exited, and
+/// How long the steering waits for output pipes to drain once every rank has exited, and
 /// after which it says which leftovers are slow to die (it waits for them all the same).
 const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
@@ -39,22 +39,22 @@ pub type Record<'a> = &'a dyn Fn(&Group) -> Option<serde_json::Value>;
 /// What one poll saw: ranks that exited, signals, and how the job moved on.
 type Polled = (Vec<usize>, Vec<i32>, Option<Moved>);
 
-/// The watch over one attempt's ranks (`group`).
-pub struct Watch<'a> {
+/// The steering of one attempt's ranks (`group`).
+pub struct Steering<'a> {
     pub node: &'a Node,
     pub warm: &'a Warm,
     pub membership: &'a mut Membership,
     pub group: &'a Group,
 }
 
-impl Watch<'_> {
+impl Steering<'_> {
     /// Waits until every rank has exited. On the first failure, on a stop signal to the
     /// launcher, or past a limit (after every rank's stack is shown), stops the others (the
     /// signal, the grace period, SIGKILL). A stack signal prints every rank's stack and the
     /// run goes on. A first failure is published (`record`, through the membership) before
     /// the others are stopped. Returns when the stopping began (monotonic clock) and why the
     /// launcher stopped the ranks itself, if it did.
-    pub fn supervise(
+    pub fn steer(
         &mut self,
         record: Record<'_>,
     ) -> Result<(Option<Duration>, Option<Stop>), RunError> {
@@ -72,7 +72,7 @@ impl Watch<'_> {
             if live.is_empty() {
                 return Ok((None, None));
             }
-            if let Some(limit) = node.watchdog.passed() {
+            if let Some(limit) = node.deadlines.passed() {
                 log::info!(target: "tether::run", "past a limit: {limit:?}");
                 let python = node.cfg.command.first().filter(|_| node.cfg.python_ranks);
                 hangs::print_stacks_at_limit(&ranks, limit, python);
@@ -95,7 +95,7 @@ impl Watch<'_> {
                 return Ok((Some(self.stop(sig)), Some(Stop::Signal(sig))));
             }
             if !ready.is_empty() {
-                // The pidfd is readable once the rank exited; the supervisor thread records
+                // The pidfd is readable once the rank exited; the warden thread records
                 // the exit right after.
                 group.wait(
                     Some(&ready),
@@ -221,7 +221,7 @@ impl Watch<'_> {
             fds.push(PollFd::from_borrowed_fd(fd, PollFlags::IN));
         }
         // A limit is checked at most 10 ms late, and never in a busy loop.
-        let timeout = self.node.watchdog.next_check().map(|left| {
+        let timeout = self.node.deadlines.next_check().map(|left| {
             let left = left.max(Duration::from_millis(10));
             rustix::event::Timespec {
                 tv_sec: left.as_secs() as _,

@@ -1,4 +1,4 @@
-//! The supervisor thread's loop: it waits on every fd it watches (pidfds, report pipes,
+//! The warden thread's loop: it waits on every fd it interests (pidfds, report pipes,
 //! payload sockets, zygotes' notice channels, the stacks channel) with one [`Poller`],
 //! serves the requests queued for it, and acts on each fd that is ready.
 //!
@@ -15,14 +15,14 @@ use crate::channel::{Endpoint, Poller};
 use crate::error::Error;
 use crate::group::{Exit, GroupInner};
 use crate::stacks::Channel;
-use crate::supervisor::reap::{drain, feed, now_monotonic, reap_now};
-use crate::supervisor::request::{Inbox, Request};
+use crate::warden::reap::{drain, feed, now_monotonic, reap_now};
+use crate::warden::request::{Inbox, Request};
 
 /// The token of the stacks channel.
 pub(super) const STACKS: u64 = 0;
 
 /// What an fd in the poller stands for.
-pub(super) enum Watch {
+pub(super) enum Interest {
     /// The pidfd of member `index`; `report` and `payload` are the tokens of its pipes.
     Exit {
         group: Arc<GroupInner>,
@@ -46,12 +46,12 @@ pub(super) enum Watch {
     Notices { reserve: Reserve, notices: Endpoint },
 }
 
-/// The supervisor thread's state.
+/// The warden thread's state.
 pub(super) struct Loop {
     inbox: &'static Inbox,
     /// This process's stacks channel: its children's dumps arrive here.
     pub(super) stacks: &'static Channel,
-    pub(super) watches: HashMap<u64, Watch>,
+    pub(super) interests: HashMap<u64, Interest>,
     next_token: u64,
 }
 
@@ -60,7 +60,7 @@ impl Loop {
         Loop {
             inbox,
             stacks,
-            watches: HashMap::new(),
+            interests: HashMap::new(),
             next_token: STACKS,
         }
     }
@@ -116,19 +116,19 @@ impl Loop {
                     drop(group);
                     let _ = reply.send(Ok(added));
                 }
-                Request::Watch {
+                Request::Follow {
                     reserve,
                     notices,
                     reply,
                 } => {
-                    let _ = reply.send(self.watch_notices(&reserve, notices));
+                    let _ = reply.send(self.follow_notices(&reserve, notices));
                 }
             }
         }
     }
 
-    /// Watches the member's pipes and its pidfd.
-    pub(super) fn watch_member(
+    /// Follows the member's pipes and its pidfd.
+    pub(super) fn follow_member(
         &mut self,
         group: &Arc<GroupInner>,
         index: usize,
@@ -139,47 +139,47 @@ impl Loop {
         let report = match report {
             Some(fd) => {
                 let raw = fd.as_raw_fd();
-                let watch = Watch::Report {
+                let interest = Interest::Report {
                     group: group.clone(),
                     index,
                     fd,
                 };
-                Some(self.add_watch(raw, false, watch)?)
+                Some(self.add_interest(raw, false, interest)?)
             }
             None => None,
         };
         let payload = match payload {
             Some((fd, data)) => {
                 let raw = fd.as_raw_fd();
-                let watch = Watch::Payload {
+                let interest = Interest::Payload {
                     fd,
                     data,
                     written: 0,
                 };
-                Some(self.add_watch(raw, true, watch)?)
+                Some(self.add_interest(raw, true, interest)?)
             }
             None => None,
         };
-        let watch = Watch::Exit {
+        let interest = Interest::Exit {
             group: group.clone(),
             index,
             report,
             payload,
         };
-        self.add_watch(pidfd, false, watch)?;
+        self.add_interest(pidfd, false, interest)?;
         Ok(())
     }
 
-    /// Adds `fd` (non-blocking) to the poller under a new token for `watch`, which owns
-    /// the fd or keeps alive what owns it; `writable`: watched for room to write, else for
+    /// Adds `fd` (non-blocking) to the poller under a new token for `interest`, which owns
+    /// the fd or keeps alive what owns it; `writable`: followed for room to write, else for
     /// something to read.
-    pub(super) fn add_watch(
+    pub(super) fn add_interest(
         &mut self,
         fd: RawFd,
         writable: bool,
-        watch: Watch,
+        interest: Interest,
     ) -> Result<u64, Error> {
-        // SAFETY: `watch` keeps `fd` open (see above) for as long as it is in the set.
+        // SAFETY: `interest` keeps `fd` open (see above) for as long as it is in the set.
         let fd = unsafe { BorrowedFd::borrow_raw(fd) };
         rustix::io::ioctl_fionbio(fd, true)?;
         self.next_token += 1;
@@ -188,67 +188,67 @@ impl Loop {
             true => self.poller().add_writable(token, fd)?,
             false => self.poller().add(token, fd)?,
         }
-        self.watches.insert(token, watch);
+        self.interests.insert(token, interest);
         Ok(token)
     }
 
     fn on_ready(&mut self, token: u64) {
-        let open = match self.watches.get_mut(&token) {
-            Some(Watch::Report { group, index, fd }) => drain(fd.as_fd(), group, *index),
-            Some(Watch::Payload { fd, data, written }) => feed(fd.as_fd(), data, written),
-            Some(Watch::Exit { .. }) => return self.on_exit(token),
-            Some(Watch::Blank { reserve, pid }) => {
+        let open = match self.interests.get_mut(&token) {
+            Some(Interest::Report { group, index, fd }) => drain(fd.as_fd(), group, *index),
+            Some(Interest::Payload { fd, data, written }) => feed(fd.as_fd(), data, written),
+            Some(Interest::Exit { .. }) => return self.on_exit(token),
+            Some(Interest::Blank { reserve, pid }) => {
                 let (reserve, pid) = (reserve.clone(), *pid);
                 return self.on_blank_exit(token, &reserve, pid);
             }
-            Some(Watch::Notices { reserve, .. }) => {
+            Some(Interest::Notices { reserve, .. }) => {
                 let reserve = reserve.clone();
                 return self.drain_notices(&reserve);
             }
             None => return,
         };
         if !open {
-            self.unwatch(token);
+            self.remove_interest(token);
         }
     }
 
-    /// Removes a watch and its fd from the poller.
-    pub(super) fn unwatch(&mut self, token: u64) -> Option<Watch> {
-        let watch = self.watches.remove(&token)?;
-        let fd: RawFd = match &watch {
-            Watch::Report { fd, .. } | Watch::Payload { fd, .. } => fd.as_raw_fd(),
-            Watch::Notices { notices, .. } => notices.as_fd().as_raw_fd(),
-            Watch::Exit { group, index, .. } => group.lock().members[*index].sentinel(),
-            Watch::Blank { reserve, pid } => match reserve.blanks().get(pid) {
+    /// Removes an interest and its fd from the poller.
+    pub(super) fn remove_interest(&mut self, token: u64) -> Option<Interest> {
+        let interest = self.interests.remove(&token)?;
+        let fd: RawFd = match &interest {
+            Interest::Report { fd, .. } | Interest::Payload { fd, .. } => fd.as_raw_fd(),
+            Interest::Notices { notices, .. } => notices.as_fd().as_raw_fd(),
+            Interest::Exit { group, index, .. } => group.lock().members[*index].sentinel(),
+            Interest::Blank { reserve, pid } => match reserve.blanks().get(pid) {
                 Some(Blank::Waiting { pidfd, .. }) => pidfd.as_raw_fd(),
                 _ => -1,
             },
         };
         if fd < 0 {
-            return Some(watch);
+            return Some(interest);
         }
-        // SAFETY: the fd is open: its owner is `watch` or is kept alive by it.
+        // SAFETY: the fd is open: its owner is `interest` or is kept alive by it.
         let _ = self.poller().remove(unsafe { BorrowedFd::borrow_raw(fd) });
-        Some(watch)
+        Some(interest)
     }
 
     /// The child behind `token` is ready to be waited for: drain its report, kill what it
     /// left in its process group, reap it, and record its exit.
     fn on_exit(&mut self, token: u64) {
-        let Some(Watch::Exit {
+        let Some(Interest::Exit {
             group,
             index,
             report,
             payload,
-        }) = self.unwatch(token)
+        }) = self.remove_interest(token)
         else {
             return;
         };
-        if let Some(Watch::Report { fd, .. }) = report.and_then(|t| self.unwatch(t)) {
+        if let Some(Interest::Report { fd, .. }) = report.and_then(|t| self.remove_interest(t)) {
             drain(fd.as_fd(), &group, index);
         }
         if let Some(t) = payload {
-            self.unwatch(t);
+            self.remove_interest(t);
         }
         let mut state = group.lock();
         let member = &mut state.members[index];
@@ -258,7 +258,7 @@ impl Loop {
             at: now_monotonic(),
         });
         member.report.close();
-        log::info!(target: "tether::supervisor", "pid {} exited: {status}", member.pid);
+        log::info!(target: "tether::warden", "pid {} exited: {status}", member.pid);
         drop(state);
         group.notify();
     }

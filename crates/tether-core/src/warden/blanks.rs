@@ -1,5 +1,5 @@
-//! The supervisor thread's part in a zygote's reserve of blanks: it reads the zygote's
-//! notices, watches each blank from its announcement, and reaps one that dies before a
+//! The warden thread's part in a zygote's reserve of blanks: it reads the zygote's
+//! notices, follows each blank from its announcement, and reaps one that dies before a
 //! request takes it (see [`crate::blanks::Reserve`]).
 
 use std::os::fd::{AsFd, AsRawFd};
@@ -10,22 +10,22 @@ use crate::blanks::reserve::{Blank, Reserve};
 use crate::channel::{Endpoint, Recv};
 use crate::error::Error;
 use crate::group::{signal_tree, Exit};
-use crate::supervisor::reap::{kill_and_reap, now_monotonic, open_pidfd, reap_now};
-use crate::supervisor::watch::{Loop, Watch};
+use crate::warden::events::{Interest, Loop};
+use crate::warden::reap::{kill_and_reap, now_monotonic, open_pidfd, reap_now};
 
 impl Loop {
-    /// Watches a zygote's notice channel, for `reserve`.
-    pub(super) fn watch_notices(
+    /// Follows a zygote's notice channel, for `reserve`.
+    pub(super) fn follow_notices(
         &mut self,
         reserve: &Reserve,
         notices: Endpoint,
     ) -> Result<(), Error> {
         let raw = notices.as_fd().as_raw_fd();
-        let watch = Watch::Notices {
+        let interest = Interest::Notices {
             reserve: reserve.clone(),
             notices,
         };
-        let token = self.add_watch(raw, false, watch)?;
+        let token = self.add_interest(raw, false, interest)?;
         *reserve.notices() = Some(token);
         Ok(())
     }
@@ -37,12 +37,12 @@ impl Loop {
         };
         drop(blanks);
         let _ = self.poller().remove(pidfd.as_fd());
-        self.watches.remove(&token);
+        self.interests.remove(&token);
         let exit = Exit {
             status: reap_now(pidfd.as_fd(), pid),
             at: now_monotonic(),
         };
-        log::info!(target: "tether::supervisor", "blank pid {pid} exited: {}", exit.status);
+        log::info!(target: "tether::warden", "blank pid {pid} exited: {}", exit.status);
         if !retired {
             reserve.blanks().insert(pid, Blank::Exited { exit, pidfd });
         }
@@ -54,19 +54,19 @@ impl Loop {
             return;
         };
         loop {
-            let got = match self.watches.get(&token) {
-                Some(Watch::Notices { notices, .. }) => notices.recv(Some(Duration::ZERO)),
+            let got = match self.interests.get(&token) {
+                Some(Interest::Notices { notices, .. }) => notices.recv(Some(Duration::ZERO)),
                 _ => return,
             };
             match got {
                 Ok(Recv::Message(message)) => match Notice::decode(&message.data) {
-                    Some(Notice::Blank(pid)) => self.watch_blank(reserve, pid),
+                    Some(Notice::Blank(pid)) => self.follow_blank(reserve, pid),
                     Some(Notice::Retired(pid)) => reserve.retire(pid),
                     None => {}
                 },
                 Ok(Recv::Timeout) => return,
                 Ok(Recv::Closed) | Err(_) => {
-                    self.unwatch(token);
+                    self.remove_interest(token);
                     *reserve.notices() = None;
                     return;
                 }
@@ -80,10 +80,10 @@ impl Loop {
     /// a blank's channel closed when it hands it a rank, and forks instead.
     pub(super) fn give_back_blanks(&mut self) -> usize {
         let held: Vec<(u64, Reserve, i32)> = self
-            .watches
+            .interests
             .iter()
-            .filter_map(|(&token, watch)| match watch {
-                Watch::Blank { reserve, pid } => Some((token, reserve.clone(), *pid)),
+            .filter_map(|(&token, interest)| match interest {
+                Interest::Blank { reserve, pid } => Some((token, reserve.clone(), *pid)),
                 _ => None,
             })
             .collect();
@@ -97,24 +97,24 @@ impl Loop {
             self.on_blank_exit(*token, reserve, *pid);
         }
         if !held.is_empty() {
-            log::info!(target: "tether::supervisor", "gave back {} blank(s) to make room for a start", held.len());
+            log::info!(target: "tether::warden", "gave back {} blank(s) to make room for a start", held.len());
         }
         held.len()
     }
 
-    /// Watches a blank child from its announcement; one that cannot be watched is killed.
-    fn watch_blank(&mut self, reserve: &Reserve, pid: i32) {
+    /// Follows a blank child from its announcement; one that cannot be followed is killed.
+    fn follow_blank(&mut self, reserve: &Reserve, pid: i32) {
         let pidfd = match open_pidfd(pid) {
             Ok(Some(fd)) => fd,
             Ok(None) => return,
             Err(_) => return kill_and_reap(pid),
         };
         let raw = pidfd.as_raw_fd();
-        let watch = Watch::Blank {
+        let interest = Interest::Blank {
             reserve: reserve.clone(),
             pid,
         };
-        match self.add_watch(raw, false, watch) {
+        match self.add_interest(raw, false, interest) {
             Ok(token) => {
                 let blank = Blank::Waiting {
                     pidfd,
@@ -122,7 +122,7 @@ impl Loop {
                     retired: false,
                 };
                 reserve.blanks().insert(pid, blank);
-                log::debug!(target: "tether::supervisor", "watching blank pid {pid}");
+                log::debug!(target: "tether::warden", "following blank pid {pid}");
             }
             Err(_) => {
                 signal_tree(pid, libc::SIGKILL);

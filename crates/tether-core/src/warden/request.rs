@@ -1,4 +1,4 @@
-//! What callers ask of the supervisor thread, and how they hand it over: a queue and the
+//! What callers ask of the warden thread, and how they hand it over: a queue and the
 //! thread's [`Poller`], whose wake-up makes it look at the queue.
 
 use std::os::fd::OwnedFd;
@@ -17,12 +17,12 @@ pub struct Adoption {
     pub pid: i32,
     /// The read end of its report pipe (the group takes it over).
     pub report: Option<OwnedFd>,
-    /// The reserve that has watched it until now (a zygote's blank child).
+    /// The reserve that has followed it until now (a zygote's blank child).
     pub reserve: Option<Reserve>,
 }
 
 impl Adoption {
-    /// A child forked by this process (or for it), unknown to the supervisor so far.
+    /// A child forked by this process (or for it), unknown to the warden so far.
     pub fn forked(pid: i32, report: Option<OwnedFd>) -> Adoption {
         Adoption {
             pid,
@@ -43,7 +43,7 @@ pub(super) enum Request {
         children: Vec<Adoption>,
         reply: mpsc::SyncSender<Result<Added, Error>>,
     },
-    Watch {
+    Follow {
         reserve: Reserve,
         notices: Endpoint,
         reply: mpsc::SyncSender<Result<(), Error>>,
@@ -57,7 +57,7 @@ pub(super) struct Added {
     pub(super) error: Option<Error>,
 }
 
-/// The requests waiting for the supervisor thread, and its poller: a request is queued,
+/// The requests waiting for the warden thread, and its poller: a request is queued,
 /// then the poller woken.
 pub(super) struct Inbox {
     pub(super) poller: Poller,

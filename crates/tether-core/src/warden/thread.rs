@@ -1,5 +1,5 @@
-//! The supervisor of this process: made on first use (anew in a forked child, whose copy of
-//! its parent's has no thread), it starts the thread that runs the watch loop, and hands
+//! The warden of this process: made on first use (anew in a forked child, whose copy of
+//! its parent's has no thread), it starts the thread that runs the event loop, and hands
 //! that thread each request, waiting for the reply. Launching and adopting members of a
 //! [`Group`] go through here.
 
@@ -12,22 +12,22 @@ use crate::error::Error;
 use crate::group::{Group, WaitFor};
 use crate::launch::LaunchSpec;
 use crate::stacks;
-use crate::supervisor::request::{Added, Adoption, Inbox, Request};
-use crate::supervisor::watch::{Loop, STACKS};
+use crate::warden::events::{Loop, STACKS};
+use crate::warden::request::{Added, Adoption, Inbox, Request};
 
-/// The per-process supervisor. It records the pid that made it, so that a process forked
-/// from this one (whose copy of the supervisor has no thread) makes its own.
-struct Supervisor {
+/// The per-process warden. It records the pid that made it, so that a process forked
+/// from this one (whose copy of the warden has no thread) makes its own.
+struct Warden {
     pid: u32,
     inbox: Inbox,
     /// Set when its thread could not be started: requests are refused (their callers get
-    /// `SupervisorGone`) and the next call makes a new supervisor.
+    /// `WardenGone`) and the next call makes a new warden.
     failed: AtomicBool,
 }
 
-static CURRENT: AtomicPtr<Supervisor> = AtomicPtr::new(std::ptr::null_mut());
+static CURRENT: AtomicPtr<Warden> = AtomicPtr::new(std::ptr::null_mut());
 
-fn supervisor() -> Result<&'static Supervisor, Error> {
+fn warden() -> Result<&'static Warden, Error> {
     let pid = std::process::id();
     let current = CURRENT.load(Ordering::Acquire);
     // SAFETY: a non-null pointer in CURRENT comes from `Box::into_raw` and is never freed.
@@ -36,7 +36,7 @@ fn supervisor() -> Result<&'static Supervisor, Error> {
             return Ok(sup);
         }
     }
-    let fresh = Box::into_raw(Box::new(Supervisor {
+    let fresh = Box::into_raw(Box::new(Warden {
         pid,
         inbox: Inbox::new()?,
         failed: AtomicBool::new(false),
@@ -44,7 +44,7 @@ fn supervisor() -> Result<&'static Supervisor, Error> {
     match CURRENT.compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire) {
         Ok(_) => {
             // SAFETY: `fresh` was just leaked into CURRENT and lives for ever.
-            let sup: &'static Supervisor = unsafe { &*fresh };
+            let sup: &'static Warden = unsafe { &*fresh };
             match sup.start_thread() {
                 Ok(()) => Ok(sup),
                 Err(err) => {
@@ -58,23 +58,23 @@ fn supervisor() -> Result<&'static Supervisor, Error> {
             // Another thread made one first: use it.
             // SAFETY: `fresh` was never shared; reclaim it.
             drop(unsafe { Box::from_raw(fresh) });
-            supervisor()
+            warden()
         }
     }
 }
 
-impl Supervisor {
+impl Warden {
     fn start_thread(&'static self) -> Result<(), Error> {
         let stacks = stacks::channel()?;
         self.inbox.poller.add(STACKS, stacks.receiver())?;
         let inbox = &self.inbox;
         std::thread::Builder::new()
-            .name("tether-supervisor".into())
+            .name("tether-warden".into())
             .spawn(move || Loop::new(inbox, stacks).run())?;
         Ok(())
     }
 
-    /// Drops the queued requests: their callers' replies fail with `SupervisorGone`.
+    /// Drops the queued requests: their callers' replies fail with `WardenGone`.
     fn refuse_queued(&self) {
         drop(self.inbox.take());
     }
@@ -83,24 +83,24 @@ impl Supervisor {
         self.inbox.queue().push(request);
         if self.failed.load(Ordering::Acquire) {
             self.refuse_queued();
-            return Err(Error::SupervisorGone);
+            return Err(Error::WardenGone);
         }
         self.inbox.poller.wake()?;
         Ok(())
     }
 }
 
-/// Sends a request to the supervisor thread and waits for its reply.
+/// Sends a request to the warden thread and waits for its reply.
 fn call<T>(
     request: impl FnOnce(mpsc::SyncSender<Result<T, Error>>) -> Request,
 ) -> Result<T, Error> {
     let (reply, rx) = mpsc::sync_channel(1);
-    supervisor()?.send(request(reply))?;
-    rx.recv().map_err(|_| Error::SupervisorGone)?
+    warden()?.send(request(reply))?;
+    rx.recv().map_err(|_| Error::WardenGone)?
 }
 
 /// On a failed launch or adoption, waits until the children of the call that did start
-/// (already sent SIGKILL by the supervisor) are reaped.
+/// (already sent SIGKILL by the warden) are reaped.
 fn settle(group: &Group, result: Result<Added, Error>) -> Result<Vec<usize>, Error> {
     let added = result?;
     match added.error {
@@ -112,10 +112,10 @@ fn settle(group: &Group, result: Result<Added, Error>) -> Result<Vec<usize>, Err
     }
 }
 
-/// Starting members: the supervisor thread does it, for the parent-death signal's sake
-/// (see [`crate::supervisor`]).
+/// Starting members: the warden thread does it, for the parent-death signal's sake
+/// (see [`crate::warden`]).
 impl Group {
-    /// Starts one child per spec, all from the supervisor thread, and returns their indices
+    /// Starts one child per spec, all from the warden thread, and returns their indices
     /// in this group. On an error, the children of this call that did start are killed and
     /// reaped before this returns.
     pub fn launch(&self, specs: Vec<LaunchSpec>) -> Result<Vec<usize>, Error> {
@@ -129,7 +129,7 @@ impl Group {
     }
 
     /// Takes on children of this process started some other way (a fork, the zygote), with
-    /// the read ends of their report pipes, in one call to the supervisor. On an error,
+    /// the read ends of their report pipes, in one call to the warden. On an error,
     /// every child of the call is killed and reaped before this returns.
     pub fn adopt_all(&self, children: Vec<Adoption>) -> Result<Vec<usize>, Error> {
         let group = self.inner.clone();
@@ -148,11 +148,11 @@ impl Group {
     }
 }
 
-/// Has the supervisor read `notices` (a zygote's announcements of its blank children) as
+/// Has the warden read `notices` (a zygote's announcements of its blank children) as
 /// they arrive, keeping what it learns in `reserve`.
-pub(crate) fn watch_blanks(reserve: &Reserve, notices: Endpoint) -> Result<(), Error> {
+pub(crate) fn follow_blanks(reserve: &Reserve, notices: Endpoint) -> Result<(), Error> {
     let reserve = reserve.clone();
-    call(|reply| Request::Watch {
+    call(|reply| Request::Follow {
         reserve,
         notices,
         reply,
