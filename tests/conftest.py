@@ -267,7 +267,7 @@ def start_method(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def _long_lived_helpers() -> None:
-    """Starts what lives for the whole session (the resource tracker, the supervisor thread)
+    """Starts what lives for the whole session (the resource tracker, the warden thread)
     so that the per-test check sees only what a test itself left."""
     from multiprocessing import resource_tracker
 

@@ -309,7 +309,7 @@ def test_terminate_of_a_pool_process_kills_only_its_worker():
         victim = it._workers[0]
         pid = victim.pid
         # As torch does before it stops its own workers: its SIGCHLD handler would otherwise
-        # report the death it sees (when it sees it before tether's supervisor reaps it).
+        # report the death it sees (when it sees it before tether's warden reaps it).
         signal_handling._remove_worker_pids(id(it))
         it._worker_pids_set = False
         victim.terminate()

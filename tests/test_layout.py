@@ -174,7 +174,7 @@ def test_the_package_is_one_folder_per_room_and_the_public_names_stay_the_functi
     flat = {p.name for p in package.glob("*.py")}
     assert flat == {"__init__.py", "__main__.py", "errors.py"}
     code = (
-        "import types, tether, tether.share.items, tether.spawn.status\n"
+        "import types, tether, tether.share.items, tether.spawn.census\n"
         "from tether.share import meeting\n"
         "assert isinstance(tether.share, types.FunctionType), tether.share\n"
         "assert isinstance(tether.spawn, types.FunctionType), tether.spawn\n"

@@ -272,7 +272,7 @@ def _dead_feeder(pool):
         with pytest.raises(queue.Empty):
             q.get(timeout=0.3)
 
-    assert _calls_to("recv_watching", empty_get) == 1  # one wait, no periodic wake-ups
+    assert _calls_to("recv_or_sentinel", empty_get) == 1  # one wait, no periodic wake-ups
     p.kill()
     with pytest.raises(RuntimeError, match=r"\(pid \d+\) was killed by signal SIGKILL"):
         q.get(timeout=30)
@@ -316,7 +316,7 @@ def test_the_pool_stores_nothing_on_a_dataloaders_objects(pool):
     )
     next(it)
     assert set(vars(it._workers_done_event)) == {"_flag"}
-    assert all(set(vars(q)) == {"_tx", "_rx", "_maxsize", "_watched"} for q in it._index_queues)
+    assert all(set(vars(q)) == {"_tx", "_rx", "_maxsize", "_feeders"} for q in it._index_queues)
     del it
     gc.collect()
 

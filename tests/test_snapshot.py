@@ -92,7 +92,7 @@ def test_a_write_anywhere_in_a_big_array_is_seen_without_reading_it():
     holder = Holder(a=array[3:-5])  # a view: its ends are partial pages
     first = Snapshot.take(holder)
     if not first.proves:
-        pytest.skip(f"this kernel cannot watch memory: {first.why}")
+        pytest.skip(f"this kernel cannot prove memory unwritten: {first.why}")
     assert first.same(holder)
     for index in (4, 2**20, 2**21 - 6):
         array[index] += 1

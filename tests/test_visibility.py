@@ -220,11 +220,11 @@ def test_tether_log_shows_one_line_per_event(tmp_path):
     for event in (
         "INFO tether: started the zygote",
         "INFO tether::zygote: zygote pid",
-        "INFO tether::supervisor: adopted pid",
-        "INFO tether::supervisor: pid",  # an exit, with its status
+        "INFO tether::warden: adopted pid",
+        "INFO tether::warden: pid",  # an exit, with its status
         "exit code 3",
         "sent SIGTERM to pids",
-        "WARN tether::supervisor: escalated to SIGKILL",
+        "WARN tether::warden: escalated to SIGKILL",
         "DEBUG tether: started 2 process(es) of stubborn",
     ):
         assert event in lines, f"{event!r} not in:\n{lines}"
@@ -268,7 +268,7 @@ def test_the_launcher_logs_its_events(tmp_path):
     assert done.returncode == 3
     lines = "\n".join(line for line in done.stderr.splitlines() if line.startswith("tether["))
     assert "INFO tether::run: attempt 0: started 2 rank(s)" in lines, done.stderr
-    assert "INFO tether::supervisor: pid" in lines and "exit code 3" in lines
+    assert "INFO tether::warden: pid" in lines and "exit code 3" in lines
 
 
 def test_info_leaves_out_debug_events(tmp_path):

@@ -2,7 +2,7 @@
 
 ``tether.spawn`` / ``tether.start_processes`` / ``tether.ProcessContext`` are a drop-in for
 ``torch.multiprocessing.spawn``: every child leads its own process group, dies with its
-parent, is watched from a Rust supervisor thread through a pidfd, and reports its failure
+parent, is watched from a Rust thread (the warden) through a pidfd, and reports its failure
 (traceback and exception) whole. Importing tether never imports torch.
 
 ``import tether as mp`` runs a program written for ``import torch.multiprocessing as mp``:
@@ -52,7 +52,7 @@ _LAZY = {
     "set_preload": ".zygote.client",
     "share": ".share.meeting",
     "warm_up": ".zygote.client",
-    "status": ".spawn.status",
+    "status": ".spawn.census",
     "ZygoteError": ".zygote.client",
 }
 

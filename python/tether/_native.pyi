@@ -111,7 +111,7 @@ PY_SPY_ENV: str
 
 @final
 class ExitStatus:
-    """How a child ended: the one typed exit status, from the supervisor."""
+    """How a child ended: the one typed exit status, from the warden."""
 
     @property
     def code(self) -> Optional[int]: ...
@@ -515,8 +515,8 @@ class Endpoint:
     ) -> bool: ...
     def recv(self, timeout: Optional[float] = None, spin: float = 0.0) -> Optional[Message]: ...
     def readable(self) -> bool: ...
-    def recv_watching(
-        self, timeout: Optional[float], watch: Sequence[int]
+    def recv_or_sentinel(
+        self, timeout: Optional[float], sentinels: Sequence[int]
     ) -> Union[Message, int, None]: ...
 
 @final

@@ -1,4 +1,4 @@
-"""Changes this process's attributes after tether is up (the supervisor thread, and the zygote
+"""Changes this process's attributes after tether is up (the warden thread, and the zygote
 for "forkserver"), then starts children and prints one JSON line: what this process has,
 and what each child saw. The CPU affinity is set on the calling thread only, as a user's
 thread would, so that a child made from another thread would show it."""
@@ -45,7 +45,7 @@ def main():
     options = {"start_method": method}
     if method == "forkserver":
         options["preload"] = []
-    tether.start_processes(noop, nprocs=1, **options)  # supervisor (and zygote) running
+    tether.start_processes(noop, nprocs=1, **options)  # warden (and zygote) running
     path = tempfile.mkdtemp()
     os.umask(0o077)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -57,7 +57,7 @@ def own_fds():
 
 
 def settled_fds(expected):
-    """This process's fds once the failed start's are closed (the supervisor thread drops
+    """This process's fds once the failed start's are closed (the warden thread drops
     its last hold on them a moment after the start returns), or after 2 s."""
     deadline = time.monotonic() + 2
     while True:
@@ -135,7 +135,7 @@ def main():
     options = {"start_method": method}
     if method == "forkserver":
         options["preload"] = []
-    tether.start_processes(nap, nprocs=2, **options)  # the zygote and supervisor are up
+    tether.start_processes(nap, nprocs=2, **options)  # the zygote and warden are up
     time.sleep(0.5)  # the zygote's ready children are forked
 
     fds_before = own_fds()

@@ -99,7 +99,7 @@ def encode(exc: BaseException) -> bytes:
 
 
 def write(fd: int, exc: BaseException) -> None:
-    """Writes the report of ``exc`` whole (blocking; the supervisor drains it meanwhile)."""
+    """Writes the report of ``exc`` whole (blocking; the warden drains it meanwhile)."""
     view = memoryview(encode(exc))
     while view:
         view = view[os.write(fd, view) :]

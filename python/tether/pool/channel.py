@@ -21,13 +21,13 @@ from typing import Any, List, Optional, Protocol, Tuple
 from tether import _native
 from tether.common.pickling import FdCollector, dumps, loads
 
-__all__ = ["Event", "Queue", "Watched"]
+__all__ = ["Event", "Queue", "Feeder"]
 
 
-class Watched(Protocol):
-    """A process a queue watches (see ``Queue.watch``)."""
+class Feeder(Protocol):
+    """A process that feeds a queue (see ``Queue.add_feeder``)."""
 
-    def watch_fds(self) -> List[int]:
+    def sentinels(self) -> List[int]:
         """Fds that become readable when the process ends (none once its end was seen)."""
         ...
 
@@ -80,23 +80,23 @@ class Queue:
     """A multi-producer, multi-consumer queue between processes (the ``Queue`` of a pool
     context). ``put`` never needs a feeder thread: a message is in the channel when ``put``
     returns. ``get`` works from any thread and raises ``queue.Empty`` on timeout; in the main
-    thread it also notices when a process that feeds it died (see ``watch``)."""
+    thread it also notices when a process that feeds it died (see ``add_feeder``)."""
 
     def __init__(self, maxsize: int = 0) -> None:
         self._tx, self._rx = _native.Endpoint.pair()
         self._maxsize = maxsize
-        self._watched: List[Watched] = []
+        self._feeders: List[Feeder] = []
 
     def __reduce__(self) -> Tuple[Any, Tuple[Any, Any]]:
         _check_travel(self)
         return _rebuild_queue, (DupFd(self._tx.fileno()), DupFd(self._rx.fileno()))
 
-    def watch(self, process: Watched) -> None:
-        """Makes ``get`` in the main thread watch ``process`` (one that received this queue):
-        when it ends badly, the wait raises its failure (for a DataLoader worker, the
+    def add_feeder(self, process: Feeder) -> None:
+        """Makes ``get`` in the main thread heed the end of ``process`` (one that received
+        this queue): when it ends badly, the wait raises its failure (for a DataLoader worker, the
         ``RuntimeError`` torch's SIGCHLD handler raises: "DataLoader worker (pid N) is killed
         by signal: Killed."), so the DataLoader reports it at once."""
-        self._watched.append(process)
+        self._feeders.append(process)
 
     def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         """Sends ``obj``; waits only while the channel's buffer is full (``queue.Full`` after
@@ -111,39 +111,39 @@ class Queue:
 
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
         """Receives one object, waiting up to ``timeout`` (for ever when None). In the main
-        thread the same wait watches the processes given to ``watch`` (their pidfds and
+        thread the same wait heeds the processes given to ``add_feeder`` (their pidfds and
         end events, no polling) and raises the failure of one that ended badly."""
         if not block:
             timeout = 0.0
         elif timeout is not None and timeout < 0:
             raise ValueError("'timeout' must be a non-negative number")
-        if self._watched and threading.current_thread() is threading.main_thread():
-            got = self._get_watching(timeout)
+        if self._feeders and threading.current_thread() is threading.main_thread():
+            got = self._get_heeding_feeders(timeout)
         else:
             got = self._rx.recv(timeout)
         if got is None:
             raise queue.Empty
         return loads(got.data, got.fds)
 
-    def _get_watching(self, timeout: Optional[float]) -> Optional[_native.Message]:
+    def _get_heeding_feeders(self, timeout: Optional[float]) -> Optional[_native.Message]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             fds: List[int] = []
-            owners: List[Watched] = []
-            for process in self._watched:
-                for fd in process.watch_fds():
+            owners: List[Feeder] = []
+            for process in self._feeders:
+                for fd in process.sentinels():
                     fds.append(fd)
                     owners.append(process)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            got = self._rx.recv_watching(left, fds)
+            got = self._rx.recv_or_sentinel(left, fds)
             if not isinstance(got, int):
                 return got
             process = owners[got]
             error = process.failure()
             if error is not None:
                 raise error
-            # It ended well (or was reported): stop watching it.
-            self._watched = [p for p in self._watched if p is not process]
+            # It ended well (or was reported): stop heeding it.
+            self._feeders = [p for p in self._feeders if p is not process]
 
     def get_nowait(self) -> Any:
         return self.get(False)
@@ -181,7 +181,7 @@ def _rebuild_queue(tx: Any, rx: Any) -> Queue:
     queue_._tx = _adopt(_native.Endpoint.from_fd(tx.detach()))
     queue_._rx = _adopt(_native.Endpoint.from_fd(rx.detach()))
     queue_._maxsize = 0
-    queue_._watched = []
+    queue_._feeders = []
     return queue_
 
 

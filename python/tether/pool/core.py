@@ -30,7 +30,7 @@ from typing import Any, Callable, List, Literal, Optional, Sequence
 from tether import _native
 from tether.common import reports, stacks, words
 from tether.common.log import logger
-from tether.spawn import launch, status
+from tether.spawn import census, launch
 
 from . import guard, worker
 from .errors import BrokenPool
@@ -197,11 +197,11 @@ class Core:
         except Exception as exc:  # noqa: BLE001 - said in the tasks' BrokenPool
             self._break(f"could not start a worker: {exc!r}")
 
-    def describe(self) -> status.Pool:
+    def describe(self) -> census.Pool:
         """This pool and its workers, for ``tether.status()``."""
         leased = dict(self.leases.running)
         workers = [
-            status.Child(
+            census.Child(
                 w.pid,
                 f"worker {w.slot}",
                 worker_state(
@@ -210,7 +210,7 @@ class Core:
             )
             for w in self.workers.workers()
         ]
-        return status.Pool(self.number, self.start_method, workers)
+        return census.Pool(self.number, self.start_method, workers)
 
     # -- what the tasks and the leases ask (``tasks.TaskHost``, ``leases.LeaseHost``) --------
 
@@ -365,7 +365,7 @@ def track(core: Core) -> None:
     _live.add(core)
 
 
-def describe_pools() -> List[status.Pool]:
+def describe_pools() -> List[census.Pool]:
     """The pools of this process and their workers (see ``tether.status()``)."""
     return [core.describe() for core in sorted(_live, key=lambda c: c.number)]
 
@@ -390,7 +390,7 @@ def _python_exit() -> None:
             core.stop(wait=True, cancel_futures=False)
 
 
-status.add_pools(describe_pools)
+census.add_pools(describe_pools)
 
 try:
     # What concurrent.futures registers its own exit hook with (private to threading, not in

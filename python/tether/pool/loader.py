@@ -42,7 +42,7 @@ _END_RECORD_WAIT = 5.0
 class Leased(NamedTuple):
     """What the pool gives a process it started: its lease, whether the target is torch's
     DataLoader worker loop (for torch's wording of failures), the tether queues that
-    travelled with the call (they watch the process), and the DataLoader iterator's run it
+    travelled with the call (they heed the process's end), and the DataLoader iterator's run it
     belongs to (see ``runs``)."""
 
     lease: _native.Lease
@@ -128,7 +128,7 @@ class PoolProcess:
         self._lease, self._dataloader, self._run = leased.lease, leased.dataloader, leased.run
         for sent in leased.channels:
             if isinstance(sent, channel.Queue):
-                sent.watch(self)
+                sent.add_feeder(self)
         # The worker has its own copy: keep no reference to the dataset and the rest.
         self._target, self._args, self._kwargs = None, (), {}
 
@@ -195,9 +195,9 @@ class PoolProcess:
     def authkey(self) -> bytes:
         return bytes(multiprocessing.current_process().authkey)
 
-    # -- what a watching queue asks (see channel.Queue.watch) ----------------------------
+    # -- what a queue asks of its feeders (see channel.Queue.add_feeder) ---------------------------
 
-    def watch_fds(self) -> List[int]:
+    def sentinels(self) -> List[int]:
         """The fds that become readable when this process ends: its lease's event and its
         worker's pidfd."""
         if self._lease is None or self._reported:
@@ -205,7 +205,7 @@ class PoolProcess:
         return [self._lease.fileno(), self._lease.sentinel()]
 
     def failure(self) -> Optional[RuntimeError]:
-        """The error a watching ``Queue.get`` raises once this process ended badly (torch's
+        """The error a heeding ``Queue.get`` raises once this process ended badly (torch's
         words for a DataLoader worker), or None. Reported once."""
         if self._reported or self._lease is None:
             return None

@@ -13,7 +13,7 @@ How the worker learns it: each worker has a *release page*, a memfd page of 64-b
 (one per slot) whose fd travels with every storage it sends, with the storage's slot and a
 *generation*, a number the page never used before. The receiving process rebuilds the
 storage as torch does, maps the page (once, however many storages of that worker it holds)
-and watches the storage with torch's weak reference; once the storage is gone (every tensor
+and follows the storage with torch's weak reference; once the storage is gone (every tensor
 and view of it, its mapping unmapped), it writes the generation into the slot. It looks
 when it receives the next storage (there is no thread and no timer: a worker needs a
 storage back only while it sends storages). The worker takes a storage back only when its
@@ -26,9 +26,9 @@ A storage that something may still read is never reused:
   forgets it;
 - sent on by the receiver (a ``torch.multiprocessing`` queue, a pipe, a tether queue:
   anything pickled with ``ForkingPickler``), or held by the receiver when it forks (the
-  child has the mapping): the receiver stops watching it, and its slot never says it is
+  child has the mapping): the receiver stops following it, and its slot never says it is
   free;
-- a receiver that holds more than ``WATCHED`` of them stops watching the oldest;
+- a receiver that holds more than ``FOLLOWED`` of them stops following the oldest;
 - a worker that forks forgets the storages referred to outside this module (the child
   may use them), and the child forgets them all;
 - what a worker keeps when its lease ends, it drops (the memory goes when the receiver
@@ -46,12 +46,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .recycle_page import PAGE, SLOTS, Mapped, Page, libc
 
-__all__ = ["begin", "end", "keep", "rebuild", "sending", "take", "unwatch"]
+__all__ = ["begin", "end", "keep", "rebuild", "sending", "take", "unfollow"]
 
 #: Storages smaller than this are made afresh each time.
 MIN_SIZE = 1 << 16
-#: How many storages a receiving process watches at most.
-WATCHED = 64
+#: How many storages a receiving process follows at most.
+FOLLOWED = 64
 
 
 # -- in the worker --------------------------------------------------------------------------
@@ -205,24 +205,24 @@ def forget(storage: Any) -> None:
 
 def _before_fork() -> None:
     _lock.acquire()
-    _watch_lock.acquire()
+    _follow_lock.acquire()
     # The child may use what is referred to outside this module: never reuse it here.
     for kept in list(_by_address.values()):
         if not _unreferenced(kept):
             _forget(kept)
     # Neither may what this process received and still holds be reused by its worker.
-    for key in list(_watched):
-        _drop_watch(key)
+    for key in list(_followed):
+        _stop_following(key)
 
 
 def _after_fork_in_parent() -> None:
-    _watch_lock.release()
+    _follow_lock.release()
     _lock.release()
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _watch_lock, _page, _active
-    _lock, _watch_lock = threading.Lock(), threading.Lock()
+    global _lock, _follow_lock, _page, _active
+    _lock, _follow_lock = threading.Lock(), threading.Lock()
     _active = False
     _forget_all()
     if _page is not None:
@@ -236,7 +236,7 @@ def _after_fork_in_child() -> None:
 # -- in the receiving process ---------------------------------------------------------------
 
 
-class _Watch:
+class _Followed:
     __slots__ = ("ref", "page", "slot", "generation")
 
     def __init__(self, ref: Any, page: Mapped, slot: int, generation: int) -> None:
@@ -246,15 +246,15 @@ class _Watch:
         self.generation = generation
 
 
-_watch_lock = threading.Lock()
-#: The storages watched, by address, oldest first.
-_watched: Dict[int, _Watch] = {}
+_follow_lock = threading.Lock()
+#: The storages followed, by address, oldest first.
+_followed: Dict[int, _Followed] = {}
 _pages: Dict[Tuple[int, int], Mapped] = {}
 _receiving = False
 
 
 def rebuild(cls: Any, df: Any, size: int, page_df: Any, slot: int, generation: int) -> Any:
-    """Unpickles a kept storage: torch's ``rebuild_storage_fd``, then the storage is watched
+    """Unpickles a kept storage: torch's ``rebuild_storage_fd``, then the storage is followed
     so that its worker learns when it is gone."""
     from torch.multiprocessing import reductions
 
@@ -263,7 +263,7 @@ def rebuild(cls: Any, df: Any, size: int, page_df: Any, slot: int, generation: i
     try:
         stat = os.fstat(page_fd)
         key = (stat.st_ino, stat.st_dev)
-        with _watch_lock:
+        with _follow_lock:
             _start_receiving()
             page = _pages.get(key)
             if page is None:
@@ -272,31 +272,31 @@ def rebuild(cls: Any, df: Any, size: int, page_df: Any, slot: int, generation: i
             # First what is gone: a new mapping may take the address of one just unmapped.
             _release_gone()
             address = storage.data_ptr()
-            if address in _watched:
+            if address in _followed:
                 # This very storage, still held (torch's cache gave it again): it is not
                 # free when one of the two goes.
-                _drop_watch(address)
+                _stop_following(address)
                 _unuse(page)
             else:
                 ref = reductions.StorageWeakRef(storage)
-                _watched[address] = _Watch(ref, page, slot, generation)
-                if len(_watched) > WATCHED:
-                    _drop_watch(next(iter(_watched)))
+                _followed[address] = _Followed(ref, page, slot, generation)
+                if len(_followed) > FOLLOWED:
+                    _stop_following(next(iter(_followed)))
     finally:
         os.close(page_fd)
     return storage
 
 
 def _release_gone() -> None:
-    """Tells the workers of the watched storages that are gone."""
-    for address, watch in list(_watched.items()):
-        if watch.ref.expired():
-            watch.page.words[watch.slot] = watch.generation
-            _drop_watch(address)
+    """Tells the workers of the followed storages that are gone."""
+    for address, followed in list(_followed.items()):
+        if followed.ref.expired():
+            followed.page.words[followed.slot] = followed.generation
+            _stop_following(address)
 
 
-def _drop_watch(address: int) -> None:
-    _unuse(_watched.pop(address).page)
+def _stop_following(address: int) -> None:
+    _unuse(_followed.pop(address).page)
 
 
 def _unuse(page: Mapped) -> None:
@@ -306,17 +306,17 @@ def _unuse(page: Mapped) -> None:
         libc().munmap(page.address, PAGE)
 
 
-def unwatch(storage: Any) -> None:
+def unfollow(storage: Any) -> None:
     """The storage is being pickled (sent on): its worker never gets it back."""
-    if not _watched:
+    if not _followed:
         return
-    with _watch_lock:
-        if storage.data_ptr() in _watched:
-            _drop_watch(storage.data_ptr())
+    with _follow_lock:
+        if storage.data_ptr() in _followed:
+            _stop_following(storage.data_ptr())
 
 
 def _start_receiving() -> None:
-    """Once per process that receives kept storages: storages it sends on are unwatched."""
+    """Once per process that receives kept storages: storages it sends on are unfollowed."""
     global _receiving
     if _receiving:
         return
@@ -331,7 +331,7 @@ def _start_receiving() -> None:
     reduce_storage = reducers[torch.UntypedStorage]
 
     def reduce(storage: Any) -> Any:
-        unwatch(storage)
+        unfollow(storage)
         return reduce_storage(storage)
 
     pickling.register(torch.UntypedStorage, reduce)

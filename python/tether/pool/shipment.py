@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from tether.common import pickling
 
 from . import shm, storages
-from .snapshot import Snapshot, watch
+from .snapshot import Snapshot, pages
 
 __all__ = ["Forgetting", "Held", "Shipment", "settle"]
 
@@ -194,7 +194,7 @@ def _unpickle(
     views: List[memoryview] = []
     if buffers is not None:
         mapping = _map(buffers, layout[-1][0] + layout[-1][1], writable=True)
-        watch.register_private(mapping)  # what the worker writes there, it can tell
+        pages.register_private(mapping)  # what the worker writes there, it can tell
         whole = memoryview(mapping)
         views = [whole[offset : offset + length] for offset, length in layout]
         del whole, mapping

@@ -4,7 +4,7 @@ very memory, and a parent that writes to it needs no new send), but each worker 
 *copy-on-write*, as a fork would give it: what a worker writes to its copy (a cache that
 ``__getitem__`` fills, through a view or ``.numpy()``) stays its own, never reaches the
 parent or the other workers, and is undone before its next lease (the mapping is
-registered with ``snapshot.watch``, which tells whether any of its pages was written).
+registered with ``snapshot.pages``, which tells whether any of its pages was written).
 
 Several tensors over one storage stay views of one storage in the worker: a storage is
 mapped once per unpickling (``mapping``)."""
@@ -21,7 +21,7 @@ from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from .recycle_page import Libc
-from .snapshot import watch
+from .snapshot import pages
 
 __all__ = ["mapping", "overrides"]
 
@@ -81,7 +81,7 @@ def _rebuild(fd_ref: Any, size: int) -> Any:
         memory = _map_private(fd, size)
     finally:
         os.close(fd)
-    watch.register_private(memory)
+    pages.register_private(memory)
     storage = torch.frombuffer(memory, dtype=torch.uint8).untyped_storage()
     if _mapped is not None:
         _mapped[key] = storage

@@ -1,5 +1,5 @@
 """What runs in a child: the bootstrap of a ``"spawn"`` child (a fresh interpreter started by
-the supervisor) and of a ``"fork"`` child, and the call of ``fn(i, *args)`` shared by both.
+the warden) and of a ``"fork"`` child, and the call of ``fn(i, *args)`` shared by both.
 
 A spawn child reads its payload from the socket named by ``TETHER_PAYLOAD_FD``: a header
 (rank, two lengths), the preparation data (what multiprocessing's spawn needs to rebuild

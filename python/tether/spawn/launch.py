@@ -1,7 +1,7 @@
 """The one way tether starts Python children running ``fn(rank, *args)``, for every start
 method, used by ``tether.spawn`` and by ``tether.Pool``. ``STARTERS`` is the table of start
 methods (each a function that starts the children of one call): forks of the warm zygote
-(``client``), fresh interpreters started by the supervisor (``tether.spawn.bootstrap``), copies of
+(``client``), fresh interpreters started by the warden (``tether.spawn.bootstrap``), copies of
 the calling process.
 
 The arguments are pickled by ``pickling`` standing in for multiprocessing's "spawning
@@ -125,7 +125,7 @@ def start(
     job: Optional[str] = None,
 ) -> _native.Group:
     """Starts ``fn(rank, *args)`` for each rank with ``method`` and returns the group that
-    supervises them (member n runs ``ranks[n]``). The children inherit the standard
+    hands them to the warden (member n runs ``ranks[n]``). The children inherit the standard
     streams, the fds the arguments pass and ``keep_fds``, under the same numbers.
     ``preload`` chooses the zygote (forkserver); ``close_in_child`` are fds a fork child
     closes at once (a fork copies every fd of this process); ``title`` is what each child
@@ -142,7 +142,7 @@ def start(
 def _pickled(job: Start, stacks_channel: bool) -> Tuple[bytes, bytes, List[int]]:
     """The preparation data and the work of a fresh child, pickled, and the fds the
     children inherit. With ``stacks_channel`` the data carries the stacks channel (a spawn
-    child is given it by the supervisor instead: TETHER_STACKS_FD)."""
+    child is given it by the warden instead: TETHER_STACKS_FD)."""
     popen = pickling.FdCollector(inherit=True)
     data = _preparation_data(popen)
     data["tether_title"] = job.title
@@ -193,7 +193,7 @@ def _is_open(fd: int) -> bool:
 
 
 def _start_spawn(job: Start) -> _native.Group:
-    """Fresh interpreters, started by the supervisor in one call."""
+    """Fresh interpreters, started by the warden in one call."""
     prep, work, passed = _pickled(job, stacks_channel=False)
     argv = bootstrap.python_argv("from tether.spawn.bootstrap import main; main()")
     group = _native.Group()
@@ -213,7 +213,7 @@ def _start_spawn(job: Start) -> _native.Group:
 
 
 def _start_fork(job: Start) -> _native.Group:
-    """Forks one child per rank, then hands them all to the supervisor in one call."""
+    """Forks one child per rank, then hands them all to the warden in one call."""
     parent = os.getpid()
     from_main = threading.current_thread() is threading.main_thread()
     stacks_channel = _native.stacks_fd()
@@ -223,7 +223,7 @@ def _start_fork(job: Start) -> _native.Group:
             child = _fork_one(job, rank, parent, from_main, stacks_channel)
             children.append(child)
     except BaseException:
-        _stop_unsupervised(children)
+        _stop_unadopted(children)
         raise
     group = _native.Group()
     group.adopt_all(children)  # takes the report fds; on an error, stops every child
@@ -275,7 +275,7 @@ def _start_error(exc: OSError, what: str) -> OSError:
     return OSError(exc.errno, f"{what}: {exc.strerror}{hint}")
 
 
-def _stop_unsupervised(children: Sequence[_native.ForkedChild]) -> None:
+def _stop_unadopted(children: Sequence[_native.ForkedChild]) -> None:
     """Kills and reaps children forked before a start failed, and closes their pipes."""
     for child in children:
         if child.report_fd is not None:

@@ -36,10 +36,10 @@ from .tokens import (
     ATOM,
     ENTER,
     PLAIN,
+    PROVEN,
     REF,
     SEEN,
     TENSOR,
-    WATCHED,
     UnprovableError,
 )
 
@@ -156,16 +156,16 @@ class _Walk:
             old = self.old[self.pos]
             if old[0] != PLAIN or old[1] is not kind:
                 return False
-            watched = old[3] is not None and old[3].unchanged(value)
-            if not watched and not _same_shadow(kind, value, old[2]):
+            proven = old[3] is not None and old[3].unchanged(value)
+            if not proven and not _same_shadow(kind, value, old[2]):
                 return False
             self.pos += 1
             return True
         shadow = _shadow(kind, value)
         if shadow is None:
             return False
-        watch = plain.ItemsWatch.take(value) if kind is list else None
-        self.tokens.append((PLAIN, kind, shadow, watch))
+        proof = plain.ItemsProof.take(value) if kind is list else None
+        self.tokens.append((PLAIN, kind, shadow, proof))
         return True
 
 
@@ -233,8 +233,8 @@ def _same_token(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
         return data.same_tensor(old, new)
     if tag == ARRAY:
         return data.same_array(old, new)
-    if tag == WATCHED:
-        return data.same_watched(old, new)
+    if tag == PROVEN:
+        return data.same_proven(old, new)
     return False
 
 

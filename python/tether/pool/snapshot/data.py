@@ -12,7 +12,7 @@ still pickles as it did.
   proven;
 - a numpy array (of numbers, not of objects): dtype, shape, order and content. Up to
   ``SMALL_ARRAY`` bytes, the content is compared with a copy; a larger array must be the
-  same array over the same memory, none of it written since (``watch``: the kernel
+  same array over the same memory, none of it written since (``pages``: the kernel
   tells, in a time that does not grow with the array), else it is sent again."""
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import ctypes
 import sys
 from typing import Any, Callable, Tuple
 
-from . import watch
+from . import pages
 from .tokens import (
     ARRAY,
+    PROVEN,
     TENSOR,
-    WATCHED,
     UnprovableError,
     Walk,
     held,
@@ -66,7 +66,7 @@ def tensor(walk: Walk, tensor: Any, push: Callable[[Any], None]) -> None:
         # A worker's copy-on-write map of a shipment's storage (see ``storages``).
         low = storage.data_ptr()
         high = low + storage.nbytes()
-        if not walk.checking and watch.private_unwritten(low, high):
+        if not walk.checking and pages.private_unwritten(low, high):
             content = _private_proof(low, high)
     if content is None and storage.nbytes() <= SMALL_TENSOR and tensor.device.type == "cpu":
         # Checking, the tensor itself; else a copy of it, as it is now.
@@ -101,7 +101,7 @@ def same_tensor(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
         return False
     if storage.same(new_storage) and new_storage.shared:
         return True  # the workers map this very memory: what was written, they read
-    if isinstance(content, (_Private, watch.Protection)):
+    if isinstance(content, (_Private, pages.Protection)):
         return storage.same(new_storage) and content.unwritten()
     if content is None:
         return False
@@ -116,27 +116,27 @@ def array(walk: Walk, array: Any, push: Callable[[Any], None]) -> None:
     facts = (array.dtype.str, array.dtype, array.shape, fortran)
     if array.nbytes <= SMALL_ARRAY:
         return walk.emit((ARRAY, facts, array.tobytes(order="A")))
-    low, high = watch.bounds(array)
+    low, high = pages.bounds(array)
     if walk.checking:
-        return walk.emit((WATCHED, facts, array, (low, high), None, b""))
-    proof, edges = watch_memory(low, high)
+        return walk.emit((PROVEN, facts, array, (low, high), None, b""))
+    proof, edges = start_proof(low, high)
     if proof is None:
         raise UnprovableError(
             f"a numpy array of {array.nbytes} bytes outside anonymous memory, or where "
-            "this kernel cannot watch memory for writes, is not compared"
+            "this kernel cannot prove memory unwritten, is not compared"
         )
-    walk.emit((WATCHED, facts, hold(array), (low, high), proof, edges))
+    walk.emit((PROVEN, facts, hold(array), (low, high), proof, edges))
 
 
-def watch_memory(low: int, high: int) -> Tuple[Any, bytes]:
-    """A proof that ``[low, high)`` is not written from now on (see ``watch``), and the
+def start_proof(low: int, high: int) -> Tuple[Any, bytes]:
+    """A proof that ``[low, high)`` is not written from now on (see ``pages``), and the
     bytes of the partial pages at its ends (compared by content)."""
-    private = watch.private_unwritten(low, high)
+    private = pages.private_unwritten(low, high)
     if private is not None:
         return _private_proof(low, high) if private else None, b""
-    start = -(-low // watch.PAGE) * watch.PAGE
-    end = max(start, high // watch.PAGE * watch.PAGE)
-    protection = watch.protect(start, end)
+    start = -(-low // pages.PAGE) * pages.PAGE
+    end = max(start, high // pages.PAGE * pages.PAGE)
+    protection = pages.protect(start, end)
     if protection is None:
         return None, b""
     return protection, _edges(low, high, start, end)
@@ -146,8 +146,8 @@ def _private_proof(low: int, high: int) -> Any:
     """A proof for ``[low, high)`` of a worker's private mapping of a shipment, whose pages
     are all still the memfd's: its whole pages write-protected (as the parent's arrays are;
     a check then costs a fraction of reading the page map), else the page map itself."""
-    start, end = low // watch.PAGE * watch.PAGE, -(-high // watch.PAGE) * watch.PAGE
-    protection = watch.protect(start, end)
+    start, end = low // pages.PAGE * pages.PAGE, -(-high // pages.PAGE) * pages.PAGE
+    protection = pages.protect(start, end)
     return _Private(low, high) if protection is None else protection
 
 
@@ -156,7 +156,7 @@ def _edges(low: int, high: int, start: int, end: int) -> bytes:
 
 
 class _Private:
-    """A range of a worker's private mapping of a shipment (see ``watch``)."""
+    """A range of a worker's private mapping of a shipment (see ``pages``)."""
 
     __slots__ = ("low", "high")
 
@@ -164,14 +164,14 @@ class _Private:
         self.low, self.high = low, high
 
     def unwritten(self) -> bool:
-        return bool(watch.private_unwritten(self.low, self.high))
+        return bool(pages.private_unwritten(self.low, self.high))
 
 
 def same_array(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
     return bool(old[1] == new[1] and old[2] == new[2])
 
 
-def same_watched(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
+def same_proven(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
     """Whether a big array is the same array over the same memory, and no byte of it was
     written."""
     _, facts, ref, (low, high), proof, edges = old
@@ -181,7 +181,7 @@ def same_watched(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
 
 
 def unwritten(span: Tuple[int, int], proof: Any, edges: bytes) -> bool:
-    """Whether no byte of ``span`` was written since ``watch_memory`` gave ``proof`` and
+    """Whether no byte of ``span`` was written since ``start_proof`` gave ``proof`` and
     ``edges``."""
     if not proof.unwritten():
         return False

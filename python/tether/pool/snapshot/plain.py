@@ -11,7 +11,7 @@ with the GIL held, so that no thread changes the list meanwhile). The shadow cos
 per item, and the items it holds stay alive while it does. Telling whether a list's items
 are plain takes one look at each (``_native.plain_items``: about 30 ms for that list).
 
-A big list's item array is also watched for writes (``watch_items``, as a big numpy array's
+A big list's item array is also proven unwritten (``prove_items``, as a big numpy array's
 memory is): while the list keeps that array, of that length, and no page of it was written,
 it holds the shadow's very items without a comparison (a few microseconds, whatever its
 length); anything else falls back to the comparison."""
@@ -26,10 +26,10 @@ from tether import _native
 
 from . import data
 
-__all__ = ["ATOMS", "WATCH_MIN", "ItemsWatch", "is_plain", "plain_items", "same_items"]
+__all__ = ["ATOMS", "PROOF_MIN", "ItemsProof", "is_plain", "plain_items", "same_items"]
 
-#: Lists of at least this many items have their item array watched (it spans whole pages).
-WATCH_MIN = 4096
+#: Lists of at least this many items have their item array under proof (it spans whole pages).
+PROOF_MIN = 4096
 
 #: The types of the plain values that are not containers (exact types).
 ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
@@ -70,7 +70,7 @@ def same_items(current: Any, shadow: Tuple[Any, ...]) -> bool:
     return len(current) == len(shadow) and all(map(operator.is_, current, shadow))
 
 
-class ItemsWatch:
+class ItemsProof:
     """A proof that a list's item array was not written since it was taken (see the
     module's documentation)."""
 
@@ -80,16 +80,16 @@ class ItemsWatch:
         self.span, self.proof, self.edges = span, proof, edges
 
     @classmethod
-    def take(cls, items: Any) -> Optional["ItemsWatch"]:
-        """A watch of the list ``items`` (None where its memory cannot be watched)."""
+    def take(cls, items: Any) -> Optional["ItemsProof"]:
+        """A proof over the list ``items`` (None where its memory cannot be proven)."""
         span = _native.item_array(items)
-        if span is None or len(items) < WATCH_MIN:
+        if span is None or len(items) < PROOF_MIN:
             return None
-        proof, edges = data.watch_memory(*span)
+        proof, edges = data.start_proof(*span)
         return None if proof is None else cls(span, proof, edges)
 
     def unchanged(self, items: Any) -> bool:
-        """Whether ``items`` still has the watched array, unwritten."""
+        """Whether ``items`` still has the array under proof, unwritten."""
         return _native.item_array(items) == self.span and data.unwritten(
             self.span, self.proof, self.edges
         )

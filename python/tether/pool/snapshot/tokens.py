@@ -14,10 +14,10 @@ ATOM = 0  # (ATOM, value): a plain atom, by exact type and value
 REF = 1  # (REF, object or weak reference): an object pickled by reference, by identity
 ENTER = 2  # (ENTER, kind, n): a container or a reduced object, n values follow
 SEEN = 3  # (SEEN, index): the index-th object of this walk again (what pickle memoizes)
-PLAIN = 4  # (PLAIN, kind, shadow, watch or None): a big container of plain values
+PLAIN = 4  # (PLAIN, kind, shadow, proof or None): a big container of plain values
 TENSOR = 5  # (TENSOR, facts, storage, content)
 ARRAY = 6  # (ARRAY, facts, content)
-WATCHED = 7  # (WATCHED, facts, array, bounds, proof, edges): a big array, its memory watched
+PROVEN = 7  # (PROVEN, facts, array, bounds, proof, edges): a big array, its memory under proof
 
 
 class UnprovableError(Exception):

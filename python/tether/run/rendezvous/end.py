@@ -96,7 +96,7 @@ def decide(store: Any, me: int, nodes: int, own: Dict[str, Any]) -> Dict[str, An
     alive = f"{ALIVE}{me}"
     beat: List[Any] = json.loads(store.get(alive)) if store.check([alive]) else [0, ""]
     while time.monotonic() < deadline and not store.check([END]):
-        # The node's watch has stopped: its heartbeat goes on here, so that no node takes
+        # The node's patrol has stopped: its heartbeat goes on here, so that no node takes
         # it for lost (and starts a round without it) while it waits.
         beat[0] += 1
         store.set(alive, json.dumps(beat))

@@ -60,11 +60,11 @@ from .say import (
 # torch's agents wait for each other there when their ranks succeeded.
 TERMINAL_STATE = "torchelastic/agent/terminal_state"
 
-WATCH_EVERY = 0.1
+PATROL_EVERY = 0.1
 
 
 class Node:
-    """This node in the job: torch's handler, the store of the round, and the watch."""
+    """This node in the job: torch's handler, the store of the round, and the patrol."""
 
     def __init__(self, opts: Dict[str, Any], say: Say) -> None:
         self.opts = opts
@@ -79,8 +79,8 @@ class Node:
         self.nodes = 0
         self.rounds = 0
         self.joined = 0  # the number of the round this node joined last
-        self.watch_stop = threading.Event()
-        self.watcher: Optional[threading.Thread] = None
+        self.patrol_stop = threading.Event()
+        self.patroller: Optional[threading.Thread] = None
 
     # -- joining ------------------------------------------------------------------------
 
@@ -115,7 +115,7 @@ class Node:
         return handler
 
     def next_round(self) -> None:
-        self.stop_watch()
+        self.stop_patrol()
         handler = self.handler
         if self.rounds > 0 and hasattr(handler, "_bootstrap_store_info"):
             # torch publishes the master address once; the node that is rank 0 of this
@@ -143,7 +143,7 @@ class Node:
             self.group_rank, self.nodes, base, world, role_base, role_world, addr, port, agent
         )
         self.say.round(self.round_number(), place)
-        self.start_watch()
+        self.start_patrol()
 
     def joining_failed(self, exc: BaseException) -> None:
         from torch.distributed.elastic.rendezvous.api import (
@@ -181,29 +181,29 @@ class Node:
         state = getattr(holder, "state", None)
         return int(getattr(state, "round", self.rounds - 1))
 
-    # -- watching the round -------------------------------------------------------------
+    # -- patrolling the round------------------------------------------------------------
 
-    def start_watch(self) -> None:
-        self.watch_stop = threading.Event()
-        self.watcher = threading.Thread(
-            target=self.watch,
-            args=(self.store, self.watch_stop),
-            name="tether-rdzv-watch",
+    def start_patrol(self) -> None:
+        self.patrol_stop = threading.Event()
+        self.patroller = threading.Thread(
+            target=self.patrol,
+            args=(self.store, self.patrol_stop),
+            name="tether-rdzv-patrol",
             daemon=True,
         )
-        self.watcher.start()
+        self.patroller.start()
 
-    def stop_watch(self) -> None:
-        self.watch_stop.set()
-        if self.watcher is not None:
-            self.watcher.join()
-            self.watcher = None
+    def stop_patrol(self) -> None:
+        self.patrol_stop.set()
+        if self.patroller is not None:
+            self.patroller.join()
+            self.patroller = None
 
-    def watch(self, store: Any, stop: threading.Event) -> None:
+    def patrol(self, store: Any, stop: threading.Event) -> None:
         beats: Dict[int, Any] = {}
         seen: Dict[int, float] = {}
         count, failing_since, last = 0, 0.0, time.monotonic()
-        while not stop.wait(WATCH_EVERY):
+        while not stop.wait(PATROL_EVERY):
             count += 1
             away = time.monotonic() - last
             try:
@@ -282,7 +282,7 @@ class Node:
 
     def failing(self, record: Dict[str, Any]) -> None:
         """A rank of this node failed: its record goes to the store at once, before the
-        launcher stops the node's other ranks (the watch goes on meanwhile)."""
+        launcher stops the node's other ranks (the patrol goes on meanwhile)."""
         record = {**record, "node_rank": self.group_rank, "host": self.host}
         try:
             end.publish(self.store, self.group_rank, record)
@@ -292,7 +292,7 @@ class Node:
     def failed(self, record: Dict[str, Any], final: bool) -> None:
         """This node's ranks stopped after a failure: its full record replaces the first
         one; with no restart left, the job ends on the earliest failure of any node."""
-        self.stop_watch()
+        self.stop_patrol()
         record = {**record, "node_rank": self.group_rank, "host": self.host}
         me, store = self.group_rank, self.store
         try:
@@ -316,7 +316,7 @@ class Node:
         let go too; another node's final failure ends the wait."""
         from torch.distributed.elastic.utils.store import barrier
 
-        self.stop_watch()
+        self.stop_patrol()
         passed = threading.Event()
 
         def wait_for_everyone() -> None:
@@ -329,7 +329,7 @@ class Node:
         try:
             self.store.set(f"{FINISHED}{self.group_rank}", "1")
             threading.Thread(target=wait_for_everyone, daemon=True).start()
-            while not passed.wait(WATCH_EVERY):
+            while not passed.wait(PATROL_EVERY):
                 cause = self.take_end(self.store)
                 missed = self.missed(self.store, None, None)
                 if missed is not None:
@@ -344,7 +344,7 @@ class Node:
         self.say.bye()
 
     def leave(self) -> None:
-        self.watch_stop.set()
+        self.patrol_stop.set()
         if self.store is not None and self.group_rank >= 0:
             try:
                 self.store.set(f"{LEFT}{self.group_rank}", json.dumps(self.host))

@@ -55,7 +55,7 @@ def preload(
     module's node."""
     found = Found([], [], [], [])
     recorder = record.Recorder(scan.Places(), varying)
-    recorder.watch.set_audit = set_audit
+    recorder.witness.set_audit = set_audit
     none_before = atexit._ncallbacks() == 0
     with recorder:
         for name in modules:
@@ -166,7 +166,7 @@ def _run_hooks(hooks: List[Tuple[str, str]], varying: Set[str]) -> Optional[str]
                 recorder.stack.pop()
         problems = node.problems + [w for n in recorder.created for w in n.problems]
         why = [w.replace("its import ", "it ") for w in problems if "changed" not in w]
-        if probes.fds() - fds - recorder.watch.output.fds():
+        if probes.fds() - fds - recorder.witness.output.fds():
             why.append("it opens a file and keeps it open")
         if len(probes.children()) > children:
             why.append("it starts a process")

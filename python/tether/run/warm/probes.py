@@ -145,7 +145,7 @@ def signal_masks() -> Dict[str, str]:
     return masks
 
 
-_getpid = os.getpid  # (the real one: the watch's reads are the imports')
+_getpid = os.getpid  # (the real one: the witness's reads are the imports')
 
 
 def threads() -> List[str]:

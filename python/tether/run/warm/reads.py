@@ -1,4 +1,4 @@
-"""Where a warm zygote's recorder sees what a preloaded import reads (``run.warm.watch``): the
+"""Where a warm zygote's recorder sees what a preloaded import reads (``run.warm.witness``): the
 environment, ``sys.argv`` and ``__main__`` (their classes are swapped meanwhile), the
 functions of ``time``, ``os`` and ``random`` that read the clock, random sources, the
 process id or the working directory, and who read: the package whose code made the read
@@ -15,7 +15,7 @@ from . import scan
 
 
 class Listener(Protocol):
-    """What hears of the reads (the recorder's watch)."""
+    """What hears of the reads (the recorder's witness)."""
 
     def env_read(self, name: str, value: Optional[str]) -> None: ...
 
@@ -26,12 +26,12 @@ class Listener(Protocol):
     def main_read(self, name: str) -> None: ...
 
 
-#: The watch in force (while a zygote preloads), else None.
+#: The witness in force (while a zygote preloads), else None.
 listener: Optional[Listener] = None
 
 #: Code that only hands a read on to its caller: the read is its caller's.
 _RELAYS = {"os", "posixpath", "genericpath", "collections.abc", "_collections_abc"}
-_RELAYS |= {"pathlib", "argparse", "getopt", "optparse", __name__, "tether.run.warm.watch"}
+_RELAYS |= {"pathlib", "argparse", "getopt", "optparse", __name__, "tether.run.warm.witness"}
 
 #: The import system's modules: a read made under them (and no package's code) is the
 #: standard library's module being imported.
@@ -145,15 +145,15 @@ def frame_at(filename: str, lineno: int) -> Any:
 
 class WatchedEnviron(os._Environ):
     def __getitem__(self, key: Any) -> Any:
-        watch = listener
+        witness = listener
         try:
             value = super().__getitem__(key)
         except KeyError:
-            if watch is not None:
-                watch.env_read(_text(key), None)
+            if witness is not None:
+                witness.env_read(_text(key), None)
             raise
-        if watch is not None:
-            watch.env_read(_text(key), _text(value))
+        if witness is not None:
+            witness.env_read(_text(key), _text(value))
         return value
 
     def __iter__(self) -> Iterator[Any]:

@@ -1,6 +1,6 @@
 """A warm zygote's preload, recorded: every import runs under ``Recorder``, which splits it
 into ``nodes.Node``s (one per package an import reached, nested as the imports were) and
-notes, for each, what it read and what it did (``watch`` sees the reads, warnings, output,
+notes, for each, what it read and what it did (``witness`` sees the reads, warnings, output,
 exit functions and signal handlers; this module the modules, the namespaces of the modules
 loaded before, loggers, import hooks and what must not change, ``probes``).
 
@@ -27,7 +27,7 @@ from tether.zygote import server
 
 from . import nodes, probes, reads, scan
 from .nodes import AtExit, Child, Fixup, Hook, Loggers, Node, Warn, Write
-from .watch import Watch
+from .witness import Witness
 
 _bootstrap: Any = _frozen_importlib  # (the import system, whose _find_and_load is wrapped)
 
@@ -56,7 +56,7 @@ class Recorder:
         #: Nodes of earlier packages brought back for the current one.
         self.used: Set[int] = set()
         self.paused = 0
-        self.watch = Watch(self)
+        self.witness = Witness(self)
         self.loggers: Set[str] = set()
         #: The loggers that logging's own import left (None until logging is imported).
         self.logger_reference: Optional[Dict[str, Any]] = (
@@ -71,19 +71,19 @@ class Recorder:
 
     def __enter__(self) -> "Recorder":
         _bootstrap._find_and_load = self.find_and_load
-        self.watch.__enter__()
-        for name in self.baseline:  # (as watched: sys.argv is the watch's meanwhile)
+        self.witness.__enter__()
+        for name in self.baseline:  # (as witnessed: sys.argv is the witness's meanwhile)
             self._reference(name)
         self.resync()
         self.fds = probes.fds()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.watch.__exit__()
+        self.witness.__exit__()
         _bootstrap._find_and_load = FIND_AND_LOAD
         namespaces = [_namespace(m) for n in self._nodes() for m in n.modules.values()]
         namespaces += [_namespace(sys.modules.get(name)) for name in self.baseline]
-        self.watch.unbind(ns for ns in namespaces if isinstance(ns, dict))
+        self.witness.unbind(ns for ns in namespaces if isinstance(ns, dict))
         for node in self._nodes():
             for name in node.modules:  # (what each import left, with the real functions)
                 namespace = _namespace(node.modules[name])
@@ -161,7 +161,7 @@ class Recorder:
                 node.problems.append("its import changed the working directory")
             for name, module in node.modules.items():
                 if name in ("warnings", "atexit", "random"):
-                    self.watch.patch(name, module)
+                    self.witness.patch(name, module)
                 self._reference(name)
                 self._file(node, module)
             if "logging" in node.modules:
@@ -251,7 +251,7 @@ class Recorder:
             return
         self.paused += 1
         try:
-            self.watch.output.cut(node)
+            self.witness.output.cut(node)
             self.adopt(node)
             open_nodes = {id(n) for n in self.stack}
             for name in list(self.seen) if heavy else self.baseline:
@@ -305,7 +305,7 @@ class Recorder:
             node.problems.append(f"its import changed {what}")
         self.settings = settings
         fds = probes.fds()
-        for fd in sorted(fds - self.fds - self.watch.output.fds()):
+        for fd in sorted(fds - self.fds - self.witness.output.fds()):
             node.problems.append(f"its import opened {probes.describe_fd(fd)} and keeps it open")
         self.fds = fds
 
@@ -376,7 +376,7 @@ def _namespace(module: Any) -> Any:
         return None
 
 
-_getcwd = os.getcwd  # (the real one: the watch's reads are the imports')
+_getcwd = os.getcwd  # (the real one: the witness's reads are the imports')
 
 
 def _cwd() -> Optional[str]:

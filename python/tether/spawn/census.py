@@ -1,5 +1,5 @@
-"""``tether.status()``: what tether runs now in this interpreter (``tether ps``, the
-launcher's, lists what tether runs for this user on this machine)."""
+"""The census behind ``tether.status()``: what tether runs now in this interpreter
+(``tether ps``, the launcher's, lists what tether runs for this user on this machine)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ the node being imported (``Recorder.current``):
   variable that differs between ranks, or the whole environment read by a package, is a
   problem), of ``sys.argv`` (an input) and of ``__main__``'s attributes (a problem);
 - calls of the clock, of random sources and of the process id (``time``'s and ``os``'s
-  functions, ``random``'s, watched meanwhile; a module that bound one of them by name gets
+  functions, ``random``'s, witnessed meanwhile; a module that bound one of them by name gets
   the real one back afterwards): a problem when the import made them, unless the standard
   library's own import did, where tether gives each rank its own at that point (a
   ``Fixup``); the working directory read is an input;
@@ -49,7 +49,7 @@ SEE_ALL = ("always", None, Warning, None, 0)
 
 
 class Host(Protocol):
-    """The recorder, as the watch knows it."""
+    """The recorder, as the witness knows it."""
 
     places: scan.Places
     varying: Set[str]
@@ -62,7 +62,7 @@ class Host(Protocol):
     def problem(self, why: str) -> None: ...
 
 
-class Watch:
+class Witness:
     """Installed for the whole preload (see the module's documentation)."""
 
     def __init__(self, recorder: Host) -> None:
@@ -70,9 +70,9 @@ class Watch:
         self.real_signal = _signal.signal
         self.output = Output()
         self.undo: List[Callable[[], None]] = []
-        #: The functions watched, by the id of their watched stand-in.
+        #: The functions witnessed, by the id of their witnessed stand-in.
         self.wrapped: Dict[int, Any] = {}
-        #: Set while the watch's own code runs: what it does is not the import's.
+        #: Set while the witness's own code runs: what it does is not the import's.
         self.busy = False
         self.catch_depth = 0
         #: The ``warnings`` module the preload uses, and its own functions.
@@ -85,7 +85,7 @@ class Watch:
     def node(self) -> Any:
         return None if self.busy else self.recorder.current
 
-    def __enter__(self) -> "Watch":
+    def __enter__(self) -> "Witness":
         reads.listener = self
         self.output.__enter__()
         self.undo.append(self.output.__exit__)
@@ -121,9 +121,9 @@ class Watch:
         while self.undo:
             self.undo.pop()()
 
-    def _swap_class(self, obj: Any, watched: type) -> None:
+    def _swap_class(self, obj: Any, witnessed: type) -> None:
         plain = type(obj)
-        obj.__class__ = watched
+        obj.__class__ = witnessed
         self.undo.append(lambda: setattr(obj, "__class__", plain))
 
     def _set(self, owner: Any, name: str, value: Any) -> Any:
@@ -138,20 +138,20 @@ class Watch:
         """Watches calls of ``owner.name`` (with ``given``, only those without an argument at
         that position)."""
         real = getattr(owner, name)
-        watch = self
+        witness = self
 
-        def watched(*args: Any, **kwargs: Any) -> Any:
+        def witnessed(*args: Any, **kwargs: Any) -> Any:
             if given is None or (len(args) <= given and not kwargs):
-                watch.read(what, sys._getframe(1))
+                witness.read(what, sys._getframe(1))
             return real(*args, **kwargs)
 
         for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
-            setattr(watched, attribute, getattr(real, attribute, None))
-        self.wrapped[id(watched)] = real
-        self._set(owner, name, watched)
+            setattr(witnessed, attribute, getattr(real, attribute, None))
+        self.wrapped[id(witnessed)] = real
+        self._set(owner, name, witnessed)
 
     def unbind(self, namespaces: Iterable[Dict[str, Any]]) -> None:
-        """Gives back the real function to the modules that bound a watched one by name."""
+        """Gives back the real function to the modules that bound a witnessed one by name."""
         wrapped = self.wrapped
         for namespace in namespaces:
             for key, value in namespace.items():
@@ -163,11 +163,11 @@ class Watch:
         loaded."""
         if name == "random":
             seed = module.Random.seed
-            watch = self
+            witness = self
 
             def seeded(generator: Any, a: Any = None, *args: Any, **kwargs: Any) -> Any:
                 if a is None:
-                    watch.read("random numbers", sys._getframe(1))
+                    witness.read("random numbers", sys._getframe(1))
                 return seed(generator, a, *args, **kwargs)
 
             self._set(module.Random, "seed", seeded)
@@ -188,26 +188,26 @@ class Watch:
         reset = self._set(warnings, "resetwarnings", None)
         enter = self._set(warnings.catch_warnings, "__enter__", None)
         leave = self._set(warnings.catch_warnings, "__exit__", None)
-        watch = self
+        witness = self
 
         def add_filter(*args: Any, append: bool) -> None:
-            watch.note(Filter(args, append))
+            witness.note(Filter(args, append))
             add(*args, append=append)
-            watch.see_all()
+            witness.see_all()
 
         def resetwarnings() -> None:
-            watch.note(ResetFilters())
+            witness.note(ResetFilters())
             reset()
-            watch.see_all()
+            witness.see_all()
 
         def catch_enter(block: Any) -> Any:
-            watch.note(CatchWarnings(True, bool(getattr(block, "_record", False))))
-            watch.catch_depth += 1
+            witness.note(CatchWarnings(True, bool(getattr(block, "_record", False))))
+            witness.catch_depth += 1
             return enter(block)
 
         def catch_exit(block: Any, *exc: Any) -> Any:
-            watch.catch_depth -= 1
-            watch.note(CatchWarnings(False, False))
+            witness.catch_depth -= 1
+            witness.note(CatchWarnings(False, False))
             return leave(block, *exc)
 
         warnings._add_filter = add_filter
