@@ -197,14 +197,15 @@ def test_an_import_under_a_flag_not_given_shows_nothing_of_its_package(
 def test_what_an_import_draws_or_makes_is_each_ranks_and_attempts_own(
     tmp_path: Path, site: Path
 ) -> None:
+    # (Made under tmp_path: a rank stopped by the other's failure runs no atexit.)
     install(
         site,
         "draws",
-        """
+        f"""
         import random, shutil, tempfile, time, uuid, atexit
         ID = uuid.uuid4().hex
         DRAW = random.Random().random()
-        TMP = tempfile.mkdtemp()
+        TMP = tempfile.mkdtemp(dir={str(tmp_path)!r})
         atexit.register(shutil.rmtree, TMP, True)
         AT = time.time()
         """,
