@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from tether import _native
 from tether.common import pickling
@@ -27,7 +27,9 @@ from .errors import BrokenPool
 from .loader import Leased
 from .runs import Run
 
-_signatures: Dict[Any, Optional[inspect.Signature]] = {}
+#: torch's worker loop -> its signature, and its parameters' names when each may be given by
+#: position (no ``*``, ``**`` or keyword-only one); None where it has no signature.
+_signatures: Dict[Any, Optional[Tuple[inspect.Signature, Optional[Tuple[str, ...]]]]] = {}
 
 
 def dataloader_call(
@@ -39,20 +41,31 @@ def dataloader_call(
     ).startswith("torch.utils.data"):
         return None
     if target not in _signatures:
+        _signatures[target] = _signature(target)
+    known = _signatures[target]
+    if known is None:
+        return None
+    sig, names = known
+    if names is not None and not kwargs and len(args) <= len(names):
+        bound = dict(zip(names, args))  # what bind() gives, without its cost per worker
+    else:
         try:
-            _signatures[target] = inspect.signature(target)
-        except (TypeError, ValueError):
-            _signatures[target] = None
-    sig = _signatures[target]
-    if sig is None:
-        return None
-    try:
-        bound = sig.bind(*args, **kwargs).arguments
-    except TypeError:
-        return None
+            bound = sig.bind(*args, **kwargs).arguments
+        except TypeError:
+            return None
     if "worker_id" not in bound or "num_workers" not in bound:
         return None
     return dict(bound)
+
+
+def _signature(target: Any) -> Optional[Tuple[inspect.Signature, Optional[Tuple[str, ...]]]]:
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    kinds = {p.kind for p in sig.parameters.values()}
+    plain = kinds <= {inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    return sig, (tuple(sig.parameters) if plain else None)
 
 
 def _need(loader: Optional[Dict[str, Any]]) -> int:

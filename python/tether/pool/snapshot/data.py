@@ -144,11 +144,12 @@ def start_proof(low: int, high: int) -> Tuple[Any, bytes]:
 
 def _private_proof(low: int, high: int) -> Any:
     """A proof for ``[low, high)`` of a worker's private mapping of a shipment, whose pages
-    are all still the memfd's: its whole pages write-protected (as the parent's arrays are;
-    a check then costs a fraction of reading the page map), else the page map itself."""
-    start, end = low // pages.PAGE * pages.PAGE, -(-high // pages.PAGE) * pages.PAGE
-    protection = pages.protect(start, end)
-    return _Private(low, high) if protection is None else protection
+    are all still the memfd's: the page map itself, scanned for a page of the worker's own.
+    (Not a write protection, as the parent's arrays have: protecting pages the worker never
+    touched fills their page tables, and every check would then walk all of them; the page
+    map's scan walks only what the worker read: 20 us for a batch of rows of a 512 MiB
+    array where the protection's took 0.4 ms.)"""
+    return _Private(low, high)
 
 
 def _edges(low: int, high: int, start: int, end: int) -> bytes:
