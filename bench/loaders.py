@@ -202,7 +202,7 @@ def one_big_dataset(name: str, make: Callable[[], Dataset], ctx: Any, reps: int)
             # A new object of the same contents (made before the clock starts).
             "tether.Pool": lambda: first_of(make(), ctx) * 1000,
         },
-        max(1, reps // 2),
+        reps,
     )
     print_versus(f"{name}: first loader over a new dataset object", "ms", new_object, True)
     turns = {
