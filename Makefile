@@ -124,6 +124,7 @@ bench: build
 	$(PY) bench/executor.py
 	$(PY) bench/stacks.py
 	$(PY) bench/share.py
+	$(PY) bench/watch.py
 	$(PY) bench/gpu_check.py
 
 clean:
