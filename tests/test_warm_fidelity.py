@@ -91,14 +91,21 @@ def site(tmp_path: Path) -> Path:
 
 
 def test_a_rank_that_fails_flushes_the_files_its_script_left_open(tmp_path: Path) -> None:
+    # Rank 1 fails once rank 0's file shows its line (written at rank 0's exit), so that the
+    # job never stops rank 0 before it got there (a new interpreter may start later than rank 1).
     script = """
-    import os, sys
+    import os, sys, time
     def helper():  # a function at module level: the module's globals are in a cycle
         pass
-    rank = os.environ["RANK"]
-    data = open(f"data.{rank}.{os.environ['TETHER_TEST_RUN']}", "w")
+    rank, run = os.environ["RANK"], os.environ["TETHER_TEST_RUN"]
+    data = open(f"data.{rank}.{run}", "w")
     data.write(f"rank {rank} wrote this\\n")
     if rank == "1":
+        other, deadline = f"data.0.{run}", time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.path.exists(other) and open(other).read():
+                break
+            time.sleep(0.01)
         raise RuntimeError("rank 1 fails")
     sys.exit(0)
     """
