@@ -101,7 +101,7 @@ def same_tensor(old: Tuple[Any, ...], new: Tuple[Any, ...]) -> bool:
         return False
     if storage.same(new_storage) and new_storage.shared:
         return True  # the workers map this very memory: what was written, they read
-    if isinstance(content, (_Private, pages.Protection)):
+    if isinstance(content, _Private):
         return storage.same(new_storage) and content.unwritten()
     if content is None:
         return False
