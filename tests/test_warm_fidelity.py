@@ -8,9 +8,11 @@ The packages are installed for the test in a folder on ``PYTHONPATH`` that holds
 
 from __future__ import annotations
 
+import _bisect
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -389,6 +391,32 @@ def test_a_script_edited_before_a_restart_runs_as_edited(tmp_path: Path, site: P
     job = run(tmp_path, script, site, options=("--max-restarts", "1"))
     assert job.code == 0, job.stderr
     assert job.facts("0") == ["default", "edited"] and job.facts("1")[-1] == "edited", job.lines
+
+
+def test_a_compiled_packages_file_changed_before_a_restart_is_read_again(
+    tmp_path: Path, site: Path
+) -> None:
+    # A package whose import loads compiled code cannot be imported again in a rank: a file
+    # its import read that changed since the zygote started makes the next attempt's ranks
+    # new interpreters, which read it as it is now.
+    install(site, "compiled", "from . import _bisect\nfrom .level import LEVEL\n")
+    shutil.copy(_bisect.__file__, site / "compiled" / Path(_bisect.__file__).name)
+    (site / "compiled" / "level.py").write_text("LEVEL = 1\n")
+    script = f"""
+    import json, os, sys, time
+    import compiled
+    print("FACT", json.dumps(compiled.LEVEL))
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        if os.environ["RANK"] == "1":
+            time.sleep(120)  # stopped when rank 0 fails
+        with open({str(site / "compiled" / "level.py")!r}, "w") as f:
+            f.write("LEVEL = 22\\n")
+        sys.exit(1)
+    """
+    job = run(tmp_path, script, site, options=("--max-restarts", "1"), TETHER_LOG="info")
+    assert job.code == 0, job.stderr
+    assert job.facts("0") == [1, 22] and job.facts("1")[-1] == 22, job.lines
+    assert "level.py changed since the zygote started" in job.stderr, job.stderr
 
 
 def test_a_package_on_pythonpath_with_its_dist_info_counts_as_installed(

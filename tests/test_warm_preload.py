@@ -24,7 +24,10 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
+from tether import _native
 from tether.run.warm import scan as warm_scan
+from tether.run.warm.record import signature
+from tether.run.warm.start import packed_signatures
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -104,6 +107,23 @@ def write(path: Path, source: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(source))
     return path
+
+
+def test_a_rank_finds_the_first_file_changed_since_the_zygote_started(tmp_path: Path) -> None:
+    paths = [tmp_path / name for name in ("same", "grown", "gone", "absent", "made")]
+    for path in paths[:3]:
+        path.write_text("x")
+    packed = packed_signatures({str(p): signature(str(p)) for p in paths})
+    assert _native.first_changed(*packed) is None
+    (tmp_path / "made").write_text("")
+    assert _native.first_changed(*packed) == 4
+    (tmp_path / "gone").unlink()
+    assert _native.first_changed(*packed) == 2
+    with open(tmp_path / "grown", "a") as f:
+        f.write("y")
+    assert _native.first_changed(*packed) == 1
+    with pytest.raises(ValueError, match="signature bytes"):
+        _native.first_changed(packed[0], packed[1][:-1])
 
 
 # What the zygote reads of a script -------------------------------------------------------

@@ -77,6 +77,8 @@ __all__ = [
     "same_items",
     "plain_items",
     "item_array",
+    "first_changed",
+    "SIGNATURE_BYTES",
     "limit_hint",
     "set_title",
     "command_line",
@@ -105,6 +107,7 @@ class ZygoteError(RuntimeError):
 
 REPORT_LIMIT: int
 MAX_BLANKS: int
+SIGNATURE_BYTES: int
 ZYGOTE_FDS_ENV: str
 STACKS_FD_ENV: str
 PY_SPY_ENV: str
@@ -296,6 +299,7 @@ def signal_hint(signal: int) -> Optional[str]: ...
 def limit_hint(errno: int) -> str: ...
 def set_title(title: str, comm: str) -> None: ...
 def command_line() -> bytes: ...
+def first_changed(paths: bytes, known: bytes) -> Optional[int]: ...
 def show_command_line(
     arguments: bytes, environment: List[Tuple[bytes, bytes]], comm: str
 ) -> None: ...

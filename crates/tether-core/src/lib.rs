@@ -17,6 +17,8 @@
 //! - [`stacks`]: every Python child's stacks on demand, through one channel per process.
 //! - [`status`]: exit statuses and signal names.
 //! - [`proc`]: the one reader of `/proc`.
+//! - [`listening`]: whether a TCP socket listens on a port (the kernel's socket
+//!   diagnostics; `/proc` where they are not available).
 //! - [`channel`]: message channels with fds between running processes.
 //! - `codec`: the one byte-level codec of every message and frame above.
 //! - [`title`]: a process's title in `ps` and its name in `/proc/PID/comm`.
@@ -35,6 +37,7 @@ pub mod error;
 pub mod group;
 pub mod launch;
 pub mod limits;
+pub mod listening;
 pub mod logging;
 mod memfd;
 pub mod proc;

@@ -13,6 +13,7 @@ mod error;
 mod group;
 mod plain;
 mod share;
+mod signatures;
 mod stacks;
 mod wait;
 mod workers;
@@ -141,6 +142,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     stacks::register(m)?;
     workers::register(m)?;
     plain::register(m)?;
+    signatures::register(m)?;
     m.add_function(wrap_pyfunction!(setup_forked_child, m)?)?;
     m.add_function(wrap_pyfunction!(signal_name, m)?)?;
     m.add_function(wrap_pyfunction!(signal_hint, m)?)?;

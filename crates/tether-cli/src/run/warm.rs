@@ -165,13 +165,13 @@ fn hosts_store(place: &Place, ranks: usize) -> bool {
     place.rank_base == 0
         && !place.agent_store
         && ranks > 1
-        && !tether_core::proc::tcp_listening(place.master_port)
+        && !tether_core::listening::tcp(place.master_port)
 }
 
 /// Waits until a socket listens on `port`, [`STORE_HEAD_START`] at most.
 fn wait_until_listening(port: u16) {
     let began = Instant::now();
-    while !tether_core::proc::tcp_listening(port) {
+    while !tether_core::listening::tcp(port) {
         if began.elapsed() >= STORE_HEAD_START {
             log::info!(target: "tether::run", "rank 0 did not listen on port {port} within {STORE_HEAD_START:?}; the other ranks start");
             return;

@@ -66,6 +66,8 @@ class Zygote(NamedTuple):
     #: The files read by the imports that loaded compiled code: they cannot be imported
     #: again in a rank, so a change means a new interpreter.
     files: Dict[str, Any]
+    #: The same, as ``_native.first_changed`` checks them (``record.packed_signatures``).
+    packed: Tuple[bytes, bytes]
     #: tether's own modules, out of ``sys.modules`` (the rendezvous helper takes them back).
     private: Dict[str, Any]
 
@@ -113,8 +115,18 @@ def serve(
     environ = {k: v for k, v in os.environ.items() if k not in varying}
     preloaded = Preloaded(owner, sys.modules["__main__"], path, directories, environ, varying)
     parent = os.getppid()
+    files = _native_files(owner)
     zygote = Zygote(
-        arguments, comm, parent, event, target, plan, preloaded, _native_files(owner), private
+        arguments,
+        comm,
+        parent,
+        event,
+        target,
+        plan,
+        preloaded,
+        files,
+        packed_signatures(files),
+        private,
     )
     gc.freeze()  # the preload's objects, shared by every rank, are never walked there
     ready = {
@@ -277,10 +289,32 @@ def _stale(zygote: Zygote) -> Optional[str]:
     that compiled code's import read changed), or None."""
     if scan.plan(zygote.event, zygote.target) != zygote.plan:
         return "the script's imports changed since the zygote started"
-    for path, known in zygote.files.items():
-        if signature(path) != known:
-            return f"{path} changed since the zygote started"
+    changed = _native.first_changed(*zygote.packed)
+    if changed is not None:
+        return f"{list(zygote.files)[changed]} changed since the zygote started"
     return None
+
+
+def packed_signatures(files: Dict[str, Optional[tuple]]) -> Tuple[bytes, bytes]:
+    """``files`` (path -> ``signature``) as ``_native.first_changed`` reads them: the paths,
+    each followed by a NUL byte, and their signatures packed in the same order."""
+    paths = b"".join(os.fsencode(path) + b"\0" for path in files)
+    packed = b"".join(_packed(known) for known in files.values())
+    return paths, packed
+
+
+def _packed(known: Optional[tuple]) -> bytes:
+    """A signature as ``_native.first_changed`` reads it (``SIGNATURE_BYTES`` bytes):
+    present, then modification time (ns, signed), size and inode, little-endian."""
+    if known is None:
+        return bytes(_native.SIGNATURE_BYTES)
+    mtime_ns, size, inode = known
+    return (
+        b"\1"
+        + mtime_ns.to_bytes(8, "little", signed=True)
+        + size.to_bytes(8, "little")
+        + inode.to_bytes(8, "little")
+    )
 
 
 def _cold(zygote: Zygote, stacks: Optional[List[int]], job: Optional[bytes], why: str) -> NoReturn:
