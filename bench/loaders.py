@@ -15,7 +15,8 @@
    the first batch of a new loader over a dataset the pool has served; the first loader
    over a new dataset object, against one ``ForkingPickler.dumps`` plus one
    ``pickle.loads`` of it; 20 loaders in turn (8 batches of 64 each); the workers' PSS
-   after them; before them, the time to start a pool of 2 workers.
+   after them; before them, the time to start a pool of 2 workers. Each contender runs in
+   a process of its own (see ``Contender``).
 4. Steady-state throughput of one loader of 32 x 3x224x224 float batches, with the machine
    otherwise idle, then with a busy-looping process on every core (``--steady``: only
    this part).
@@ -27,13 +28,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import pickle
 import statistics
+import subprocess
 import sys
 import time
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -96,10 +99,11 @@ class Rows(Dataset):
         return row if isinstance(row, torch.Tensor) else torch.from_numpy(row)
 
 
-BIG: Dict[str, Callable[[], Dataset]] = {
-    "ImageFolder-like, 1,281,167 samples": Folder,
-    "numpy array, 512 MiB": lambda: Rows(torch_tensor=False),
-    "torch tensor, 512 MiB": lambda: Rows(torch_tensor=True),
+#: Section 3's datasets: short name -> (title, maker).
+BIG: Dict[str, Tuple[str, Callable[[], Dataset]]] = {
+    "folder": ("ImageFolder-like, 1,281,167 samples", Folder),
+    "numpy": ("numpy array, 512 MiB", lambda: Rows(torch_tensor=False)),
+    "tensor": ("torch tensor, 512 MiB", lambda: Rows(torch_tensor=True)),
 }
 
 
@@ -151,73 +155,138 @@ def loaders_in_turn(dataset: Dataset, context: Any, count: int = 20) -> Dict[str
     return {"seconds": time.perf_counter() - start, "pss": pss}
 
 
-def big_datasets(ctx: Any, reps: int) -> None:
+def big_datasets(reps: int) -> None:
     """Section 3, one dataset at a time (each is dropped before the next is made), after
-    what a new user pays first: starting the pool."""
-    print_versus("Start a pool of 2 workers (to every worker ready)", "ms", pool_start(reps), True)
-    for name, make in BIG.items():
-        one_big_dataset(name, make, ctx, reps)
+    what a new user pays first: starting the pool. Each contender runs in a process of its
+    own (``Contender``)."""
+    with Contender("fork", "none") as fork, Contender("tether", "none") as ours:
+        starts = interleaved(
+            {"torch fork Pool(2)": fork.command("start"), "tether.Pool": ours.command("start")},
+            reps,
+        )
+    print_versus("Start a pool of 2 workers (to every worker ready)", "ms", starts, True)
+    for name in BIG:
+        one_big_dataset(name, reps)
 
 
-def pool_start(reps: int) -> Dict[str, float]:
-    """Milliseconds to start ``tether.Pool(2, preload=["torch"])`` (it returns once every
-    worker is ready) against torch's ``multiprocessing`` pool of 2 fork workers."""
+class Contender:
+    """One contender of section 3 in a process of its own (``--contender``), which makes the
+    dataset once and answers commands (``serve_contender``). A fork loader write-protects
+    the whole heap of the process that starts it (copy on write), so that whatever runs
+    there next pays a page fault for each page it writes: run in one process, the tether
+    loader after a fork loader took about 340 page faults where it takes 16 alone, and 1 ms
+    more. In processes of their own, each contender's figures carry only its own costs; the
+    contenders still take turns, command by command."""
 
-    def tether_pool() -> float:
-        start = time.perf_counter()
+    def __init__(self, who: str, dataset: str) -> None:
+        argv = [sys.executable, os.path.abspath(__file__), "--contender", who, dataset]
+        self.process = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.ask("ready")
+
+    def ask(self, command: str) -> Any:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the contender process {self.process.args} ended")
+        return json.loads(line)
+
+    def command(self, command: str) -> Callable[[], Any]:
+        return lambda: self.ask(command)
+
+    def __enter__(self) -> "Contender":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(60)
+
+
+def serve_contender(who: str, dataset: str) -> None:
+    """A contender's process: ``who`` (``fork`` or ``tether``) over ``dataset`` (a key of
+    ``BIG``, or ``none``); one line of JSON on its stdout per command on its stdin (what
+    else writes to stdout goes to stderr)."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    pool: Optional[tether.Pool] = None
+    context: Any = "fork"
+    if who == "tether":
         pool = tether.Pool(2, preload=["torch"])
-        elapsed = time.perf_counter() - start
-        pool.shutdown()
-        return elapsed * 1000
-
-    def fork_pool() -> float:
-        start = time.perf_counter()
-        pool = torch.multiprocessing.get_context("fork").Pool(2)
-        pool.map(abs, [0, 1])  # its workers are up once they answered
-        elapsed = time.perf_counter() - start
-        pool.terminate()
-        pool.join()
-        return elapsed * 1000
-
-    return interleaved({"torch fork Pool(2)": fork_pool, "tether.Pool": tether_pool}, reps)
-
-
-def one_big_dataset(name: str, make: Callable[[], Dataset], ctx: Any, reps: int) -> None:
-    dataset = make()
-    first_of(dataset, ctx)  # the pool has served it
-    served = interleaved(
-        {
-            "torch fork": lambda: first_of(dataset, "fork") * 1000,
-            "tether.Pool": lambda: first_of(dataset, ctx) * 1000,
-        },
-        reps,
-    )
-    print_versus(f"{name}: first batch of a new loader, dataset served", "ms", served, True)
-    new_object = interleaved(
-        {
-            # Of a new object too: a tensor's storage moves to shared memory at its first
-            # pickling only.
-            "one dumps + loads": lambda: dumps_loads(make()) * 1000,
-            "torch fork": lambda: first_of(dataset, "fork") * 1000,
-            # A new object of the same contents (made before the clock starts).
-            "tether.Pool": lambda: first_of(make(), ctx) * 1000,
-        },
-        reps,
-    )
-    print_versus(f"{name}: first loader over a new dataset object", "ms", new_object, True)
-    turns = {
-        "torch fork": loaders_in_turn(dataset, "fork"),
-        "tether.Pool": loaders_in_turn(dataset, ctx),
+        context = pool.context()
+        twenty(multiprocessing_context=context)  # warm: workers up, torch imported
+    make = BIG[dataset][1] if dataset in BIG else None
+    data = make() if make is not None else None
+    if data is not None and pool is not None:
+        first_of(data, context)  # the pool has served it
+    commands: Dict[str, Callable[[], Any]] = {
+        "ready": lambda: True,
+        "start": tether_pool_start if pool is not None else fork_pool_start,
+        "served": lambda: first_of(data, context) * 1000,
+        # A new object of the same contents (made before the clock starts); fork's workers
+        # see any object alike.
+        "new": lambda: first_of(make() if pool is not None and make else data, context) * 1000,
+        "turns": lambda: loaders_in_turn(data, context),
     }
+    for line in sys.stdin:
+        answers.write(json.dumps(commands[line.strip()]()) + "\n")
+        answers.flush()
+    if pool is not None:
+        pool.shutdown()
+
+
+def tether_pool_start() -> float:
+    """Milliseconds to start ``tether.Pool(2, preload=["torch"])`` (it returns once every
+    worker is ready)."""
+    start = time.perf_counter()
+    pool = tether.Pool(2, preload=["torch"])
+    elapsed = time.perf_counter() - start
+    pool.shutdown()
+    return elapsed * 1000
+
+
+def fork_pool_start() -> float:
+    """Milliseconds to start torch's ``multiprocessing`` pool of 2 fork workers."""
+    start = time.perf_counter()
+    pool = torch.multiprocessing.get_context("fork").Pool(2)
+    pool.map(abs, [0, 1])  # its workers are up once they answered
+    elapsed = time.perf_counter() - start
+    pool.terminate()
+    pool.join()
+    return elapsed * 1000
+
+
+def one_big_dataset(name: str, reps: int) -> None:
+    title, make = BIG[name]
+    with Contender("fork", name) as fork, Contender("tether", name) as ours:
+        served = interleaved(
+            {"torch fork": fork.command("served"), "tether.Pool": ours.command("served")}, reps
+        )
+        print_versus(f"{title}: first batch of a new loader, dataset served", "ms", served, True)
+        new_object = interleaved(
+            {
+                # Of a new object too: a tensor's storage moves to shared memory at its first
+                # pickling only.
+                "one dumps + loads": lambda: dumps_loads(make()) * 1000,
+                "torch fork": fork.command("new"),
+                "tether.Pool": ours.command("new"),
+            },
+            reps,
+        )
+        print_versus(f"{title}: first loader over a new dataset object", "ms", new_object, True)
+        turns = {"torch fork": fork.ask("turns"), "tether.Pool": ours.ask("turns")}
     print_versus(
-        f"{name}: 20 loaders in turn (8 batches each)",
+        f"{title}: 20 loaders in turn (8 batches each)",
         "seconds",
         {k: v["seconds"] for k, v in turns.items()},
         True,
         digits=2,
     )
     print_versus(
-        f"{name}: the 2 workers' PSS during the 20th loader",
+        f"{title}: the 2 workers' PSS during the 20th loader",
         "MiB",
         {k: v["pss"] for k, v in turns.items()},
         True,
@@ -315,20 +384,24 @@ def main() -> None:
     parser.add_argument("--no-big", dest="big", action="store_false")
     parser.add_argument("--steady", action="store_true", help="only the steady state")
     parser.add_argument("--big-only", action="store_true", help="only the datasets of real size")
+    parser.add_argument("--contender", nargs=2, metavar=("WHO", "DATASET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.contender:
+        serve_contender(*args.contender)
+        return
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, medians of {args.reps} runs "
         f"(torch spawn: {args.spawn_reps})"
     )
+    if args.big_only:
+        big_datasets(args.reps)
+        return
     pool = tether.Pool(2, preload=["torch"])
     ctx = pool.context()
     twenty(multiprocessing_context=ctx)  # warm: workers up, torch imported
-    if args.big_only:
-        big_datasets(ctx, args.reps)
-    else:
-        if not args.steady:
-            loader_starts(ctx, args)
-        steady_state(ctx, args)
+    if not args.steady:
+        loader_starts(ctx, args)
+    steady_state(ctx, args)
     pool.shutdown()
 
 
@@ -368,7 +441,7 @@ def loader_starts(ctx: Any, args: argparse.Namespace) -> None:
     )
     print_versus("Time to the first batch of a new loader", "ms", first, True)
     if args.big:
-        big_datasets(ctx, args.reps)
+        big_datasets(args.reps)
 
 
 def steady_state(ctx: Any, args: argparse.Namespace) -> None:
