@@ -124,6 +124,8 @@ def test_a_rank_finds_the_first_file_changed_since_the_zygote_started(tmp_path: 
     assert _native.first_changed(*packed) == 1
     with pytest.raises(ValueError, match="signature bytes"):
         _native.first_changed(packed[0], packed[1][:-1])
+    with pytest.raises(ValueError, match="NUL"):
+        _native.first_changed(packed[0][:-1], packed[1])
 
 
 # What the zygote reads of a script -------------------------------------------------------

@@ -18,10 +18,11 @@ pub const PACKED: usize = 25;
 /// changed.
 #[pyfunction]
 fn first_changed(paths: &[u8], known: &[u8]) -> PyResult<Option<usize>> {
-    let names: Vec<&[u8]> = paths
+    let names = paths
         .split_inclusive(|&b| b == 0)
-        .filter(|p| p.len() > 1)
-        .collect();
+        .map(CStr::from_bytes_with_nul)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| PyValueError::new_err("the paths do not end with a NUL byte"))?;
     if known.len() != names.len() * PACKED {
         return Err(PyValueError::new_err(format!(
             "{} signature bytes for {} paths",
@@ -30,8 +31,6 @@ fn first_changed(paths: &[u8], known: &[u8]) -> PyResult<Option<usize>> {
         )));
     }
     for (index, (name, want)) in names.iter().zip(known.chunks_exact(PACKED)).enumerate() {
-        let name = CStr::from_bytes_with_nul(name)
-            .map_err(|_| PyValueError::new_err("a path holds a NUL byte"))?;
         if signature(name) != want {
             return Ok(Some(index));
         }

@@ -66,7 +66,7 @@ class Zygote(NamedTuple):
     #: The files read by the imports that loaded compiled code: they cannot be imported
     #: again in a rank, so a change means a new interpreter.
     files: Dict[str, Any]
-    #: The same, as ``_native.first_changed`` checks them (``record.packed_signatures``).
+    #: The same, as ``_native.first_changed`` checks them (``packed_signatures``).
     packed: Tuple[bytes, bytes]
     #: tether's own modules, out of ``sys.modules`` (the rendezvous helper takes them back).
     private: Dict[str, Any]
