@@ -7,7 +7,7 @@
 //! peek before they reap and never reap a rank's pid, so a rank's exit status is never
 //! stolen.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::time::{Duration, Instant};
 
@@ -128,16 +128,18 @@ fn childless() -> bool {
     rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD)
 }
 
-/// Kills and reaps every child that is not a rank, again and again as their own orphans
-/// are re-parented here, until none is left, dead or alive: then nothing that the ranks
-/// left, in any session, lives on, and no pid of theirs is still taken. With no rank left
-/// (`ranks` empty) the end is the kernel's word that this process has no child at all. It
+/// Kills and reaps every child that is not one of `live` (read again at each pass: the pids
+/// tether-core still has to reap, and the launcher's own processes), again and again as
+/// their own orphans are re-parented here, until none is left, dead or alive: then nothing
+/// that the ranks left, in any session, lives on, and no pid of theirs is still taken. With
+/// nothing live the end is the kernel's word that this process has no child at all. It
 /// takes no deadline, since what comes next (another attempt) must not meet a leftover;
 /// `slow` is told once which pids are still there after `patience`, and from then on the
-/// wait ends early when `stop` says so (the user gave up on the run). Returns how many were
-/// killed.
+/// wait ends early when `stop` says so (the user gave up on the run). A child named as a
+/// zygote's blank is given [`BLANK_NOTICE`] to become one of `live` before it is killed: the
+/// zygote announces each blank it forks just after the fork. Returns how many were killed.
 pub fn kill_orphans(
-    ranks: &HashSet<i32>,
+    live: impl Fn() -> HashSet<i32>,
     patience: Duration,
     mut slow: impl FnMut(&[i32]),
     mut stop: impl FnMut() -> bool,
@@ -145,12 +147,14 @@ pub fn kill_orphans(
     let tell_at = Instant::now() + patience;
     let mut told = false;
     let mut killed = HashSet::new();
+    let mut blanks_seen: HashMap<i32, Instant> = HashMap::new();
     loop {
+        let known = live();
         let mut orphans: Vec<i32> = proc::children()
             .into_iter()
-            .filter(|p| !ranks.contains(p))
+            .filter(|p| !known.contains(p))
             .collect();
-        if orphans.is_empty() && ranks.is_empty() {
+        if orphans.is_empty() && known.is_empty() {
             if childless() {
                 return killed.len();
             }
@@ -167,12 +171,30 @@ pub fn kill_orphans(
             return killed.len();
         }
         for &pid in &orphans {
-            kill_child(pid);
-            killed.insert(pid);
+            if !announced_soon(pid, &mut blanks_seen) {
+                kill_child(pid);
+                killed.insert(pid);
+            }
         }
         std::thread::sleep(Duration::from_millis(1));
-        reap_orphans(ranks);
+        reap_orphans(&known);
     }
+}
+
+/// How long a child named as a zygote's blank may go unannounced before it counts as a
+/// leftover.
+pub const BLANK_NOTICE: Duration = Duration::from_millis(100);
+
+/// Whether `pid` is named as a zygote or its blank (a blank bears its zygote's name until it
+/// names itself) and was first seen less than [`BLANK_NOTICE`] ago.
+fn announced_soon(pid: i32, seen: &mut HashMap<i32, Instant>) -> bool {
+    let named = proc::stat(proc::Of::Pid(pid))
+        .and_then(|s| {
+            s.command()
+                .map(|c| tether_core::zygote::IDLE_COMMS.contains(&c))
+        })
+        .unwrap_or(false);
+    named && seen.entry(pid).or_insert_with(Instant::now).elapsed() < BLANK_NOTICE
 }
 
 /// Kills every child, and every process re-parented here as they die, until no child is
@@ -215,5 +237,45 @@ pub fn kill_and_reap_all_but(keep: &HashSet<i32>) {
             // to it.
             unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::{Child, Command};
+
+    /// A child running `sleep` under the name `name` (its executable's, as `comm` shows it).
+    fn named_child(dir: &std::path::Path, name: &str) -> Child {
+        let exe = dir.join(name);
+        std::fs::copy("/bin/sleep", &exe).unwrap();
+        Command::new(&exe).arg("30").spawn().unwrap()
+    }
+
+    #[test]
+    fn a_child_named_as_a_blank_is_spared_until_its_notice_is_overdue() {
+        let dir = std::env::temp_dir().join(format!("tether-reaper-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut blank = named_child(&dir, tether_core::zygote::BLANK_COMM);
+        let mut other = named_child(&dir, "sleeper");
+        // The kernel names the child once it runs its executable.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while proc::stat(proc::Of::Pid(blank.id() as i32))
+            .and_then(|s| s.command().map(String::from))
+            != Some(tether_core::zygote::BLANK_COMM.to_string())
+        {
+            assert!(Instant::now() < deadline, "the child never took its name");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut seen = HashMap::new();
+        assert!(announced_soon(blank.id() as i32, &mut seen));
+        assert!(!announced_soon(other.id() as i32, &mut seen));
+        std::thread::sleep(BLANK_NOTICE);
+        assert!(!announced_soon(blank.id() as i32, &mut seen));
+        for child in [&mut blank, &mut other] {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

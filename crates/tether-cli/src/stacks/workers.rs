@@ -17,15 +17,15 @@ pub struct Worker {
     pub pooled: bool,
 }
 
-/// Tether's own processes that run no code of the program (a pool's zygote and its blanks,
-/// ready to become workers): not shown among a rank's workers.
-const IDLE_HELPERS: [&str; 2] = ["tether-zygote", "tether-blank"];
-
-/// The processes `rank` started (and theirs), but tether's idle helpers.
+/// The processes `rank` started (and theirs), but tether's idle helpers (a pool's zygote and
+/// its blanks, ready to become workers: `tether_core::zygote::IDLE_COMMS`).
 pub fn started(rank: i32, parents: &std::collections::BTreeMap<i32, i32>) -> Vec<i32> {
     let helper = |pid: &i32| {
         tether_core::proc::stat(tether_core::proc::Of::Pid(*pid))
-            .and_then(|s| s.command().map(|c| IDLE_HELPERS.contains(&c)))
+            .and_then(|s| {
+                s.command()
+                    .map(|c| tether_core::zygote::IDLE_COMMS.contains(&c))
+            })
             .unwrap_or(false)
     };
     procs::descendants(rank, parents)

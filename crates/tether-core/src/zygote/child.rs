@@ -176,7 +176,7 @@ pub(super) fn blank_main(channel: Endpoint, parent: i32, zygote: u32) -> Served 
         return Served::Exit(SETUP_FAILED);
     }
     let title = format!("tether blank of zygote {zygote} (ready to run a rank of pid {parent})");
-    let _ = crate::title::set(&title, "tether-blank");
+    let _ = crate::title::set(&title, super::BLANK_COMM);
     let message = match channel.recv(None) {
         Ok(Recv::Message(m)) => m,
         _ => return Served::Exit(0),

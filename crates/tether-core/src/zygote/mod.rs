@@ -39,3 +39,12 @@ pub use child::{read_payload, Job, Served, SETUP_FAILED};
 pub use client::{ForkRequest, Zygote, FDS_ENV};
 pub use server::{clone_parent, serve, Fork};
 pub use wire::{Common, Made};
+
+/// A zygote's name in `/proc/PID/comm` (it names itself when it starts serving).
+pub const ZYGOTE_COMM: &str = "tether-zygote";
+/// A blank's name in `/proc/PID/comm`; a blank just forked bears its zygote's until it
+/// names itself.
+pub const BLANK_COMM: &str = "tether-blank";
+/// The names of tether's processes that run no code of the program: a zygote and the
+/// blanks it keeps.
+pub const IDLE_COMMS: [&str; 2] = [ZYGOTE_COMM, BLANK_COMM];

@@ -251,7 +251,6 @@ impl Steering<'_> {
     /// After every rank has exited: kill and reap what they left behind, every one of them
     /// (the next attempt starts only then), and let the output pumps finish.
     pub fn cleanup(&self, done: &mpsc::Receiver<()>, pumps: usize) {
-        let live = self.live_pids();
         let slow = |left: &[i32]| {
             output::message(&format!(
                 "tether: {} process(es) that the ranks left are not dead yet after SIGKILL \
@@ -261,7 +260,8 @@ impl Steering<'_> {
         };
         // A stop signal ends the wait (and the run): no attempt starts after it.
         let stopped = || self.node.stop_noted();
-        reaper::kill_orphans(&live, DRAIN_LIMIT, slow, stopped);
+        // The live pids are read at each pass: a blank the zygote forks meanwhile is its own.
+        reaper::kill_orphans(|| self.live_pids(), DRAIN_LIMIT, slow, stopped);
         let deadline = Instant::now() + DRAIN_LIMIT;
         for _ in 0..pumps {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -269,7 +269,7 @@ impl Steering<'_> {
                 break;
             }
         }
-        reaper::reap_orphans(&live);
+        reaper::reap_orphans(&self.live_pids());
     }
 }
 
