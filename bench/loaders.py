@@ -203,7 +203,12 @@ class Contender:
     def __exit__(self, *exc: object) -> None:
         assert self.process.stdin is not None
         self.process.stdin.close()
-        self.process.wait(60)
+        try:
+            self.process.wait(60)
+        finally:
+            if self.process.poll() is None:  # stuck: it must not outlive the benchmark
+                self.process.kill()
+                self.process.wait()
 
 
 def serve_contender(who: str, dataset: str) -> None:
@@ -222,13 +227,21 @@ def serve_contender(who: str, dataset: str) -> None:
     data = make() if make is not None else None
     if data is not None and pool is not None:
         first_of(data, context)  # the pool has served it
+
+    def served() -> float:
+        return first_of(data, context) * 1000
+
     commands: Dict[str, Callable[[], Any]] = {
         "ready": lambda: True,
         "start": tether_pool_start if pool is not None else fork_pool_start,
-        "served": lambda: first_of(data, context) * 1000,
+        "served": served,
         # A new object of the same contents (made before the clock starts); fork's workers
         # see any object alike.
-        "new": lambda: first_of(make() if pool is not None and make else data, context) * 1000,
+        "new": (
+            (lambda: first_of(make(), context) * 1000)
+            if pool is not None and make is not None
+            else served
+        ),
         "turns": lambda: loaders_in_turn(data, context),
     }
     for line in sys.stdin:

@@ -24,6 +24,7 @@ __all__ = [
     "REPORT_LIMIT",
     "MAX_BLANKS",
     "ZYGOTE_FDS_ENV",
+    "ZYGOTE_COMM",
     "cli_main",
     "STACKS_FD_ENV",
     "PY_SPY_ENV",
@@ -107,6 +108,7 @@ class ZygoteError(RuntimeError):
 
 REPORT_LIMIT: int
 MAX_BLANKS: int
+ZYGOTE_COMM: str
 SIGNATURE_BYTES: int
 ZYGOTE_FDS_ENV: str
 STACKS_FD_ENV: str

@@ -188,13 +188,8 @@ pub const BLANK_NOTICE: Duration = Duration::from_millis(100);
 /// Whether `pid` is named as a zygote or its blank (a blank bears its zygote's name until it
 /// names itself) and was first seen less than [`BLANK_NOTICE`] ago.
 fn announced_soon(pid: i32, seen: &mut HashMap<i32, Instant>) -> bool {
-    let named = proc::stat(proc::Of::Pid(pid))
-        .and_then(|s| {
-            s.command()
-                .map(|c| tether_core::zygote::IDLE_COMMS.contains(&c))
-        })
-        .unwrap_or(false);
-    named && seen.entry(pid).or_insert_with(Instant::now).elapsed() < BLANK_NOTICE
+    tether_core::zygote::idle_named(pid)
+        && seen.entry(pid).or_insert_with(Instant::now).elapsed() < BLANK_NOTICE
 }
 
 /// Kills every child, and every process re-parented here as they die, until no child is

@@ -137,6 +137,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("REPORT_LIMIT", tether_core::report::REPORT_LIMIT)?;
     m.add("MAX_BLANKS", tether_core::zygote::MAX_BLANKS)?;
     m.add("ZYGOTE_FDS_ENV", tether_core::zygote::FDS_ENV)?;
+    m.add("ZYGOTE_COMM", tether_core::zygote::ZYGOTE_COMM)?;
     cli::register(m)?;
     share::register(m)?;
     stacks::register(m)?;

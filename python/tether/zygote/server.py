@@ -181,7 +181,7 @@ def preload_summary(preload: Sequence[str], shown: int = 6) -> str:
 def _name_zygote(preload: Sequence[str]) -> None:
     title = f"tether zygote of pid {os.getppid()} (preload: {preload_summary(preload)})"
     try:
-        _native.set_title(title, "tether-zygote")
+        _native.set_title(title, _native.ZYGOTE_COMM)
     except OSError:
         pass
 

@@ -20,17 +20,9 @@ pub struct Worker {
 /// The processes `rank` started (and theirs), but tether's idle helpers (a pool's zygote and
 /// its blanks, ready to become workers: `tether_core::zygote::IDLE_COMMS`).
 pub fn started(rank: i32, parents: &std::collections::BTreeMap<i32, i32>) -> Vec<i32> {
-    let helper = |pid: &i32| {
-        tether_core::proc::stat(tether_core::proc::Of::Pid(*pid))
-            .and_then(|s| {
-                s.command()
-                    .map(|c| tether_core::zygote::IDLE_COMMS.contains(&c))
-            })
-            .unwrap_or(false)
-    };
     procs::descendants(rank, parents)
         .into_iter()
-        .filter(|pid| !helper(pid))
+        .filter(|&pid| !tether_core::zygote::idle_named(pid))
         .collect()
 }
 

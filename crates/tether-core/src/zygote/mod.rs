@@ -48,3 +48,10 @@ pub const BLANK_COMM: &str = "tether-blank";
 /// The names of tether's processes that run no code of the program: a zygote and the
 /// blanks it keeps.
 pub const IDLE_COMMS: [&str; 2] = [ZYGOTE_COMM, BLANK_COMM];
+
+/// Whether process `pid` bears one of [`IDLE_COMMS`] (false once it is gone).
+pub fn idle_named(pid: i32) -> bool {
+    crate::proc::stat(crate::proc::Of::Pid(pid))
+        .and_then(|s| s.command().map(|c| IDLE_COMMS.contains(&c)))
+        .unwrap_or(false)
+}

@@ -63,11 +63,10 @@ class Zygote(NamedTuple):
     target: str
     plan: scan.Plan
     preloaded: Preloaded
-    #: The files read by the imports that loaded compiled code: they cannot be imported
-    #: again in a rank, so a change means a new interpreter.
-    files: Dict[str, Any]
-    #: The same, as ``_native.first_changed`` checks them (``packed_signatures``).
-    packed: Tuple[bytes, bytes]
+    #: The files read by the imports that loaded compiled code, with their signatures, as
+    #: ``_native.first_changed`` checks them (``packed_signatures``): they cannot be
+    #: imported again in a rank, so a change means a new interpreter.
+    files: Tuple[bytes, bytes]
     #: tether's own modules, out of ``sys.modules`` (the rendezvous helper takes them back).
     private: Dict[str, Any]
 
@@ -115,19 +114,8 @@ def serve(
     environ = {k: v for k, v in os.environ.items() if k not in varying}
     preloaded = Preloaded(owner, sys.modules["__main__"], path, directories, environ, varying)
     parent = os.getppid()
-    files = _native_files(owner)
-    zygote = Zygote(
-        arguments,
-        comm,
-        parent,
-        event,
-        target,
-        plan,
-        preloaded,
-        files,
-        packed_signatures(files),
-        private,
-    )
+    files = packed_signatures(_native_files(owner))
+    zygote = Zygote(arguments, comm, parent, event, target, plan, preloaded, files, private)
     gc.freeze()  # the preload's objects, shared by every rank, are never walked there
     ready = {
         "helper": helper,
@@ -212,7 +200,7 @@ def _name(modules: List[str]) -> None:
     summary = server.preload_summary(modules)
     title = f"tether zygote of pid {os.getppid()} (warm ranks; preload: {summary})"
     try:
-        _native.set_title(title, "tether-zygote")
+        _native.set_title(title, _native.ZYGOTE_COMM)
     except OSError:
         pass
 
@@ -289,9 +277,10 @@ def _stale(zygote: Zygote) -> Optional[str]:
     that compiled code's import read changed), or None."""
     if scan.plan(zygote.event, zygote.target) != zygote.plan:
         return "the script's imports changed since the zygote started"
-    changed = _native.first_changed(*zygote.packed)
+    changed = _native.first_changed(*zygote.files)
     if changed is not None:
-        return f"{list(zygote.files)[changed]} changed since the zygote started"
+        path = os.fsdecode(zygote.files[0].split(b"\0")[changed])
+        return f"{path} changed since the zygote started"
     return None
 
 
