@@ -114,7 +114,12 @@ def state():
         if int(fd) < 1000:
             try:
                 target = os.readlink(f"/proc/self/fd/{{fd}}").split(":")[0]
-                fds[fd] = "".join("N" if c.isdigit() else c for c in target)
+                # A run of digits (a pid's, whatever its length) reads as one N.
+                fds[fd] = "".join(
+                    "N" if c.isdigit() else c
+                    for i, c in enumerate(target)
+                    if not (c.isdigit() and i and target[i - 1].isdigit())
+                )
             except OSError:
                 pass
     return {{
