@@ -173,7 +173,7 @@ def test_workers_are_reused_and_direct_children(pool):
 
 def test_nothing_of_a_dropped_loader_stays_in_the_worker(pool):
     list(loader(pool, helpers.Squares(16), batch_size=4, worker_init_fn=helpers.mark_init))
-    # The workers drop the dataset with their next lease (the pool keeps a dataset only
+    # The workers drop the dataset once the parent does (the pool keeps a dataset only
     # while this process holds it).
     list(loader(pool, pdata.Tensors(4), batch_size=2))
     # Both workers, after an idle moment: no worker info, no dataset alive.

@@ -235,6 +235,7 @@ class Core:
                 return
             try:
                 self._handle(events)
+                self.leases.send_forgotten()
             except Exception:  # noqa: BLE001 - the hub must outlive any bug of ours
                 threading.excepthook(
                     threading.ExceptHookArgs((*sys.exc_info(), threading.current_thread()))

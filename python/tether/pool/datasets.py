@@ -14,8 +14,8 @@ bytes instead of the objects. ``Kept`` is the parent's record of it, one per poo
   anything the snapshot cannot prove (past its budget, a type it does not look into), ends
   it, and so does ``refresh`` of the object or of anything it holds; the next loader then
   sends the object again;
-- when the parent drops an object, each worker that holds it is told to drop its copy with
-  its next lease.
+- when the parent drops an object, each worker that holds it is told at once to drop its
+  copy (``forgotten``: a note the worker reads between leases), or else with its next lease.
 
 When an object must cross (its first loader, a new version, or a context made with
 ``keep_datasets=False``, which keeps nothing), it travels in the loader's one
@@ -121,13 +121,16 @@ class _Iteration:
 class Kept:
     """A pool's record of the objects its workers hold (see the module's documentation)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
+        #: Called when an object the workers may hold is gone (from its finalizer: it must
+        #: neither block nor take a lock of ours); ``forgotten`` is then called soon.
+        self._wake = wake
         self._lock = threading.Lock()
         self._keys = itertools.count(1)
         self._entries: Dict[int, _Entry] = {}
         #: Entries whose object is gone; appended by finalizers (which never take the lock).
         self._dropped: Deque[_Entry] = collections.deque()
-        #: slot -> keys its worker drops with its next lease.
+        #: slot -> keys its worker is to drop (sent by ``forgotten``, or with its next lease).
         self._forget: Dict[int, List[int]] = {}
         self._iterations: "weakref.WeakKeyDictionary[Any, _Iteration]" = weakref.WeakKeyDictionary()
 
@@ -220,6 +223,7 @@ class Kept:
         """``entry``'s object is gone (a finalizer: it never takes the lock)."""
         entry.snapshot = Snapshot(None)  # what it held or watched goes now
         self._dropped.append(entry)
+        self._wake()
 
     def _collect_dropped(self) -> None:
         while self._dropped:
@@ -229,6 +233,19 @@ class Kept:
             entry.snapshot = Snapshot(None)
             for slot in entry.holders:
                 self._forget.setdefault(slot, []).append(entry.key)
+
+    def forgotten(self) -> Dict[int, List[int]]:
+        """The keys each worker is to drop now (slot -> keys), taken from what its next
+        lease would carry; ``forget_later`` gives back those a worker could not be told."""
+        with self._lock:
+            self._collect_dropped()
+            forget, self._forget = self._forget, {}
+        return forget
+
+    def forget_later(self, slot: int, keys: List[int]) -> None:
+        """The worker in ``slot`` is told to drop ``keys`` with its next lease."""
+        with self._lock:
+            self._forget.setdefault(slot, []).extend(keys)
 
     def send_again(self, obj: Any = None) -> None:
         """The next loader sends again every kept object that holds ``obj`` (is it, or

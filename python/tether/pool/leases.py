@@ -140,7 +140,7 @@ class Leases:
         #: The DataLoader iterators served, by their done event.
         self.runs: "weakref.WeakKeyDictionary[Any, Run]" = weakref.WeakKeyDictionary()
         #: What the workers keep of the DataLoaders they served.
-        self.kept = datasets.Kept()
+        self.kept = datasets.Kept(workers.wake)
         #: When ``free_held_workers`` last collected garbage.
         self.collected = -1.0
 
@@ -187,6 +187,15 @@ class Leases:
             run.add(lease, loader.get("index_queue"))
         self.running[lease_id] = _describe_call(target, loader)
         return Leased(lease, loader is not None, collector.channels, run)
+
+    def send_forgotten(self) -> None:
+        """Tells each worker that holds objects the parent dropped to drop its copies now
+        (a note it reads once its lease, if any, is over), so that the next loader does not
+        wait for it and its memory goes as soon as the parent's does."""
+        for slot, keys in self.kept.forgotten().items():
+            data = pickling.dumps(shipment.Forgetting(keys), pickling.FdCollector())
+            if not self.workers.note(slot, data):
+                self.kept.forget_later(slot, keys)
 
     def _free_a_slot(self, target: Any, loader: Optional[Dict[str, Any]]) -> int:
         """A slot when none was free: an iterator that is garbage but not yet collected (in

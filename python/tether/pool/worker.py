@@ -2,8 +2,9 @@
 
 A worker is started once (a zygote fork, a spawn child or a fork) and then serves message
 after message from its link to the pool (``_native.WorkerEnd``, whose wire format lives in
-Rust): a batch of executor tasks, or a leased process (``pool.context().Process``, e.g. a
-DataLoader's worker loop). It exits when the pool closes the link.
+Rust): a batch of executor tasks, a leased process (``pool.context().Process``, e.g. a
+DataLoader's worker loop), or a note (pickled bytes whose unpickling does what the pool
+asks: drop the objects the parent dropped). It exits when the pool closes the link.
 
 Before each task it claims the task in the gate it shares with the pool: a task the pool
 cancelled meanwhile is skipped, and when the worker dies the pool knows which task (and
@@ -217,6 +218,16 @@ def _run_lease(end: _native.WorkerEnd, lease_id: int, blob: bytes, fds: List[int
         shipment.settle()
 
 
+def _act_on(note: bytes) -> None:
+    """Unpickles a note from the pool, which does what it says (see ``shipment.Forgetting``);
+    what fails is written to stderr, and the worker goes on."""
+    try:
+        pickling.loads(note, [])
+    except Exception:  # noqa: BLE001 - a note must not kill the worker
+        sys.stderr.write(f"tether.Pool worker (pid {os.getpid()}): a note from the pool failed:\n")
+        traceback.print_exc()
+
+
 def _reset_after_lease() -> None:
     """What a DataLoader worker loop leaves behind that the next task must not see (but
     the seeds: see ``_reseed_if_needed``), and the batch storages it kept."""
@@ -294,6 +305,9 @@ def serve(rank: int, links: Dict[int, _native.WorkerFds], config: Dict[str, Any]
             ran = _run_batch(end, tasks, left)
             left = None if left is None else left - ran
             del tasks
+        elif isinstance(got, _native.Note):
+            _act_on(got.data)
+            del got
         else:
             _run_lease(end, got.id, got.data, got.fds)
             idle_gc = True

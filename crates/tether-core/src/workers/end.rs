@@ -1,4 +1,4 @@
-//! The worker's end of the link: it receives batches and leases, claims each task in the
+//! The worker's end of the link: it receives batches, leases and notes, claims each task in the
 //! gate before running it, and sends results back.
 
 use std::io;
@@ -30,6 +30,8 @@ pub enum Incoming {
         data: Vec<u8>,
         fds: Vec<OwnedFd>,
     },
+    /// A note from the pool (see [`wire`]): its bytes; nothing answers it.
+    Note(Vec<u8>),
     /// Nothing before the timeout.
     Timeout,
     /// The pool closed its end: the worker should exit.
@@ -70,7 +72,7 @@ impl WorkerEnd {
             .map(|_| ())
     }
 
-    /// Waits up to `timeout` (for ever when None) for the next batch or lease.
+    /// Waits up to `timeout` (for ever when None) for the next batch, lease or note.
     pub fn recv(&self, timeout: Option<Duration>) -> Result<Incoming, WorkersError> {
         match self.ctl.recv(timeout)? {
             Recv::Timeout => Ok(Incoming::Timeout),
@@ -153,6 +155,7 @@ fn decode(message: Message) -> Result<Incoming, WorkersError> {
                 fds,
             })
         }
+        Some(&wire::NOTE) => Ok(Incoming::Note(data[1..].to_vec())),
         _ => Err(WorkersError::Wire("unknown message for a worker")),
     }
 }

@@ -295,6 +295,19 @@ impl WorkerSet {
         Ok(lease)
     }
 
+    /// Sends the worker in `slot` a note (see [`wire`]), which it reads after what it was
+    /// sent before; false when no worker is there, its link is full or the set is closed.
+    pub fn note(&self, slot: usize, data: &[u8]) -> bool {
+        let mut state = self.lock();
+        if state.closed || !self.ours() {
+            return false;
+        }
+        match state.workers.get_mut(slot).and_then(Option::as_mut) {
+            Some(w) => w.send(&wire::encode_note(data), &[]),
+            None => false,
+        }
+    }
+
     /// Sends `signal` to the worker running lease `id`; false when it no longer does.
     pub fn signal_lease(&self, lease: &Lease, signal: i32) -> io::Result<bool> {
         if !self.ours() {

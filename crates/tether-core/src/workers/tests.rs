@@ -26,7 +26,8 @@ const WORKER_ENV: &str = "TETHER_TEST_WORKER_FDS";
 /// In worker mode, serves tasks until the pool closes the link: `echo:X` answers `X`,
 /// `hold:X` answers `X` only at the end of its batch, `sleep:MS` sleeps then answers,
 /// `abort` dies of SIGABRT, `step:N` reaches item N and dies, `exit:N` exits with N; a lease
-/// sleeps for the milliseconds its bytes give, then reports exit code 0.
+/// sleeps for the milliseconds its bytes give, then reports exit code 0; `notes` answers the
+/// notes received so far, joined by commas.
 #[test]
 fn worker_main() {
     let Ok(fds) = std::env::var(WORKER_ENV) else {
@@ -42,9 +43,11 @@ fn worker_main() {
         std::process::exit(3);
     };
     let _ = end.hello(std::process::id() as i32);
+    let mut notes = Vec::new();
     loop {
         match end.recv(None) {
-            Ok(Incoming::Batch(tasks)) => serve_batch(&end, tasks),
+            Ok(Incoming::Batch(tasks)) => serve_batch(&end, tasks, &notes),
+            Ok(Incoming::Note(data)) => notes.push(String::from_utf8_lossy(&data).into_owned()),
             Ok(Incoming::Lease { id, data, .. }) => {
                 let ms = String::from_utf8_lossy(&data).parse().unwrap_or(0);
                 std::thread::sleep(Duration::from_millis(ms));
@@ -55,7 +58,7 @@ fn worker_main() {
     }
 }
 
-fn serve_batch(end: &WorkerEnd, tasks: Vec<IncomingTask>) {
+fn serve_batch(end: &WorkerEnd, tasks: Vec<IncomingTask>, notes: &[String]) {
     let mut held: Vec<(u64, String)> = Vec::new();
     for task in tasks {
         if !end.start(task.seq, task.id) {
@@ -79,6 +82,7 @@ fn serve_batch(end: &WorkerEnd, tasks: Vec<IncomingTask>) {
                 continue;
             }
             _ if text == "abort" => std::process::abort(),
+            _ if text == "notes" => notes.join(","),
             _ => text.clone(),
         };
         let _ = end.send_results(&[(task.id, Kind::Ok, answer.as_bytes(), vec![])]);
@@ -168,6 +172,22 @@ fn deaths(events: &[Event]) -> Vec<&Death> {
             _ => None,
         })
         .collect()
+}
+
+#[test]
+fn notes_come_in_order_before_what_follows_and_nothing_answers_them() -> Result<(), WorkersError> {
+    let set = pool(1)?;
+    collect(&set, |e| e.iter().any(|e| matches!(e, Event::Ready { .. })))?;
+    assert!(set.note(0, b"a"));
+    assert!(set.note(0, b"b"));
+    assert!(!set.note(1, b"c"), "no worker in slot 1");
+    set.submit(vec![task(1, "notes")])?;
+    let events = collect(&set, |e| answers(e).len() == 1)?;
+    assert_eq!(answers(&events), [(1, "a,b".to_string())]);
+    assert!(!set.busy());
+    let _closing = set.close(false, Duration::from_secs(5));
+    assert!(!set.note(0, b"d"), "the set is closed");
+    Ok(())
 }
 
 #[test]

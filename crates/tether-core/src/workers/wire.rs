@@ -5,6 +5,8 @@
 //!   number (its claim word in the gate), the length of its bytes and how many fds it
 //!   carries; then the bytes of every task. The fds travel with the message, in order.
 //! - `P` (pool to worker): a leased process: its lease id, then its bytes.
+//! - `N` (pool to worker): a note, bytes the worker acts on between its other messages
+//!   and answers nothing (the pool tells it so to drop the objects it no longer needs).
 //! - `H` (worker to pool): the worker is ready (its pid).
 //! - `R` (worker to pool): results, laid out as a batch: id, kind (ok, error, skipped),
 //!   length, fd count per result; then the bytes.
@@ -19,6 +21,7 @@ use crate::workers::error::WorkersError;
 
 pub const BATCH: u8 = b'B';
 pub const LEASE: u8 = b'P';
+pub const NOTE: u8 = b'N';
 pub const HELLO: u8 = b'H';
 pub const RESULTS: u8 = b'R';
 pub const DONE: u8 = b'D';
@@ -165,6 +168,13 @@ pub fn decode_lease(data: &[u8]) -> Result<(u64, usize), WorkersError> {
     Ok((r.u64().map_err(short)?, 9))
 }
 
+pub fn encode_note(bytes: &[u8]) -> Vec<u8> {
+    Writer::with_capacity(1 + bytes.len())
+        .u8(NOTE)
+        .raw(bytes)
+        .finish()
+}
+
 pub fn encode_done(id: u64, code: i32) -> Vec<u8> {
     Writer::with_capacity(13)
         .u8(DONE)
@@ -230,6 +240,7 @@ mod tests {
 
         let lease = [b'P', 42, 0, 0, 0, 0, 0, 0, 0, b'x'];
         assert_eq!(encode_lease(42, b"x"), lease);
+        assert_eq!(encode_note(b"xy"), [b'N', b'x', b'y']);
         let done = [b'D', 42, 0, 0, 0, 0, 0, 0, 0, 0xf7, 0xff, 0xff, 0xff];
         assert_eq!(encode_done(42, -9), done);
         assert_eq!(encode_hello(258), [b'H', 2, 1, 0, 0]);

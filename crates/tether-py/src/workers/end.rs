@@ -36,7 +36,7 @@ impl WorkerEnd {
         self.inner.hello(pid).map_err(os_error)
     }
 
-    /// The next message (a `TaskBatch` or a `LeaseCall`), or None after `timeout` seconds
+    /// The next message (a `TaskBatch`, a `LeaseCall` or a `Note`), or None after `timeout` seconds
     /// (for ever when None). Raises EOFError once the pool closed the link.
     #[pyo3(signature = (timeout=None))]
     fn recv(&self, py: Python<'_>, timeout: Option<Timeout>) -> PyResult<Option<PyObject>> {

@@ -275,6 +275,12 @@ pub struct LeaseCall {
     fds: Vec<RawFd>,
 }
 
+/// A note from the pool for a worker to act on (see `WorkerSet.note`): its bytes.
+#[pyclass(module = "tether._native", frozen, get_all)]
+pub struct Note {
+    data: Py<PyBytes>,
+}
+
 pub(crate) fn incoming(py: Python<'_>, got: Incoming) -> PyResult<Option<PyObject>> {
     match got {
         Incoming::Timeout => Ok(None),
@@ -302,6 +308,12 @@ pub(crate) fn incoming(py: Python<'_>, got: Incoming) -> PyResult<Option<PyObjec
             };
             Ok(Some(Py::new(py, call)?.into_any()))
         }
+        Incoming::Note(data) => {
+            let note = Note {
+                data: PyBytes::new(py, &data).unbind(),
+            };
+            Ok(Some(Py::new(py, note)?.into_any()))
+        }
     }
 }
 
@@ -325,5 +337,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<IncomingTask>()?;
     m.add_class::<TaskBatch>()?;
     m.add_class::<LeaseCall>()?;
+    m.add_class::<Note>()?;
     Ok(())
 }

@@ -250,6 +250,13 @@ impl WorkerSet {
         Ok(Lease { inner })
     }
 
+    /// Sends the worker in `slot` a note (bytes it acts on after what it was sent before,
+    /// answering nothing); false when no worker is there, its link is full or the set is
+    /// closed.
+    fn note(&self, slot: usize, data: &[u8]) -> bool {
+        self.inner.note(slot, data)
+    }
+
     /// Sends `signal` to the worker while it runs `lease`; false once it does not.
     fn signal_lease(&self, lease: &Lease, signal: i32) -> PyResult<bool> {
         self.inner
