@@ -17,7 +17,7 @@ import pytest
 #: The guard, as the error must spell it.
 GUARD = 'if __name__ == "__main__":'
 
-#: Starts a pool at the script's top level (line 9), timing the start that fails.
+#: Starts a pool at the script's top level, timing the start that fails.
 UNGUARDED_POOL = """\
 import time
 import tether
@@ -33,6 +33,26 @@ except tether.BrokenPool as error:
     raise
 print(list(pool.map(square, range(4))))
 pool.shutdown()
+"""
+
+#: The same start under a condition (whether a worker runs it depends on the condition).
+CONDITIONAL_POOL = """\
+import sys
+import time
+import tether
+
+def square(x):
+    return x * x
+
+started = time.monotonic()
+if sys.argv:
+    try:
+        pool = tether.Pool(2, start_method={method!r})
+    except tether.BrokenPool:
+        print(f"raised after {{time.monotonic() - started:.3f}} s", flush=True)
+        raise
+    print(list(pool.map(square, range(4))))
+    pool.shutdown()
 """
 
 #: Makes an executor at the top level (which starts nothing, as CPython's does) and submits
@@ -98,12 +118,40 @@ def _says_the_guard(stderr: str, where: str, line: str) -> None:
     assert "Traceback" not in said, stderr  # the error alone, no worker's traceback
 
 
+def _line_of(script: Path, text: str) -> str:
+    """``file:line`` of the first line of ``script`` that holds ``text``."""
+    lines = script.read_text().splitlines()
+    return f"{script}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+
+
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
-def test_a_script_that_starts_a_pool_without_the_main_guard_says_so_at_once(tmp_path, method):
-    script = _write(tmp_path, UNGUARDED_POOL.format(method=method))
+@pytest.mark.parametrize("first", ["", "import torch\n"], ids=["plain", "torch-first"])
+def test_a_script_that_starts_a_pool_without_the_main_guard_says_so_at_once(
+    tmp_path, method, first
+):
+    # The statement runs whatever happens: the parent says so before any worker starts,
+    # however long a worker would take to import the script up to there.
+    script = _write(tmp_path, first + UNGUARDED_POOL.format(method=method))
     out = _run([sys.executable, str(script)], tmp_path)
     assert out.returncode == 1 and "[0, 1, 4, 9]" not in out.stdout, out.stdout + out.stderr
-    _says_the_guard(out.stderr, f"{script}:9", f"pool = tether.Pool(2, start_method={method!r})")
+    line = f"pool = tether.Pool(2, start_method={method!r})"
+    _says_the_guard(out.stderr, _line_of(script, line), line)
+    assert "before any worker started" in out.stderr, out.stderr
+    seconds = float(out.stdout.split("raised after ")[1].split()[0])
+    assert seconds < 1, out.stdout
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_pool_started_under_a_condition_is_named_by_the_worker_that_reaches_it(
+    tmp_path, method
+):
+    # Whether a worker runs it depends on the condition there: the worker tells.
+    script = _write(tmp_path, CONDITIONAL_POOL.format(method=method))
+    out = _run([sys.executable, str(script)], tmp_path)
+    assert out.returncode == 1 and "[0, 1, 4, 9]" not in out.stdout, out.stdout + out.stderr
+    line = f"pool = tether.Pool(2, start_method={method!r})"
+    _says_the_guard(out.stderr, _line_of(script, line), line)
+    assert "stopped there" in out.stderr, out.stderr
     seconds = float(out.stdout.split("raised after ")[1].split()[0])
     assert seconds < 10, out.stdout  # before, the parent waited for nested pools
 
@@ -113,6 +161,17 @@ def test_an_executor_made_without_the_guard_says_so_at_its_first_submit(tmp_path
     out = _run([sys.executable, str(script)], tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
     _says_the_guard(out.stderr, f"{script}:8", "future = executor.submit(square, 3)")
+    assert "before any worker started" in out.stderr, out.stderr
+
+
+def test_an_executor_whose_first_submit_is_under_a_condition_says_so_as_cpython(tmp_path):
+    conditional = UNGUARDED_EXECUTOR.format(method="forkserver").replace(
+        "    future = executor.submit", "    if executor:\n        future = executor.submit"
+    )
+    script = _write(tmp_path, conditional)
+    out = _run([sys.executable, str(script)], tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    _says_the_guard(out.stderr, f"{script}:9", "future = executor.submit(square, 3)")
     assert "A child process terminated abruptly" in out.stderr  # CPython's words first
 
 
@@ -142,3 +201,29 @@ def test_a_program_without_a_file_starts_a_pool_without_the_guard(tmp_path, way)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0, 1, 4, 9]"
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "source, line, runs",
+    [
+        ("import tether\npool = tether.Pool(2)\n", 2, True),
+        ("with open('f') as f:\n    pass\n", 1, True),  # a with statement's own line
+        ("with open('f') as f:\n    x = 1\n    y = 2\n", 3, True),
+        ("try:\n    x = 1\nexcept OSError:\n    y = 2\nfinally:\n    z = 3\n", 2, True),
+        ("try:\n    x = 1\nexcept OSError:\n    y = 2\nfinally:\n    z = 3\n", 6, True),
+        ("try:\n    x = 1\nexcept OSError:\n    y = 2\n", 4, False),
+        ("try:\n    x = 1\nexcept OSError:\n    y = 2\nelse:\n    z = 3\n", 6, False),
+        ('if __name__ == "__main__":\n    x = 1\n', 2, False),
+        ("for i in range(3):\n    x = i\n", 2, False),
+        ("while False:\n    x = 1\n", 2, False),
+        ("with open('f'):\n    if x:\n        y = 1\n", 3, False),
+        ("x = (\n    1,\n)\n", 2, True),  # a statement over several lines
+        ("def f(\n", 1, False),  # does not parse: left to the workers
+    ],
+)
+def test_which_top_level_statements_run_whenever_the_script_runs(tmp_path, source, line, runs):
+    from tether.pool import guard
+
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    assert guard._unguarded(str(script), line) is runs

@@ -113,6 +113,12 @@ def main_not_guarded(owner: str, where: str, line: str) -> str:
     )
 
 
+def main_not_guarded_here(said: str) -> str:
+    """The process starting a pool saw that its workers would start it again (see
+    ``main_not_guarded``)."""
+    return f"{said}\n(seen in this process, before any worker started)"
+
+
 def main_not_guarded_in_worker(death: _native.WorkerDied, said: str, owner: str = POOL) -> str:
     """A worker of the pool ``owner`` stopped importing the main script with ``said`` (see
     ``main_not_guarded``)."""

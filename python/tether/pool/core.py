@@ -70,7 +70,7 @@ class Core:
         name: str = words.POOL,
     ) -> None:
         if start is None or start:
-            guard.check(name)  # a worker importing an unguarded script stops here
+            guard.check_start(name, start_method)  # an unguarded script's start stops here
         #: The pool's name in what it says (``tether.Pool``, ``tether.ProcessPoolExecutor``).
         self.name = name
         self.size = processes
@@ -199,14 +199,10 @@ class Core:
 
     def describe(self) -> census.Pool:
         """This pool and its workers, for ``tether.status()``."""
-        leased = dict(self.leases.running)
+        leased_to = self.leases.leased_to
         workers = [
             census.Child(
-                w.pid,
-                f"worker {w.slot}",
-                worker_state(
-                    w.ready, leased.get(w.lease) if w.lease is not None else None, w.reserved
-                ),
+                w.pid, f"worker {w.slot}", worker_state(w.ready, leased_to(w.lease), w.reserved)
             )
             for w in self.workers.workers()
         ]

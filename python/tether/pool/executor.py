@@ -290,7 +290,7 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
         """A worker importing an unguarded main script stops at the call that would start
         workers (see ``guard``), before anything is queued: its exit would wait for it."""
         if self._on_demand and self._core.started < self._core.size:
-            guard.check(words.EXECUTOR)
+            guard.check_start(words.EXECUTOR, self._core.start_method)
 
     def _check_exiting(self) -> None:
         if _exiting and self._core.broken is None:

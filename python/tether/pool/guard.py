@@ -11,17 +11,27 @@ naming the line of the script that did it; the worker's report carries it to the
 which raises ``BrokenPool`` with the same words (see ``words.main_not_guarded``) as soon as
 the worker has exited.
 
+The parent does not wait for a worker to get there when it can tell at once: a pool whose
+workers import the main script (not ``"fork"``), started by a script run from its file
+(``python script.py``, IPython's ``%run``) while the script's top-level statement under way is
+one no condition guards (no ``if``, loop, ``try`` or ``match`` around it), raises the same
+error in the parent before any worker starts (``unguarded_start``): every worker would run that
+statement too, and its import of the script would take as long as the script took to get
+there (seconds, for a script that imports torch first). A statement under any condition is
+left to the workers' check, which knows whether the condition holds there.
+
 A process that is not importing a main script (the parent; a worker running a task; a
 ``__main__`` without a file: the REPL, ``python -c``, a notebook) is never stopped here."""
 
 from __future__ import annotations
 
+import ast
 import linecache
 import multiprocessing.process
 import os
 import sys
 from types import FrameType
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple, cast
 
 #: The package whose frames are never the user's line.
 _TETHER = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -59,6 +69,83 @@ def check(owner: str) -> None:
 
     where, line = _user_line(sys._getframe(1))
     raise MainNotGuardedError(words.main_not_guarded(owner, where, line), owner, where, line)
+
+
+def check_start(owner: str, start_method: str) -> None:
+    """Before a pool ``owner`` starts workers: ``check``, and in the process that starts it,
+    ``BrokenPool`` when its workers would start it again (``unguarded_start``)."""
+    check(owner)
+    said = unguarded_start(owner, start_method)
+    if said is not None:
+        from tether.common import words
+
+        from .errors import BrokenPool
+
+        raise BrokenPool(words.main_not_guarded_here(said))
+
+
+def _since(name: str) -> Tuple[type, ...]:
+    """The statement class ``ast.NAME`` where this Python has it."""
+    kind = getattr(ast, name, None)
+    return () if kind is None else (kind,)
+
+
+#: Statements that may skip what they hold (``match`` from Python 3.10).
+_CONDITIONS = (ast.If, ast.For, ast.AsyncFor, ast.While, *_since("Match"))
+#: Statements whose body runs (``try*`` from Python 3.11).
+_TRIES = (ast.Try, *_since("TryStar"))
+
+
+def unguarded_start(owner: str, start_method: str) -> Optional[str]:
+    """In the process that starts a pool: what ``MainNotGuardedError`` would say when its
+    workers would run the statement under way again (see the module's documentation), or
+    None."""
+    if start_method == "fork" or importing_main():
+        return None
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return None  # run with -m: left to the workers' check
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str) or path.startswith("<"):
+        return None
+    frame: Optional[FrameType] = sys._getframe(1)
+    top: Optional[FrameType] = None
+    while frame is not None:
+        if frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>":
+            top = frame
+        frame = frame.f_back
+    if top is None or not _unguarded(top.f_code.co_filename, top.f_lineno):
+        return None
+    from tether.common import words
+
+    where, line = _user_line(top)
+    return words.main_not_guarded(owner, where, line)
+
+
+def _unguarded(filename: str, lineno: int) -> bool:
+    """Whether the top-level statement of ``filename`` that holds line ``lineno`` runs
+    whenever the file runs: inside no ``if``, loop or ``match``, nor a ``try``'s handlers
+    or ``else`` (the body of a ``with`` or a ``try`` counts)."""
+    try:
+        body: List[ast.stmt] = ast.parse("".join(linecache.getlines(filename))).body
+    except (SyntaxError, ValueError):
+        return False
+    while True:
+        holding = [s for s in body if s.lineno <= lineno <= (s.end_lineno or s.lineno)]
+        if len(holding) != 1 or isinstance(holding[0], _CONDITIONS):
+            return False
+        statement = holding[0]
+        if isinstance(statement, (ast.With, ast.AsyncWith)):
+            inner = statement.body
+        elif isinstance(statement, _TRIES):
+            tried = cast(ast.Try, statement)  # or an ast.TryStar, which has its fields
+            inner = tried.body + tried.finalbody
+        else:
+            return True
+        if not any(s.lineno <= lineno <= (s.end_lineno or s.lineno) for s in inner):
+            # A with statement's own line runs; a try's handlers and else may not.
+            return isinstance(statement, (ast.With, ast.AsyncWith))
+        body = inner
 
 
 def _user_line(frame: Optional[FrameType]) -> Tuple[str, str]:

@@ -188,6 +188,10 @@ class Leases:
         self.running[lease_id] = _describe_call(target, loader)
         return Leased(lease, loader is not None, collector.channels, run)
 
+    def leased_to(self, lease: Optional[int]) -> Optional[str]:
+        """What lease ``lease`` runs (for ``tether.status()``), None when nothing runs."""
+        return None if lease is None else self.running.get(lease)
+
     def send_forgotten(self) -> None:
         """Tells each worker that holds objects the parent dropped to drop its copies now
         (a note it reads once its lease, if any, is over), so that the next loader does not
