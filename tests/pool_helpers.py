@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import multiprocessing
 import os
 import random
 import signal
@@ -75,6 +76,12 @@ def maybe_crash(i: int, every: int) -> int:
     if i % every == every - 1:
         os._exit(3)
     return i
+
+
+def parent_of_worker(_: Any = None) -> Optional[Tuple[str, int, bool]]:
+    """What ``multiprocessing.parent_process()`` says in this worker."""
+    parent = multiprocessing.parent_process()
+    return None if parent is None else (parent.name, parent.pid, parent.is_alive())
 
 
 def worker_state(_: Any = None) -> Tuple[int, bool, int]:

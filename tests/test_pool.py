@@ -5,6 +5,7 @@ interpreter exit, a parent killed with SIGKILL)."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import multiprocessing.context
 import os
 import queue
@@ -340,3 +341,10 @@ def test_pool_context_and_channel_import_in_one_direction():
     assert pool_modules.isdisjoint(imports("channel")) and "loader" not in imports("channel")
     assert pool_modules.isdisjoint(imports("loader")) and "channel" in imports("loader")
     assert {"loader", "tether.common.pickling"} <= set().union(*map(imports, pool_modules))
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
+def test_a_worker_knows_its_parent_process_as_multiprocessings_workers_do(method):
+    with tether.Pool(2, start_method=method) as pool:
+        got = set(pool.map(helpers.parent_of_worker, range(8)))
+    assert got == {(multiprocessing.current_process().name, os.getpid(), True)}

@@ -40,6 +40,11 @@ def put_index(i, queue):
     queue.put(i)
 
 
+def put_parent(i, queue):
+    parent = multiprocessing.parent_process()
+    queue.put(None if parent is None else (parent.name, parent.pid, parent.is_alive()))
+
+
 def raise_in(i, rank):
     if i == rank:
         raise ValueError("legitimate exception from process %d" % i)
@@ -178,6 +183,13 @@ def test_first_argument_index(start_method):
     queue = multiprocessing.get_context("spawn").SimpleQueue()
     start(put_index, args=(queue,), start_method=start_method)
     assert sorted([queue.get(), queue.get()]) == [0, 1]
+
+
+def test_a_child_knows_its_parent_process_as_multiprocessings_children_do(start_method):
+    queue = multiprocessing.get_context("spawn").SimpleQueue()
+    start(put_parent, args=(queue,), start_method=start_method)
+    me = (multiprocessing.current_process().name, os.getpid(), True)
+    assert [queue.get(), queue.get()] == [me, me]
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -167,7 +167,10 @@ def run_payload(
         enter_job(data.pop("tether_job", None), rank)
         set_title(data.pop("tether_title", None), rank)
         install_stacks(data.pop("tether_stacks_channel", None))
+        parent = data.pop("tether_parent", None)
         _prepare(data)
+        if parent is not None:
+            set_parent(*parent)
         fn, args = pickle.loads(work)
         fn(rank, *args)
 
@@ -214,6 +217,20 @@ def main() -> None:
     sys.exit(run_payload(prep, work, rank, report_fd))
 
 
+def set_parent(name: str, pid: int) -> None:
+    """What ``multiprocessing.parent_process()`` gives in this child, as in multiprocessing's
+    own children once their main module is imported: the process that started it (its
+    name and pid), alive until its pidfd says it exited. Left None where the pidfd cannot
+    be had (that process is gone already)."""
+    try:
+        sentinel = os.pidfd_open(pid)
+    except OSError:
+        return
+    # Private to multiprocessing (not in its type stubs); its children set it alike.
+    process: Any = multiprocessing.process
+    process._parent_process = process._ParentProcess(name, pid, sentinel)
+
+
 def reset_after_fork() -> None:
     """What multiprocessing does in a process it forks: forget the parent's children and
     finalizers, and let queues, locks and loggers reset themselves. (These are private to
@@ -258,6 +275,7 @@ def run_forked(
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         reset_after_fork()
+        set_parent(multiprocessing.process.current_process().name, parent_pid)
         code = run_rank(lambda: fn(rank, *args), report_fd)
     finally:
         exit_forked(code)

@@ -48,6 +48,7 @@ def _preparation_data(popen: pickling.FdCollector) -> Dict[str, Any]:
         "sys_argv": list(sys.argv),
         "dir": _working_directory(),
         "orig_dir": _original_dir(),
+        "tether_parent": (process.name, os.getpid()),
     }
     main = sys.modules.get("__main__")
     spec_name = getattr(getattr(main, "__spec__", None), "name", None)
