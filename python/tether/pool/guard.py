@@ -14,11 +14,12 @@ the worker has exited.
 The parent does not wait for a worker to get there when it can tell at once: a pool whose
 workers import the main script (not ``"fork"``), started by a script run from its file
 (``python script.py``, IPython's ``%run``) while the script's top-level statement under way is
-one no condition guards (no ``if``, loop, ``try`` or ``match`` around it), raises the same
-error in the parent before any worker starts (``unguarded_start``): every worker would run that
-statement too, and its import of the script would take as long as the script took to get
-there (seconds, for a script that imports torch first). A statement under any condition is
-left to the workers' check, which knows whether the condition holds there.
+one no condition guards (no ``if``, loop or ``match`` around it, nor a ``try``'s handlers or
+``else``), raises the same error in the parent before any worker starts
+(``unguarded_start``): every worker would run that statement too, and its import of the
+script would take as long as the script took to get there (seconds, for a script that
+imports torch first). A statement under any condition is left to the workers' check, which
+knows whether the condition holds there.
 
 A process that is not importing a main script (the parent; a worker running a task; a
 ``__main__`` without a file: the REPL, ``python -c``, a notebook) is never stopped here."""
