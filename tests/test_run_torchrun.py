@@ -133,6 +133,13 @@ def run_two_nodes(rendezvous: str) -> List[Tuple[int, str, str]]:
         for launcher in launchers:
             out, err = launcher.communicate(timeout=200)
             outputs.append((launcher.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        said = []
+        for node, launcher in enumerate(launchers):
+            launcher.kill()
+            out, err = launcher.communicate()  # what each said until then, nothing lost
+            said.append(f"-- node {node} (exit {launcher.returncode}):\n{out}\n{err}")
+        pytest.fail("the two launchers did not end within 200 s:\n" + "\n".join(said))
     finally:
         for launcher in launchers:
             if launcher.poll() is None:
