@@ -10,6 +10,16 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 
+class Empties(torch.utils.data.Dataset):
+    """Item i: an empty float tensor (a batch of them holds no byte)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.empty(0)
+
+
 class Tensors(torch.utils.data.Dataset):
     """Item i: a (3,) float tensor full of i."""
 

@@ -185,6 +185,15 @@ def test_nothing_of_a_dropped_loader_stays_in_the_worker(pool):
         assert live == 0
 
 
+@pytest.mark.parametrize("batch_size", [4, None], ids=["batched", "unbatched"])
+def test_empty_tensors_arrive_as_with_fork(pool, batch_size):
+    got = list(loader(pool, pdata.Empties(), batch_size=batch_size))
+    fork = DataLoader(pdata.Empties(), batch_size=batch_size, num_workers=2)
+    expected = list(fork)
+    assert [tuple(b.shape) for b in got] == [tuple(b.shape) for b in expected]
+    same_batches(got, expected)
+
+
 def test_two_loaders_at_once(pool):
     train = loader(pool, helpers.Squares(12), batch_size=3, num_workers=1)
     val = loader(pool, pdata.Tensors(8), batch_size=2, num_workers=1)

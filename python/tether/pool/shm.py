@@ -53,7 +53,10 @@ def memfd(who: str, what: str, size: int, sealing: bool = False) -> int:
 
 def memfd_storage(cls: Any, size: int) -> Any:
     """A ``cls`` (torch's ``UntypedStorage``) of ``size`` bytes in a memfd: one that came
-    back to this worker (see ``recycle``), or else a new one."""
+    back to this worker (see ``recycle``), or else a new one. An empty one has no memory to
+    share (torch pickles it as empty): a plain empty storage (a batch of empty tensors)."""
+    if size == 0:
+        return cls(0)
     storage = recycle.take(cls, size)
     if storage is not None:
         return storage
