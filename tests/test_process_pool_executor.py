@@ -397,3 +397,33 @@ def test_the_tasks_that_run_before_shutdown_cancels_the_rest_are_the_first_submi
     assert [i for i, f in enumerate(futures) if not f.cancelled()] == ran
     assert [f.result() for f in futures[: len(ran)]] == ran
     assert len(ran) < len(futures), f"{name}: shutdown cancelled nothing"
+
+
+def _unreaped(pids):
+    """Those of ``pids`` that are zombies of this process (reaping them here)."""
+    zombies = []
+    for pid in pids:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                zombies.append(pid)
+        except ChildProcessError:
+            pass  # reaped already, as it should be
+    return zombies
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_shutdown_with_wait_leaves_every_worker_reaped_as_cpythons_joins_them(method):
+    for _ in range(5):
+        executor = tether.ProcessPoolExecutor(4, mp_context=multiprocessing.get_context(method))
+        assert [f.result() for f in [executor.submit(pow, 2, i) for i in range(8)]][-1] == 128
+        pids = list(executor._processes)
+        executor.shutdown(wait=True)
+        assert pids and _unreaped(pids) == []
+
+
+def test_a_pool_closed_leaves_every_worker_reaped():
+    for _ in range(5):
+        with tether.Pool(4) as pool:
+            assert list(pool.map(abs, range(-4, 4))) == [4, 3, 2, 1, 0, 1, 2, 3]
+            pids = pool.pids()
+        assert len(pids) == 4 and _unreaped(pids) == []

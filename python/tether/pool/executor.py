@@ -283,7 +283,8 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """No new tasks; with ``cancel_futures``, those submitted after the last one
         started are cancelled (those that run are the first ones submitted); the others
-        finish. With ``wait``, returns once they did and every worker exited."""
+        finish. With ``wait``, returns once they did and every worker exited and was reaped
+        (no zombie is left, as CPython's executor joins its workers)."""
         self._core.stop(wait, cancel_futures)
 
     def _check_guard(self) -> None:

@@ -19,7 +19,7 @@ use super::table::{ctl_token, pidfd_token, Process, Sent, State, Worker};
 use super::types::{Closing, Config, Event, Link, Task, WorkerInfo};
 use super::wire;
 use crate::channel::Poller;
-use crate::group::Group;
+use crate::group::{Group, WaitFor};
 
 /// The worker set (see the module's documentation).
 #[derive(Debug)]
@@ -383,6 +383,9 @@ impl WorkerSet {
     }
 }
 
+/// How long closing the set waits for the warden to reap a worker that exited.
+const REAP_PATIENCE: Duration = Duration::from_secs(2);
+
 /// Stops the workers of a closed set: their sockets close (so they exit), the leased ones
 /// (or all, with `kill`) get SIGKILL at once, the others up to `grace` to exit before it.
 /// Returns the leases it ended.
@@ -408,6 +411,9 @@ fn stop(workers: Vec<Worker>, kill: bool, grace: Duration) -> Vec<Arc<Lease>> {
             let _ = group.signal(member, libc::SIGKILL);
             wait_exit(pidfd.as_fd(), Some(Instant::now() + Duration::from_secs(5)));
         }
+        // Reaped too (by the warden, which records its exit then), as a joined process is:
+        // the set's owner that returns from closing it leaves no zombie behind.
+        group.wait(Some(&[member]), WaitFor::AllExited, Some(REAP_PATIENCE));
         if let Some(lease) = lease {
             let code = lease_code(exit_status(&pidfd, &group, member));
             lease.finish(LeaseEnd { code, died: true });
