@@ -227,3 +227,21 @@ def test_which_top_level_statements_run_whenever_the_script_runs(tmp_path, sourc
     script = tmp_path / "script.py"
     script.write_text(source)
     assert guard._unguarded(str(script), line) is runs
+
+
+def test_an_executor_reads_the_script_only_until_its_first_worker_starts(monkeypatch):
+    # Afterwards that worker's import of the script ran every statement the check would
+    # name: reading the script again at each submit would only slow submit down.
+    import tether
+    from tether.pool import guard
+
+    calls = []
+    real = guard.unguarded_start
+    monkeypatch.setattr(guard, "unguarded_start", lambda *a: calls.append(a) or real(*a))
+    executor = tether.ProcessPoolExecutor(4)
+    try:
+        assert [executor.submit(abs, -i).result(timeout=60) for i in range(20)] == list(range(20))
+        assert executor._core.started < 4  # workers start on demand: the check was still asked
+    finally:
+        executor.shutdown()
+    assert len(calls) == 1

@@ -237,6 +237,8 @@ class Kept:
     def forgotten(self) -> Dict[int, List[int]]:
         """The keys each worker is to drop now (slot -> keys), taken from what its next
         lease would carry; ``forget_later`` gives back those a worker could not be told."""
+        if not self._dropped and not self._forget:
+            return {}  # the hub asks after every event: most of them find nothing
         with self._lock:
             self._collect_dropped()
             forget, self._forget = self._forget, {}

@@ -289,9 +289,16 @@ class ProcessPoolExecutor(concurrent.futures.Executor):
 
     def _check_guard(self) -> None:
         """A worker importing an unguarded main script stops at the call that would start
-        workers (see ``guard``), before anything is queued: its exit would wait for it."""
-        if self._on_demand and self._core.started < self._core.size:
-            guard.check_start(words.EXECUTOR, self._core.start_method)
+        workers (see ``guard``), before anything is queued: its exit would wait for it.
+        The script's own check (which reads the script) runs until the first worker
+        starts: that worker's import runs every statement the check would name."""
+        core = self._core
+        if not self._on_demand or core.started >= core.size:
+            return
+        if core.started:
+            guard.check(words.EXECUTOR)
+        else:
+            guard.check_start(words.EXECUTOR, core.start_method)
 
     def _check_exiting(self) -> None:
         if _exiting and self._core.broken is None:
