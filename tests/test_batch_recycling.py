@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pool_datasets as pdata
@@ -95,6 +96,42 @@ def test_batches_of_changing_sizes_are_whole(pool):
             kept.append((starts[k], batch))
         del batch
     assert all(pdata.holds(batch, first) for first, batch in kept)
+
+
+def test_the_next_loader_takes_back_the_storages_the_last_one_dropped(pool):
+    made = set()
+    for batch in loader(pool, 12):
+        made.add(storage_id(batch))
+        del batch
+    # The workers keep them (alive, so no new memfd can take their inodes) for their next
+    # lease: its first batches are made in them.
+    again = []
+    for i, batch in enumerate(loader(pool, 4)):
+        assert pdata.holds(batch, i * BATCH)
+        again.append(storage_id(batch))
+        del batch
+    assert again[0] in made, (again, made)
+
+
+def test_batches_kept_from_the_last_loader_are_never_reused_by_the_next(pool):
+    kept = list(loader(pool, 12))
+    for i, batch in enumerate(loader(pool, 12)):
+        assert pdata.holds(batch, i * BATCH)
+        del batch
+    assert all(pdata.holds(batch, i * BATCH) for i, batch in enumerate(kept))
+
+
+def test_an_idle_worker_lets_its_kept_storages_go(pool):
+    it = iter(loader(pool, 12))
+    workers = [w.pid for w in it._workers]
+    for _ in it:
+        pass
+    del it
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(_fds(pid).get(TENSOR, 0) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [_fds(pid).get(TENSOR, 0) for pid in workers] == [0, 0]
 
 
 def test_a_batch_the_worker_still_holds_is_never_reused(pool):

@@ -22,7 +22,7 @@ from tether import _native
 from tether.common import pickling
 from tether.errors import NoFreeWorkerError
 
-from . import channel, datasets, runs, shipment
+from . import channel, datasets, recycle, runs, shipment
 from .errors import BrokenPool
 from .loader import Leased
 from .runs import Run
@@ -161,6 +161,7 @@ class Leases:
         if self.host.state != "running":
             raise RuntimeError("the tether.Pool is shut down")
         loader = dataloader_call(target, args, kwargs)
+        recycle.release_gone()
         lease_id = next(self.ids)
         slot = self._take_slot(loader)
         if slot is None:

@@ -14,11 +14,11 @@ How the worker learns it: each worker has a *release page*, a memfd page of 64-b
 *generation*, a number the page never used before. The receiving process rebuilds the
 storage as torch does, maps the page (once, however many storages of that worker it holds)
 and follows the storage with torch's weak reference; once the storage is gone (every tensor
-and view of it, its mapping unmapped), it writes the generation into the slot. It looks
-when it receives the next storage (there is no thread and no timer: a worker needs a
-storage back only while it sends storages). The worker takes a storage back only when its
-slot holds the generation it was sent with and nothing in the worker refers to it but
-this module.
+and view of it, its mapping unmapped), it writes the generation into the slot. It looks when
+it receives the next storage, and when it leases a worker (there is no thread and no timer:
+a worker needs a storage back only while it sends storages). The worker takes a storage back
+only when its slot holds the generation it was sent with and nothing in the worker refers to
+it but this module.
 
 A storage that something may still read is never reused:
 
@@ -31,8 +31,9 @@ A storage that something may still read is never reused:
 - a receiver that holds more than ``FOLLOWED`` of them stops following the oldest;
 - a worker that forks forgets the storages referred to outside this module (the child
   may use them), and the child forgets them all;
-- what a worker keeps when its lease ends, it drops (the memory goes when the receiver
-  lets go of it too); a worker that dies takes its storages and its page with it.
+- what a worker keeps when its lease ends, it keeps for its next lease only until it is
+  idle (``drop``; the memory goes when the receiver lets go of it too); a worker that dies
+  takes its storages and its page with it.
 
 A storage taken back holds the previous batch's bytes, not zeros: torch's callers of
 ``UntypedStorage._new_shared`` (collate, the checkpoint stager) write all of it."""
@@ -46,7 +47,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .recycle_page import PAGE, SLOTS, Mapped, Page, libc
 
-__all__ = ["begin", "end", "keep", "rebuild", "sending", "take", "unfollow"]
+__all__ = ["begin", "drop", "end", "keep", "rebuild", "release_gone", "sending", "take", "unfollow"]
 
 #: Storages smaller than this are made afresh each time.
 MIN_SIZE = 1 << 16
@@ -79,16 +80,24 @@ _by_address: Dict[int, _Kept] = {}
 
 
 def begin() -> None:
-    """A leased process starts: from now on, storages are kept."""
+    """A leased process starts: from now on, storages are kept, and those kept from the
+    lease before are used again once they came back."""
     global _active
     _active = True
 
 
 def end() -> None:
-    """The leased process ended: drop every kept storage."""
+    """The leased process ended: no storage is kept or taken until the next one begins.
+    Those kept stay for the next lease (its first batches need not wait for new ones)
+    until ``drop`` (the worker is idle)."""
     global _active
+    _active = False
+
+
+def drop() -> None:
+    """Drops every kept storage (the worker is idle: its batches' memory goes, once their
+    receivers let go of them too)."""
     with _lock:
-        _active = False
         _forget_all()
 
 
@@ -285,6 +294,16 @@ def rebuild(cls: Any, df: Any, size: int, page_df: Any, slot: int, generation: i
     finally:
         os.close(page_fd)
     return storage
+
+
+def release_gone() -> None:
+    """Tells the workers of the followed storages that are gone, now (a process that
+    leases a worker does it first: the storages of the batches it dropped are the worker's
+    again for the lease's first batches)."""
+    if not _followed:
+        return
+    with _follow_lock:
+        _release_gone()
 
 
 def _release_gone() -> None:

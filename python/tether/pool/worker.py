@@ -26,10 +26,12 @@ ran.
 
 Whatever a task leaves is cleaned up before the next: the channels it received are closed,
 torch's DataLoader worker info is reset, and after a short idle time the garbage collector
-runs. The random generators a leased process seeded are reseeded before the next task that
-does not seed them itself (an executor task, a process other than torch's DataLoader worker
-loop), or once the worker is idle: reseeding torch and numpy costs a few hundred
-microseconds, which a DataLoader started right after would otherwise wait for."""
+runs and the batch storages kept for the next lease go. The random generators a leased
+process seeded are reseeded before the next task that does not seed them itself (an executor
+task, a process other than torch's DataLoader worker loop), or once the worker is idle:
+reseeding torch and numpy costs a few hundred microseconds, which a DataLoader started right
+after would otherwise wait for.
+"""
 
 from __future__ import annotations
 
@@ -230,7 +232,8 @@ def _act_on(note: bytes) -> None:
 
 def _reset_after_lease() -> None:
     """What a DataLoader worker loop leaves behind that the next task must not see (but
-    the seeds: see ``_reseed_if_needed``), and the batch storages it kept."""
+    the seeds: see ``_reseed_if_needed``). The batch storages it kept wait for the next
+    lease until the worker is idle (see ``recycle``)."""
     recycle.end()
     worker = sys.modules.get("torch.utils.data._utils.worker")
     if worker is not None:
@@ -295,6 +298,7 @@ def serve(rank: int, links: Dict[int, _native.WorkerFds], config: Dict[str, Any]
         except EOFError:
             return
         if got is None:
+            recycle.drop()
             gc.collect()
             _reseed_if_needed()
             idle_gc = False
