@@ -4,6 +4,9 @@ anyway, so these cost a worker nothing more)."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 from typing import Iterator
 
 import torch
@@ -170,3 +173,85 @@ class CollateKeepingLast:
         intact = all(holds(*kept) for kept in self.kept)
         self.kept = [*self.kept[-5:], (batch, int(batch[0, 0, 0, 0]))]
         return batch, intact
+
+
+class Marked(torch.utils.data.Dataset):
+    """Item i: ``(i, mark)``; the parent's mark stays 0. What runs in a worker between two
+    loaders sets its copy's mark to ``MARK`` (see the ``mark_*`` helpers)."""
+
+    def __init__(self, n: int = 6, go: str = "") -> None:
+        self.n = n
+        self.mark = 0
+        #: A file whose existence lets ``mark_from_a_thread``'s thread write.
+        self.go = go
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple:
+        return (i, self.mark)
+
+
+MARK = 999
+
+
+def mark_from_a_thread(worker_id: int) -> None:
+    """``worker_init_fn``: a thread that outlives the loader marks the copy once told to
+    (the go file exists), then writes ``<go>.<pid>``."""
+    dataset = get_worker_info().dataset
+
+    def mark() -> None:
+        while not os.path.exists(dataset.go):
+            time.sleep(0.005)
+        dataset.mark = MARK
+        with open(f"{dataset.go}.{os.getpid()}", "w"):
+            pass
+
+    threading.Thread(target=mark, daemon=True).start()
+
+
+def mark_on_sigusr1(worker_id: int) -> None:
+    """``worker_init_fn``: SIGUSR1 marks the copy."""
+    dataset = get_worker_info().dataset
+    signal.signal(signal.SIGUSR1, lambda *_: setattr(dataset, "mark", MARK))
+
+
+class MarkedByAFinalizer(Marked):
+    """A ``Marked`` whose last item leaves a reference cycle behind, whose finalizer marks
+    the copy when the garbage collector frees it."""
+
+    def __getitem__(self, i: int) -> tuple:
+        item = (i, self.mark)
+        if i == self.n - 1:
+            _Marker(self)
+        return item
+
+
+class _Marker:
+    def __init__(self, dataset: Marked) -> None:
+        self.dataset = dataset
+        self.cycle = self
+
+    def __del__(self) -> None:
+        self.dataset.mark = MARK
+
+
+#: The ``Registered`` copies this process unpickled.
+REGISTERED: list = []
+
+
+class Registered(Marked):
+    """A ``Marked`` that each copy registers in a module global as it is unpickled, where
+    an executor task can reach it (``mark_registered``)."""
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        REGISTERED.append(self)
+
+
+def mark_registered(_: int = 0) -> int:
+    """An executor task: marks every ``Registered`` copy of this worker; its pid."""
+    for dataset in REGISTERED:
+        dataset.mark = MARK
+    time.sleep(0.02)  # the other worker takes the next task
+    return os.getpid()

@@ -18,7 +18,8 @@ The package's modules, by concern (each states its contract):
   asks the leases for its workers), ``errors``;
 - what crosses to the workers: ``channel`` (queues and events), ``datasets`` (the parent's
   record of what the workers keep), ``shipment`` (how a loader's objects travel, and the
-  worker's copy of them), ``snapshot`` (what proves a kept object unchanged);
+  worker's copy of them), ``snapshot`` (what proves a kept object unchanged), ``trust``
+  (when a worker may trust its last proof of a copy);
 - the worker: ``worker`` (its loop), ``shm`` (memfd shared memory for the tensors it
   sends), ``recycle`` and ``recycle_page`` (batch storages that come back to it)."""
 

@@ -19,7 +19,10 @@ objects as the parent sent them. What a lease did to the copy (a ``worker_init_f
 narrows an ``IterableDataset`` to its shard, a ``__getitem__`` that caches) is undone by
 making the copy again from the bytes, right after the lease, unless a snapshot of the copy
 (``snapshot``) proves it unchanged; the parent does no work for it. The bytes cost the
-worker what the pickle takes (a memfd's pages are shared by the workers that keep them)."""
+worker what the pickle takes (a memfd's pages are shared by the workers that keep them).
+
+The next lease needs no new proof of a copy when nothing but the worker's own loop can
+have run since it was proven (see ``trust``)."""
 
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from tether.common import pickling
 
-from . import shm, storages
+from . import shm, storages, trust
 from .snapshot import Snapshot, pages
 
 __all__ = ["Forgetting", "Held", "Shipment", "settle"]
@@ -79,12 +82,15 @@ class _Copy:
         self.dropped: Set[int] = set()
         self.objects: Tuple[Any, ...] = ()
         self.snapshot = Snapshot(None)
+        #: The epoch in which the copy was last proven as sent.
+        self.proven = -1
 
     def build(self) -> Tuple[Any, ...]:
         """A new copy of the objects, from the bytes."""
-        self.objects, self.snapshot = (), Snapshot(None)
+        self.objects, self.snapshot, self.proven = (), Snapshot(None), -1
         owned = [os.dup(fd) for fd in self.fds]
         objects = _unpickle(self.stream, self.size, self.buffers, self.layout, owned)
+        trust.touched()  # unpickling runs the objects' own code
         self._keep(objects)
         return objects
 
@@ -97,12 +103,16 @@ class _Copy:
         of the copy refers to it)."""
         self.keys.discard(key)
         self.dropped.update(i for i, k in enumerate(self.keys_at) if k == key)
-        self._keep(self.objects)
+        self._keep(self.fresh())  # proven as sent, or made again, before the new snapshot
 
     def fresh(self) -> Tuple[Any, ...]:
-        """The copy, made again first unless it is proven unchanged."""
+        """The copy, made again first unless it is proven unchanged: by its snapshot, or by
+        the proof of this epoch when nothing else can have run since (see ``trust``)."""
+        if trust.holds(self.proven):
+            return self.objects
         if not self.snapshot.same(self.objects):
             self.build()
+        self.proven = trust.epoch
         return self.objects
 
     def close(self) -> None:
@@ -128,6 +138,7 @@ def _forget(keys: Sequence[int]) -> None:
         held = _kept.pop(key, None)
         if held is None:
             continue
+        trust.touched()  # what goes may run finalizers
         copy = held[0]
         if copy.keys == {key}:
             _used.pop(id(copy), None)
@@ -153,18 +164,25 @@ def _held(key: int, method: Optional[str] = None) -> Any:
     return obj if method is None else getattr(obj, method)
 
 
-def settle() -> None:
+def settle(idle: bool = False) -> None:
     """After a lease: makes again, while the worker is idle, the copies the lease may have
     changed, so that the next loader does not wait for it. A copy that fails to build is
-    built again when next used (and reports its error then)."""
-    copies = list(_used.values())
-    _used.clear()
+    built again when next used (and reports its error then). With ``idle`` (the worker is
+    idle, its garbage collected), every copy is proven again. Then whether the next lease
+    may trust these proofs is decided (``trust.decide``)."""
+    if idle:
+        copies = list({id(copy): copy for copy, _, _ in _kept.values()}.values())
+    else:
+        trust.touched()  # the lease ran
+        copies = list(_used.values())
+        _used.clear()
     for copy in copies:
         if copy.keys:
             try:
                 copy.fresh()
             except Exception:  # noqa: BLE001 - reported by the lease that uses it
-                copy.objects, copy.snapshot = (), Snapshot(None)
+                copy.objects, copy.snapshot, copy.proven = (), Snapshot(None), -1
+    trust.decide()
 
 
 def _part(bundle: Tuple[Any, ...], index: int) -> Any:

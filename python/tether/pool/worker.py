@@ -48,7 +48,7 @@ from tether import _native
 from tether.common import pickling, reports
 from tether.spawn import bootstrap
 
-from . import channel, recycle, shipment, shm
+from . import channel, recycle, shipment, shm, trust
 
 #: What a task's bytes hold (see the module's documentation).
 CALL = 0
@@ -151,6 +151,7 @@ def _run_batch(
     started go back to the pool when this worker exits); each result goes back before the
     next task starts (so a crash loses no finished result). Returns how many it ran."""
     _reseed_if_needed()
+    trust.touched()  # a task may reach what a dataset's copy holds (a module global)
     channel.begin_task_scope()
     ran = 0
     try:
@@ -284,6 +285,7 @@ def serve(rank: int, links: Dict[int, _native.WorkerFds], config: Dict[str, Any]
     # What this process inherited (all of the parent's heap, for a fork) is never collected
     # here: the finalizers of the parent's garbage must not run in a worker.
     gc.freeze()
+    trust.watch_collections()
     for slot, fds in links.items():
         if slot != rank:
             pickling.close_all([fds.ctl, fds.gate])
@@ -301,6 +303,7 @@ def serve(rank: int, links: Dict[int, _native.WorkerFds], config: Dict[str, Any]
             recycle.drop()
             gc.collect()
             _reseed_if_needed()
+            shipment.settle(idle=True)
             idle_gc = False
             continue
         if isinstance(got, _native.TaskBatch):

@@ -1,0 +1,106 @@
+"""What runs in a pool worker between two loaders and writes to its copy of a dataset (a
+thread the first loader left running, a signal handler, a finalizer the garbage collector
+runs, an executor task that reaches the copy through a module global) never reaches the
+next loader: it sees the dataset as the parent has it, as torch's new fork workers do. A
+worker trusts a copy proven after its last loader only while nothing of that kind can
+have run since."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, List
+
+import pool_datasets as pdata
+import pytest
+from torch.utils.data import DataLoader
+
+import tether
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def pool():
+    with tether.Pool(2) as pool:
+        yield pool
+
+
+def items(dataset: Any, context: Any, **kwargs: Any) -> List[Any]:
+    loader = DataLoader(
+        dataset, batch_size=None, num_workers=2, multiprocessing_context=context, **kwargs
+    )
+    return sorted((int(i), int(mark)) for i, mark in loader)
+
+
+def unmarked(n: int) -> List[Any]:
+    return [(i, 0) for i in range(n)]
+
+
+def wait_for(done: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "what was to mark the copies never did"
+        time.sleep(0.01)
+
+
+def test_a_thread_the_last_loader_left_running(pool, tmp_path):
+    go = str(tmp_path / "go")
+    dataset = pdata.Marked(go=go)
+    assert items(dataset, "fork") == unmarked(6)
+    workers = []
+    loader = DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context=pool.context(),
+        worker_init_fn=pdata.mark_from_a_thread,
+    )
+    it = iter(loader)
+    workers = [w.pid for w in it._workers]
+    assert sorted((int(i), int(m)) for i, m in it) == unmarked(6)
+    del it
+    open(go, "w").close()
+    wait_for(lambda: all(os.path.exists(f"{go}.{pid}") for pid in workers))
+    assert items(dataset, pool.context()) == unmarked(6)
+
+
+def test_a_signal_handler_the_last_loader_installed(pool):
+    dataset = pdata.Marked()
+    it = iter(
+        DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=2,
+            multiprocessing_context=pool.context(),
+            worker_init_fn=pdata.mark_on_sigusr1,
+        )
+    )
+    workers = [w.pid for w in it._workers]
+    assert sorted((int(i), int(m)) for i, m in it) == unmarked(6)
+    del it
+    time.sleep(0.05)  # both workers are back to waiting for their next message
+    for pid in workers:
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(0.1)
+    assert items(dataset, pool.context()) == unmarked(6)
+
+
+def test_a_finalizer_the_garbage_collector_runs_between_loaders(pool):
+    dataset = pdata.MarkedByAFinalizer()
+    assert items(dataset, "fork") == unmarked(6)
+    assert items(dataset, pool.context()) == unmarked(6)
+    time.sleep(1.0)  # the idle workers collect their garbage: the finalizer marks a copy
+    assert items(dataset, pool.context()) == unmarked(6)
+
+
+def test_an_executor_task_that_reaches_the_copy(pool):
+    dataset = pdata.Registered()
+    assert items(dataset, pool.context()) == unmarked(6)
+    ran_on = set()
+    deadline = time.monotonic() + 20
+    while len(ran_on) < 2 and time.monotonic() < deadline:
+        ran_on.update(pool.map(pdata.mark_registered, range(4)))
+    assert ran_on  # at least one worker's copy is marked
+    assert items(dataset, pool.context()) == unmarked(6)
