@@ -45,6 +45,12 @@ def report_randoms(i, queue):
     queue.put((random.random(), float(numpy.random.random())))
 
 
+def report_stack(i, queue):
+    import traceback
+
+    queue.put([(Path(f.filename).name, f.name) for f in traceback.extract_stack()])
+
+
 def report_torch_random(i, queue):
     import torch
 
@@ -100,6 +106,19 @@ def test_torch_generator_starts_as_in_a_spawned_child():
     else:
         # A torch build that seeds at random: every child draws its own seed.
         assert forked[0] != forked[1]
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_childs_function_runs_right_under_tethers_start(method):
+    # What a child's stack holds of tether is what every stack it formats walks (torch's
+    # DataLoader workers format it three times as they seed): two frames and the entry.
+    # (A fork child's stack is its parent's, as with multiprocessing.)
+    queue = multiprocessing.get_context("spawn").SimpleQueue()
+    tether.start_processes(report_stack, args=(queue,), nprocs=1, start_method=method)
+    stack = queue.get()
+    queue.close()
+    assert stack[-1] == ("test_zygote.py", "report_stack")
+    assert len(stack) <= 4, stack
 
 
 def test_children_see_the_parents_current_environment_and_directory(tmp_path, monkeypatch):

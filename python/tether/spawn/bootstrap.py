@@ -14,6 +14,7 @@ socket)."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing.process
 import multiprocessing.spawn
 import multiprocessing.util
@@ -70,15 +71,20 @@ def run_rank(call: Callable[[], Any], report_fd: int) -> int:
     except SystemExit as exc:
         return exit_code(exc)
     except BaseException as exc:  # noqa: BLE001 - any exception is the rank's failure
-        # From here the process only reports and exits: a SIGTERM that tether sends to stop
-        # the other ranks (another one failed first) must not cut the report short. It
-        # stays pending and is dropped at the exit.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-        # The parent stops this process as soon as the report is whole: flush first.
-        _flush_stdio()
-        reports.write(report_fd, exc)
-        return 1
+        return _failed(exc, report_fd)
     return 0
+
+
+def _failed(exc: BaseException, report_fd: int) -> int:
+    """Reports the rank's failure ``exc``; its exit status."""
+    # From here the process only reports and exits: a SIGTERM that tether sends to stop the
+    # other ranks (another one failed first) must not cut the report short. It stays
+    # pending and is dropped at the exit.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    # The parent stops this process as soon as the report is whole: flush first.
+    _flush_stdio()
+    reports.write(report_fd, exc)
+    return 1
 
 
 def _read_all(fd: int) -> bytes:
@@ -158,23 +164,34 @@ def run_payload(
 ) -> int:
     """Rebuilds the parent's ``__main__`` from ``prep``, unpickles ``(fn, args)`` from ``work``
     and runs ``fn(rank, *args)``; returns the exit status (see ``run_rank``). A
-    ``setup_error`` from setting the child up is reported instead."""
-
-    def call() -> None:
-        if setup_error is not None:
-            raise setup_error
-        data = pickle.loads(prep)
-        enter_job(data.pop("tether_job", None), rank)
-        set_title(data.pop("tether_title", None), rank)
-        install_stacks(data.pop("tether_stacks_channel", None))
-        parent = data.pop("tether_parent", None)
-        _prepare(data)
-        if parent is not None:
-            set_parent(*parent)
-        fn, args = pickle.loads(work)
+    ``setup_error`` from setting the child up is reported instead. ``fn`` runs right under
+    this frame: what its stack shows of tether is short (torch formats the whole stack each
+    time a DataLoader worker seeds its generators)."""
+    try:
+        fn, args = _unpickle_payload(prep, work, rank, setup_error)
         fn(rank, *args)
+    except SystemExit as exc:
+        return exit_code(exc)
+    except BaseException as exc:  # noqa: BLE001 - any exception is the rank's failure
+        return _failed(exc, report_fd)
+    return 0
 
-    return run_rank(call, report_fd)
+
+def _unpickle_payload(
+    prep: bytes, work: bytes, rank: int, setup_error: Optional[OSError]
+) -> Tuple[Callable[..., Any], Tuple[Any, ...]]:
+    if setup_error is not None:
+        raise setup_error
+    data = pickle.loads(prep)
+    enter_job(data.pop("tether_job", None), rank)
+    set_title(data.pop("tether_title", None), rank)
+    install_stacks(data.pop("tether_stacks_channel", None))
+    parent = data.pop("tether_parent", None)
+    _prepare(data)
+    if parent is not None:
+        set_parent(*parent)
+    fn, args = pickle.loads(work)
+    return fn, args
 
 
 def split_payload(payload: bytes) -> Tuple[int, bytes, bytes]:
@@ -276,6 +293,6 @@ def run_forked(
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         reset_after_fork()
         set_parent(multiprocessing.process.current_process().name, parent_pid)
-        code = run_rank(lambda: fn(rank, *args), report_fd)
+        code = run_rank(functools.partial(fn, rank, *args), report_fd)
     finally:
         exit_forked(code)

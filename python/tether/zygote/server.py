@@ -17,8 +17,9 @@ from typing import Dict, FrozenSet, Iterator, List, NoReturn, Optional, Sequence
 from tether import _native
 from tether.spawn import bootstrap
 
-#: What a parent runs to start a zygote.
-ENTRY = "from tether.zygote.server import main; main()"
+#: What a parent runs to start a zygote: ``main`` serves, and returns the job in each child
+#: it forks, which runs it from here (a child's stack holds no frame of the serving).
+ENTRY = "from tether.zygote.server import main, run_job; run_job(main())"
 
 #: Where a zygote that started again without some modules finds its configuration.
 _CONFIG_ENV = "TETHER_ZYGOTE_CONFIG"
@@ -117,8 +118,8 @@ def _quiesce() -> None:
     os.waitpid(pid, 0)
 
 
-def main() -> None:
-    """Entry point of the zygote (``ENTRY``).
+def main() -> _native.Job:
+    """Entry point of the zygote (``ENTRY``): returns only in a child, its job.
     An unexpected error goes to the zygote's report pipe (the parent shows it), never to
     the terminal."""
     report_fd = int(os.environ.pop("TETHER_REPORT_FD"))
@@ -166,7 +167,7 @@ def main() -> None:
         _report_and_exit(report_fd, exc)
     if isinstance(served, int):
         os._exit(served)
-    _run_job(served)
+    return served
 
 
 def preload_summary(preload: Sequence[str], shown: int = 6) -> str:
@@ -195,7 +196,7 @@ def _report_and_exit(report_fd: int, exc: BaseException) -> NoReturn:
         os._exit(1)
 
 
-def _run_job(job: _native.Job) -> NoReturn:
+def run_job(job: _native.Job) -> NoReturn:
     """In a new child: take the caller's environment and a fresh random state, then run the
     payload's function for the job's rank; never returns."""
     code = 1
