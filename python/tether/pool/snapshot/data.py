@@ -41,39 +41,54 @@ SMALL_TENSOR = 1 << 16
 
 def tensor(walk: Walk, tensor: Any, push: Callable[[Any], None]) -> None:
     torch = sys.modules["torch"]
+    device = tensor.device
     if (
         tensor.layout is not torch.strided
         or tensor.is_quantized
         or getattr(tensor, "is_nested", False)
-        or tensor.device.type == "meta"
+        or device.type == "meta"
         or (tensor.requires_grad and not tensor.is_leaf)
     ):
         raise UnprovableError(f"a tensor of layout {tensor.layout} cannot be proven unchanged")
     storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
     facts = (
         type(tensor),
         tensor.dtype,
-        tensor.device,
+        device,
         tuple(tensor.shape),
         tensor.stride(),
         tensor.storage_offset(),
         tensor.requires_grad,
-        storage.nbytes(),
+        nbytes,
     )
     shared = storage.is_shared()
-    content: Any = None
-    if tensor.device.type == "cpu" and not shared and storage.nbytes():
-        # A worker's copy-on-write map of a shipment's storage (see ``storages``).
-        low = storage.data_ptr()
-        high = low + storage.nbytes()
-        if not walk.checking and pages.private_unwritten(low, high):
-            content = _private_proof(low, high)
-    if content is None and storage.nbytes() <= SMALL_TENSOR and tensor.device.type == "cpu":
-        # Checking, the tensor itself; else a copy of it, as it is now.
-        content = tensor if walk.checking else tensor.detach().clone()
-    walk.emit((TENSOR, facts, _StorageRef(storage, shared), content))
+    small = nbytes <= SMALL_TENSOR and device.type == "cpu"
+    if walk.checking:
+        # What ``same_tensor`` compares with: the storage by identity, the tensor when small.
+        walk.emit((TENSOR, facts, _Seen(storage._cdata, shared), tensor if small else None))
+    else:
+        content: Any = None
+        if device.type == "cpu" and not shared and nbytes:
+            # A worker's copy-on-write map of a shipment's storage (see ``storages``).
+            low = storage.data_ptr()
+            if pages.private_unwritten(low, low + nbytes):
+                content = _private_proof(low, low + nbytes)
+        if content is None and small:
+            content = tensor.detach().clone()  # a copy of it, as it is now
+        walk.emit((TENSOR, facts, _StorageRef(storage, shared), content))
     state = getattr(tensor, "__dict__", None)
     push(state if state else None)
+
+
+class _Seen:
+    """A storage as a check sees it: its identity, and whether it is in shared memory."""
+
+    __slots__ = ("cdata", "shared")
+
+    def __init__(self, cdata: int, shared: bool) -> None:
+        self.cdata = cdata
+        self.shared = shared
 
 
 class _StorageRef:
@@ -89,7 +104,8 @@ class _StorageRef:
         self.cdata = storage._cdata
         self.shared = shared
 
-    def same(self, other: "_StorageRef") -> bool:
+    def same(self, other: Any) -> bool:
+        """Whether ``other`` (a ``_Seen``) is this very storage, still alive."""
         return not self.ref.expired() and self.cdata == other.cdata
 
 
