@@ -134,6 +134,23 @@ def test_an_idle_worker_lets_its_kept_storages_go(pool):
     assert [_fds(pid).get(TENSOR, 0) for pid in workers] == [0, 0]
 
 
+def test_a_worker_that_runs_an_executor_task_lets_its_kept_storages_go(pool):
+    it = iter(loader(pool, 12))
+    workers = [w.pid for w in it._workers]
+    for _ in it:
+        pass
+    del it
+    ran = set()
+    deadline = time.monotonic() + 30
+    while not ran.issuperset(workers) and time.monotonic() < deadline:
+        ran.update(pool.map(_pid, range(4)))
+    assert [_fds(pid).get(TENSOR, 0) for pid in workers] == [0, 0]
+
+
+def _pid(_):
+    return os.getpid()
+
+
 def test_a_batch_the_worker_still_holds_is_never_reused(pool):
     # This process drops every batch at once: only the worker holds them.
     intact = [

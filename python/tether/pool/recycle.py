@@ -32,8 +32,8 @@ A storage that something may still read is never reused:
 - a worker that forks forgets the storages referred to outside this module (the child
   may use them), and the child forgets them all;
 - what a worker keeps when its lease ends, it keeps for its next lease only until it is
-  idle (``drop``; the memory goes when the receiver lets go of it too); a worker that dies
-  takes its storages and its page with it.
+  idle or runs an executor task (``drop``; the memory goes when the receiver lets go of it
+  too); a worker that dies takes its storages and its page with it.
 
 A storage taken back holds the previous batch's bytes, not zeros: torch's callers of
 ``UntypedStorage._new_shared`` (collate, the checkpoint stager) write all of it."""

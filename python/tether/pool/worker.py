@@ -151,6 +151,7 @@ def _run_batch(
     started go back to the pool when this worker exits); each result goes back before the
     next task starts (so a crash loses no finished result). Returns how many it ran."""
     _reseed_if_needed()
+    recycle.drop()  # batch storages are kept for a next lease only
     trust.touched()  # a task may reach what a dataset's copy holds (a module global)
     channel.begin_task_scope()
     ran = 0
