@@ -151,6 +151,26 @@ def _pid(_):
     return os.getpid()
 
 
+def _release_pages_mapped():
+    with open("/proc/self/maps") as maps:
+        return sum("tether release page" in line for line in maps)
+
+
+def test_this_process_keeps_the_last_few_release_pages_mapped():
+    from tether.pool import recycle
+
+    gc.collect()
+    recycle.release_gone()
+    before = _release_pages_mapped()  # of the pools of the tests before this one
+    for pools in range(1, 7):
+        with tether.Pool(2) as pool:
+            for batch in loader(pool, 6):
+                del batch
+            recycle.release_gone()  # every batch is gone: no storage follows a page now
+            # The pool's two pages stay mapped for its next loader; older ones go.
+            assert _release_pages_mapped() == min(before + 2 * pools, recycle.IDLE_PAGES)
+
+
 def test_a_batch_the_worker_still_holds_is_never_reused(pool):
     # This process drops every batch at once: only the worker holds them.
     intact = [

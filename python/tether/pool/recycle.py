@@ -12,13 +12,14 @@ none of the size is free, it makes a new storage, as it would without this modul
 How the worker learns it: each worker has a *release page*, a memfd page of 64-bit words
 (one per slot) whose fd travels with every storage it sends, with the storage's slot and a
 *generation*, a number the page never used before. The receiving process rebuilds the
-storage as torch does, maps the page (once, however many storages of that worker it holds)
-and follows the storage with torch's weak reference; once the storage is gone (every tensor
-and view of it, its mapping unmapped), it writes the generation into the slot. It looks when
-it receives the next storage, and when it leases a worker (there is no thread and no timer:
-a worker needs a storage back only while it sends storages). The worker takes a storage back
-only when its slot holds the generation it was sent with and nothing in the worker refers to
-it but this module.
+storage as torch does, maps the page (once, however many storages of that worker it holds,
+and it keeps the last few pages it no longer needs mapped) and follows the storage with
+torch's weak reference; once the storage is gone (every tensor and view of it, its mapping
+unmapped), it writes the generation into the slot. It looks when it receives the next
+storage, and when it leases a worker (there is no thread and no timer: a worker needs a
+storage back only while it sends storages). The worker takes a storage back only when its
+slot holds the generation it was sent with and nothing in the worker refers to it but this
+module.
 
 A storage that something may still read is never reused:
 
@@ -240,6 +241,7 @@ def _after_fork_in_child() -> None:
     for page in _pages.values():
         libc().munmap(page.address, PAGE)
     _pages.clear()
+    _idle.clear()
 
 
 # -- in the receiving process ---------------------------------------------------------------
@@ -259,6 +261,10 @@ _follow_lock = threading.Lock()
 #: The storages followed, by address, oldest first.
 _followed: Dict[int, _Followed] = {}
 _pages: Dict[Tuple[int, int], Mapped] = {}
+#: Pages no storage follows now, oldest first: they stay mapped (at most ``IDLE_PAGES``),
+#: so that the next loader's first batch from the same worker finds its page mapped.
+_idle: Dict[Tuple[int, int], Mapped] = {}
+IDLE_PAGES = 8
 _receiving = False
 
 
@@ -277,6 +283,7 @@ def rebuild(cls: Any, df: Any, size: int, page_df: Any, slot: int, generation: i
             page = _pages.get(key)
             if page is None:
                 page = _pages[key] = Mapped(key, page_fd)
+            _idle.pop(key, None)
             page.users += 1
             # First what is gone: a new mapping may take the address of one just unmapped.
             _release_gone()
@@ -321,8 +328,11 @@ def _stop_following(address: int) -> None:
 def _unuse(page: Mapped) -> None:
     page.users -= 1
     if page.users == 0:
-        del _pages[page.key]
-        libc().munmap(page.address, PAGE)
+        _idle[page.key] = page
+        if len(_idle) > IDLE_PAGES:
+            oldest = _idle.pop(next(iter(_idle)))
+            del _pages[oldest.key]
+            libc().munmap(oldest.address, PAGE)
 
 
 def unfollow(storage: Any) -> None:
