@@ -30,8 +30,7 @@ runs and the batch storages kept for the next lease go. The random generators a 
 process seeded are reseeded before the next task that does not seed them itself (an executor
 task, a process other than torch's DataLoader worker loop), or once the worker is idle:
 reseeding torch and numpy costs a few hundred microseconds, which a DataLoader started right
-after would otherwise wait for.
-"""
+after would otherwise wait for."""
 
 from __future__ import annotations
 
