@@ -121,12 +121,17 @@ def test_batches_kept_from_the_last_loader_are_never_reused_by_the_next(pool):
     assert all(pdata.holds(batch, i * BATCH) for i, batch in enumerate(kept))
 
 
-def test_an_idle_worker_lets_its_kept_storages_go(pool):
+def _one_loader_through(pool):
+    """Runs a loader to its end; its workers' pids."""
     it = iter(loader(pool, 12))
     workers = [w.pid for w in it._workers]
     for _ in it:
         pass
-    del it
+    return workers
+
+
+def test_an_idle_worker_lets_its_kept_storages_go(pool):
+    workers = _one_loader_through(pool)
     gc.collect()
     deadline = time.monotonic() + 10
     while any(_fds(pid).get(TENSOR, 0) for pid in workers) and time.monotonic() < deadline:
@@ -135,11 +140,7 @@ def test_an_idle_worker_lets_its_kept_storages_go(pool):
 
 
 def test_a_worker_that_runs_an_executor_task_lets_its_kept_storages_go(pool):
-    it = iter(loader(pool, 12))
-    workers = [w.pid for w in it._workers]
-    for _ in it:
-        pass
-    del it
+    workers = _one_loader_through(pool)
     ran = set()
     deadline = time.monotonic() + 30
     while not ran.issuperset(workers) and time.monotonic() < deadline:
