@@ -236,6 +236,27 @@ class _Marker:
         self.dataset.mark = MARK
 
 
+class MarkedByAResurrectingFinalizer(Marked):
+    """As ``MarkedByAFinalizer``, but the finalizer keeps its object alive: the collection
+    that runs it frees nothing."""
+
+    def __getitem__(self, i: int) -> tuple:
+        item = (i, self.mark)
+        if i == self.n - 1:
+            _Resurrecting(self)
+        return item
+
+
+#: What ``_Resurrecting`` finalizers keep alive.
+RESURRECTED: list = []
+
+
+class _Resurrecting(_Marker):
+    def __del__(self) -> None:
+        super().__del__()
+        RESURRECTED.append(self)
+
+
 #: The ``Registered`` copies this process unpickled.
 REGISTERED: list = []
 

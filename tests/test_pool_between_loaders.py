@@ -87,8 +87,11 @@ def test_a_signal_handler_the_last_loader_installed(pool):
     assert items(dataset, pool.context()) == unmarked(6)
 
 
-def test_a_finalizer_the_garbage_collector_runs_between_loaders(pool):
-    dataset = pdata.MarkedByAFinalizer()
+@pytest.mark.parametrize(
+    "kind", [pdata.MarkedByAFinalizer, pdata.MarkedByAResurrectingFinalizer]
+)
+def test_a_finalizer_the_garbage_collector_runs_between_loaders(pool, kind):
+    dataset = kind()
     assert items(dataset, "fork") == unmarked(6)
     assert items(dataset, pool.context()) == unmarked(6)
     time.sleep(1.0)  # the idle workers collect their garbage: the finalizer marks a copy

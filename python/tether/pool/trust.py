@@ -5,9 +5,9 @@ again.
 A copy is proven (its snapshot walked, or the copy made again) after each lease that used
 it and once the worker is idle, after its garbage collection. The proof holds for as long
 as nothing but the worker's own loop can have run: each thing that may run other code
-starts a new *epoch* (``touched``): a lease, an executor task, a garbage collection that
-freed anything (finalizers, weak reference callbacks), a copy dropped or made again (its
-objects' own code). What could run without the worker's loop knowing it (another thread,
+starts a new *epoch* (``touched``): a lease, an executor task, a garbage collection
+(finalizers, weak reference callbacks), a copy dropped or made again (its objects' own
+code). What could run without the worker's loop knowing it (another thread,
 a trace or profile function, a signal handler of Python code) is looked for after each
 proof (``decide``): when any is there, every lease proves its copies again."""
 
@@ -47,12 +47,14 @@ def decide() -> None:
 
 
 def _on_collection(phase: str, info: Dict[str, Any]) -> None:
-    if phase == "stop" and (info.get("collected") or info.get("uncollectable")):
-        touched()  # finalizers and weak reference callbacks may have run
+    # Finalizers and weak reference callbacks may have run, even when the collection freed
+    # nothing (a finalizer that resurrects its object counts as nothing collected).
+    if phase == "stop":
+        touched()
 
 
 def watch_collections() -> None:
-    """Called once in a worker: a garbage collection that frees anything ends the epoch."""
+    """Called once in a worker: every garbage collection ends the epoch."""
     if _on_collection not in gc.callbacks:
         gc.callbacks.append(_on_collection)
 
