@@ -98,6 +98,8 @@ def end() -> None:
 def drop() -> None:
     """Drops every kept storage (the worker is idle: its batches' memory goes, once their
     receivers let go of them too)."""
+    if not _by_address:
+        return  # nothing kept (an executor's worker asks before every batch of tasks)
     with _lock:
         _forget_all()
 
