@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from typing import Any, List
 
@@ -107,3 +108,32 @@ def test_an_executor_task_that_reaches_the_copy(pool):
         ran_on.update(pool.map(pdata.mark_registered, range(4)))
     assert ran_on  # at least one worker's copy is marked
     assert items(dataset, pool.context()) == unmarked(6)
+
+
+@pytest.mark.parametrize(
+    "unseen",
+    ["nothing", "a thread", "a trace function", "a profile function", "a monitoring tool",
+     "a handler of Python code", "a built-in method of an object as handler"],
+)  # fmt: skip
+def test_what_a_worker_counts_as_code_that_could_run_unseen(monkeypatch, unseen):
+    import threading
+    from types import SimpleNamespace
+
+    from tether.pool import trust
+
+    # A quiet worker: one thread, no hooks, only built-in handlers of modules.
+    handler: Any = signal.default_int_handler
+    monitoring = SimpleNamespace(get_tool=lambda tool: None)
+    monkeypatch.setattr(threading, "active_count", lambda: 2 if unseen == "a thread" else 1)
+    hook = {"a trace function": "gettrace", "a profile function": "getprofile"}.get(unseen)
+    for name in ("gettrace", "getprofile"):
+        monkeypatch.setattr(sys, name, lambda name=name: print if name == hook else None)
+    if unseen == "a monitoring tool":  # Python 3.12's sys.monitoring
+        monitoring = SimpleNamespace(get_tool=lambda tool: "coverage" if tool == 1 else None)
+    monkeypatch.setattr(sys, "monitoring", monitoring, raising=False)
+    if unseen == "a handler of Python code":
+        handler = lambda *args: None  # noqa: E731
+    elif unseen == "a built-in method of an object as handler":
+        handler = [].append
+    monkeypatch.setattr(signal, "getsignal", lambda signum: handler)
+    assert trust._nothing_else_runs() is (unseen == "nothing")

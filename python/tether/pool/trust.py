@@ -2,14 +2,14 @@
 loader's objects is as the parent sent it (``shipment._Copy``), without walking the copy
 again.
 
-A copy is proven (its snapshot walked, or the copy made again) after each lease that used
-it and once the worker is idle, after its garbage collection. The proof holds for as long
-as nothing but the worker's own loop can have run: each thing that may run other code
-starts a new *epoch* (``touched``): a lease, an executor task, a garbage collection
-(finalizers, weak reference callbacks), a copy dropped or made again (its objects' own
-code). What could run without the worker's loop knowing it (another thread,
-a trace or profile function, a signal handler of Python code) is looked for after each
-proof (``decide``): when any is there, every lease proves its copies again."""
+A copy is proven (its snapshot walked, or the copy made again) after each lease that used it
+and once the worker is idle, after its garbage collection. The proof holds for as long as
+nothing but the worker's own loop can have run: each thing that may run other code starts a
+new *epoch* (``touched``): a lease, an executor task, a garbage collection (finalizers, weak
+reference callbacks), a copy dropped or made again (its objects' own code). What could run
+without the worker's loop knowing it (another thread, a trace or profile function or
+monitoring tool, a signal handler of Python code) is looked for after each proof
+(``decide``): when any is there, every lease proves its copies again."""
 
 from __future__ import annotations
 
@@ -61,9 +61,12 @@ def watch_collections() -> None:
 
 def _nothing_else_runs() -> bool:
     """Whether only the worker's own loop can run while it waits for a message: a single
-    thread, no trace or profile function, no signal handler but built-in functions of
-    modules (``KeyboardInterrupt``'s, tether's own stack reporter)."""
+    thread, no trace or profile function or monitoring tool, no signal handler but built-in
+    functions of modules (``KeyboardInterrupt``'s, tether's own stack reporter)."""
     if threading.active_count() != 1 or sys.gettrace() is not None or sys.getprofile() is not None:
+        return False
+    monitoring = getattr(sys, "monitoring", None)  # Python 3.12's tools: callbacks on any code
+    if monitoring is not None and any(monitoring.get_tool(tool) for tool in range(6)):
         return False
     for signum in signal.valid_signals():
         handler = signal.getsignal(signum)
