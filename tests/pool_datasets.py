@@ -3,6 +3,7 @@ anyway, so these cost a worker nothing more)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -227,6 +228,16 @@ class MarkedByAFinalizer(Marked):
         return item
 
 
+class MarkedByAFinalizerCollectedLater(MarkedByAFinalizer):
+    """A ``MarkedByAFinalizer`` whose items each begin with a collection of the youngest
+    generation (as any item that allocates enough does): in a worker that still holds the
+    last loader's garbage, the first item runs its finalizer."""
+
+    def __getitem__(self, i: int) -> tuple:
+        gc.collect(0)
+        return super().__getitem__(i)
+
+
 class _Marker:
     def __init__(self, dataset: Marked) -> None:
         self.dataset = dataset
@@ -274,5 +285,23 @@ def mark_registered(_: int = 0) -> int:
     """An executor task: marks every ``Registered`` copy of this worker; its pid."""
     for dataset in REGISTERED:
         dataset.mark = MARK
+    time.sleep(0.02)  # the other worker takes the next task
+    return os.getpid()
+
+
+class RegisteredCollecting(Registered):
+    """A ``Registered`` whose items each begin with a collection of the youngest generation
+    (see ``MarkedByAFinalizerCollectedLater``)."""
+
+    def __getitem__(self, i: int) -> tuple:
+        gc.collect(0)
+        return super().__getitem__(i)
+
+
+def leave_a_marker(_: int = 0) -> int:
+    """An executor task: leaves garbage whose finalizer marks every ``Registered`` copy of
+    this worker; its pid."""
+    for dataset in REGISTERED:
+        _Marker(dataset)
     time.sleep(0.02)  # the other worker takes the next task
     return os.getpid()

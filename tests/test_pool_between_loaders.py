@@ -99,6 +99,13 @@ def test_a_finalizer_the_garbage_collector_runs_between_loaders(pool, kind):
     assert items(dataset, pool.context()) == unmarked(6)
 
 
+def test_a_finalizer_of_the_last_loaders_garbage_in_the_next_loader(pool):
+    dataset = pdata.MarkedByAFinalizerCollectedLater()
+    assert items(dataset, "fork") == unmarked(6)
+    for _ in range(3):  # one right after the other: the workers are never idle
+        assert items(dataset, pool.context()) == unmarked(6)
+
+
 def test_an_executor_task_that_reaches_the_copy(pool):
     dataset = pdata.Registered()
     assert items(dataset, pool.context()) == unmarked(6)
@@ -107,6 +114,17 @@ def test_an_executor_task_that_reaches_the_copy(pool):
     while len(ran_on) < 2 and time.monotonic() < deadline:
         ran_on.update(pool.map(pdata.mark_registered, range(4)))
     assert ran_on  # at least one worker's copy is marked
+    assert items(dataset, pool.context()) == unmarked(6)
+
+
+def test_a_finalizer_of_an_executor_tasks_garbage_in_the_next_loader(pool):
+    dataset = pdata.RegisteredCollecting()
+    assert items(dataset, pool.context()) == unmarked(6)
+    ran_on = set()
+    deadline = time.monotonic() + 20
+    while len(ran_on) < 2 and time.monotonic() < deadline:
+        ran_on.update(pool.map(pdata.leave_a_marker, range(4)))
+    assert ran_on
     assert items(dataset, pool.context()) == unmarked(6)
 
 
