@@ -2,9 +2,10 @@
 loader's objects is as the parent sent it (``shipment._Copy``), without walking the copy
 again.
 
-A copy is proven (its snapshot walked, or the copy made again) after each lease that used it
-(after the garbage the lease left in the young generations is freed: see
-``worker._collect_young_garbage``) and once the worker is idle, after its garbage collection. The proof holds for as long as
+A copy is proven (its snapshot walked, or the copy made again) after each lease that used
+it, once the garbage the lease left in the young generations is freed (see
+``worker._collect_young_garbage``), and once the worker is idle, after its garbage
+collection. The proof holds for as long as
 nothing but the worker's own loop can have run: each thing that may run other code starts a
 new *epoch* (``touched``): a lease, an executor task, a garbage collection (finalizers, weak
 reference callbacks), a copy dropped or made again (its objects' own code). What could run
