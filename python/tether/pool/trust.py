@@ -5,13 +5,13 @@ again.
 A copy is proven (its snapshot walked, or the copy made again) after each lease that used
 it, once the garbage the lease left in the young generations is freed (see
 ``worker._collect_young_garbage``), and once the worker is idle, after its garbage
-collection. The proof holds for as long as
-nothing but the worker's own loop can have run: each thing that may run other code starts a
-new *epoch* (``touched``): a lease, an executor task, a garbage collection (finalizers, weak
-reference callbacks), a copy dropped or made again (its objects' own code). What could run
-without the worker's loop knowing it (another thread, a trace or profile function or
-monitoring tool, a signal handler of Python code) is looked for after each proof
-(``decide``): when any is there, every lease proves its copies again."""
+collection. The proof holds for as long as nothing but the worker's own loop can have run:
+each thing that may run other code starts a new *epoch* (``touched``): a lease, an executor
+task, a garbage collection (finalizers, weak reference callbacks), a copy dropped or made
+again (its objects' own code). What could run without the worker's loop knowing it (another
+thread, a trace or profile function or monitoring tool, a signal handler of Python code) is
+looked for after each proof (``decide``): when any is there, every lease proves its copies
+again."""
 
 from __future__ import annotations
 
