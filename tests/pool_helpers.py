@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 import weakref
@@ -428,3 +429,20 @@ def note_start(path: str, index: int, seconds: float) -> int:
         os.close(fd)
     time.sleep(seconds)
     return index
+
+
+def run_main_script(script: Any, *args: str) -> Any:
+    """Runs the test script ``script`` (a path) as ``__main__`` with ``args``; what it
+    printed, as JSON (its stderr in the failure when it failed)."""
+    import json
+
+    run = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=os.path.dirname(str(script)),
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)

@@ -136,7 +136,7 @@ def change(rng, datasets):
         elif kind == 6:
             data.t[i] = v
         elif kind == 7:
-            data.transform = (lambda w: (lambda x: x * w))(v)
+            data.transform = (lambda w: lambda x: x * w)(v)
         elif kind == 8:
             data.nested["k"].append(v)
         elif kind == 9:

@@ -88,9 +88,7 @@ def test_a_signal_handler_the_last_loader_installed(pool):
     assert items(dataset, pool.context()) == unmarked(6)
 
 
-@pytest.mark.parametrize(
-    "kind", [pdata.MarkedByAFinalizer, pdata.MarkedByAResurrectingFinalizer]
-)
+@pytest.mark.parametrize("kind", [pdata.MarkedByAFinalizer, pdata.MarkedByAResurrectingFinalizer])
 def test_a_finalizer_the_garbage_collector_runs_between_loaders(pool, kind):
     dataset = kind()
     assert items(dataset, "fork") == unmarked(6)
@@ -106,25 +104,24 @@ def test_a_finalizer_of_the_last_loaders_garbage_in_the_next_loader(pool):
         assert items(dataset, pool.context()) == unmarked(6)
 
 
-def test_an_executor_task_that_reaches_the_copy(pool):
-    dataset = pdata.Registered()
+@pytest.mark.parametrize(
+    "kind, task",
+    [
+        # The task marks the copy.
+        (pdata.Registered, pdata.mark_registered),
+        # The task leaves garbage whose finalizer marks the copy when the next loader's
+        # first item collects it.
+        (pdata.RegisteredCollecting, pdata.leave_a_marker),
+    ],
+)
+def test_an_executor_task_that_reaches_the_copy(pool, kind, task):
+    dataset = kind()
     assert items(dataset, pool.context()) == unmarked(6)
     ran_on = set()
     deadline = time.monotonic() + 20
     while len(ran_on) < 2 and time.monotonic() < deadline:
-        ran_on.update(pool.map(pdata.mark_registered, range(4)))
+        ran_on.update(pool.map(task, range(4)))
     assert ran_on  # at least one worker's copy is marked
-    assert items(dataset, pool.context()) == unmarked(6)
-
-
-def test_a_finalizer_of_an_executor_tasks_garbage_in_the_next_loader(pool):
-    dataset = pdata.RegisteredCollecting()
-    assert items(dataset, pool.context()) == unmarked(6)
-    ran_on = set()
-    deadline = time.monotonic() + 20
-    while len(ran_on) < 2 and time.monotonic() < deadline:
-        ran_on.update(pool.map(pdata.leave_a_marker, range(4)))
-    assert ran_on
     assert items(dataset, pool.context()) == unmarked(6)
 
 

@@ -7,13 +7,10 @@ batch of every loader and the parent's objects afterwards must be the same."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from pool_helpers import run_main_script
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,16 +19,7 @@ SCRIPT = Path(__file__).with_name("pool_main_script.py")
 
 @pytest.fixture(scope="module")
 def results():
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=str(SCRIPT.parent),
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout)
+    return run_main_script(SCRIPT)
 
 
 def test_every_case_gives_every_batch_fork_gives_and_leaves_the_parent_as_fork_does(results):
