@@ -12,9 +12,12 @@ and, for each difference from fork (batches, or what the parent's objects hold a
 loader), what it was."""
 
 import gc
+import glob
 import json
+import os
 import random
 import sys
+import tempfile
 import threading
 import time
 
@@ -61,8 +64,12 @@ def mischief(dataset, i):
     if kind == 1:
 
         def later():
-            time.sleep(0.02)
+            # Once the loader is over (the parent says so: ``release``), never during one.
+            deadline = time.monotonic() + 20
+            while not os.path.exists(dataset.go) and time.monotonic() < deadline:
+                time.sleep(0.002)
             dataset.items[0] += 1000
+            open(f"{dataset.go}.{os.getpid()}", "w").close()
 
         threading.Thread(target=later, daemon=True).start()
     elif kind == 3:
@@ -93,6 +100,8 @@ class Data(Dataset):
         self.transform = lambda v: v + 0
         self.nested = {"k": [1, 2, (3, 4)]}
         self.mischief = 0
+        #: The file whose existence lets the threads of ``mischief`` write (see ``release``).
+        self.go = ""
 
     def __len__(self):
         return len(self.items)
@@ -116,7 +125,7 @@ def change(rng, datasets):
     """One random change, made the same way to each of ``datasets``; its number."""
     global SCALE, OFFSET
     kind, i, v = rng.randrange(20), rng.randrange(ROWS), rng.randrange(100)
-    kind = min(kind, 13) if kind >= 13 else kind  # a quarter of the changes: the mischief
+    kind = min(kind, 13)  # 7 changes in 20 set the workers' mischief
     mischief = rng.randrange(10)
     if kind == 0:
         SCALE = v
@@ -155,6 +164,17 @@ def batches(dataset, context, workers):
     return torch.cat(list(loader)).tolist()
 
 
+def release(go):
+    """Lets the thread the pool loader just left (``mischief`` 1) write its worker's copy,
+    waits until it did, and closes the gate again."""
+    open(go, "w").close()
+    deadline = time.monotonic() + 20
+    while not glob.glob(f"{go}.*") and time.monotonic() < deadline:
+        time.sleep(0.002)
+    for path in [go, *glob.glob(f"{go}.*")]:
+        os.unlink(path)
+
+
 def parent(data):
     """What the parent's objects hold."""
     return [
@@ -168,7 +188,8 @@ def main():
     rng = random.Random(seed)
     on_fork, on_pool = Data(), Data()
     differences = []
-    with tether.Pool(2) as pool:
+    with tempfile.TemporaryDirectory() as gates, tether.Pool(2) as pool:
+        on_fork.go = on_pool.go = os.path.join(gates, "go")
         for loader in range(loaders):
             changes = [change(rng, [on_fork, on_pool]) for _ in range(rng.randrange(3))]
             workers = rng.choice([1, 2])
@@ -176,6 +197,8 @@ def main():
             # Twice: the second right after the first, while its workers are not idle.
             for again in range(2):
                 ours = batches(on_pool, pool.context(), workers)
+                if on_pool.mischief == 1:
+                    release(on_pool.go)
                 where = (
                     f"seed {seed}, loader {loader}{' again' if again else ''}, changes "
                     f"{changes}, mischief {on_pool.mischief}"

@@ -25,13 +25,13 @@ cannot cross; one met while unpickling the task travels in an ``Unread``: that t
 ran.
 
 Whatever a task leaves is cleaned up before the next: the channels it received are closed,
-torch's DataLoader worker info is reset, the garbage it left in the young generations is
-freed, and after a short idle time the garbage collector runs in full and the batch storages
-kept for the next lease go. The random generators a leased
-process seeded are reseeded before the next task that does not seed them itself (an executor
-task, a process other than torch's DataLoader worker loop), or once the worker is idle:
-reseeding torch and numpy costs a few hundred microseconds, which a DataLoader started right
-after would otherwise wait for."""
+torch's DataLoader worker info is reset, the garbage a lease or a batch of tasks left in
+the young generations is freed, and after a short idle time the garbage collector runs in
+full and the batch storages kept for the next lease go. The random generators a leased
+process seeded are reseeded before the next task that does not seed them itself (an
+executor task, a process other than torch's DataLoader worker loop), or once the worker is
+idle: reseeding torch and numpy costs a few hundred microseconds, which a DataLoader
+started right after would otherwise wait for."""
 
 from __future__ import annotations
 
@@ -236,11 +236,12 @@ def _act_on(note: bytes) -> None:
 
 def _collect_young_garbage() -> None:
     """Frees the garbage a lease or a batch of tasks left in the young generations now, so
-    that the finalizers of its objects run before the worker proves its copies of datasets
-    (which sees what they wrote), never in the middle of the next loader, as a new fork
-    worker never holds that garbage. (A full collection would walk every item of a big
-    list of the copies, 18 ms for an ImageFolder's; garbage old enough to be in the oldest
-    generation waits for the collection the worker runs once idle.)"""
+    that the finalizers of those objects run before the worker proves its copies of
+    datasets (which sees what they wrote), not in the middle of the next loader: a new fork
+    worker never holds that garbage. Garbage old enough to be in the oldest generation
+    waits for the full collection the worker runs once idle (a full collection here would
+    walk every item of a big list of the copies: 18 ms for an ImageFolder's); on Python
+    3.14, whose collector is incremental, this is one increment of it."""
     gc.collect(1)
 
 
