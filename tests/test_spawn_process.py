@@ -167,7 +167,9 @@ def test_interpreter_exit_without_join(daemon):
     if daemon == "daemon":
         assert finished - main_done < 20, "the parent waited for its daemonic children"
     else:
-        assert finished - main_done >= 0.3, "the parent did not wait for its children"
+        # The children sleep 3 s from their start: however slow a loaded machine makes the
+        # start of the second, the parent is left waiting for well over a second.
+        assert finished - main_done >= 1.0, "the parent did not wait for its children"
     assert wait_gone(pids, 1.0) == []
 
 

@@ -15,7 +15,7 @@ def work(i, seconds):
 if __name__ == "__main__":
     daemon = sys.argv[1] == "daemon"
     ctx = tether.start_processes(
-        work, args=(60 if daemon else 0.5,), nprocs=2, join=False, daemon=daemon
+        work, args=(60 if daemon else 3.0,), nprocs=2, join=False, daemon=daemon
     )
     print(json.dumps(ctx.pids()), flush=True)
     print(f"main done at {time.monotonic()}", flush=True)
